@@ -1,0 +1,101 @@
+"""Peak memory and time of `mindvl merge` vs a load-everything merge, measured in the same run.
+
+    python bench/bench_merge.py [--mb 300] [--n 3] [--dtype F32|BF16]
+
+Writes N random checkpoints of about `--mb` MB each (many 16 MB tensors plus one embedding-sized tensor),
+then merges them twice, each in a fresh subprocess so `ru_maxrss` is that merge's own peak:
+- streaming: `mindvl_ms.checkpoint.merge.merge` (positional chunked reads, streamed writer)
+- reference: `safetensors.torch.load_file` of every input, fp32 average, `save_file`
+Prints peak RSS growth in MB, as a multiple of one checkpoint, and the ratios reference / streaming.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+STREAM = """
+import resource, sys, time
+from mindvl_ms.checkpoint.merge import merge
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+merge(sys.argv[2:], sys.argv[1], progress=False)
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)
+"""
+
+NAIVE = """
+import resource, sys, time, os, torch
+from safetensors.torch import load_file, save_file
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+states = [load_file(os.path.join(p, "model.safetensors")) for p in sys.argv[2:]]
+out = {k: (sum(s[k].float() for s in states) / len(states)).to(states[0][k].dtype) for k in states[0]}
+os.makedirs(sys.argv[1], exist_ok=True)
+save_file(out, os.path.join(sys.argv[1], "model.safetensors"), metadata={"format": "pt"})
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)
+"""
+
+
+def make_checkpoints(root: str, n: int, mb: int, dtype: str) -> list:
+    import torch
+    from safetensors.torch import save_file
+
+    tdt = {"F32": torch.float32, "BF16": torch.bfloat16}[dtype]
+    item = 4 if dtype == "F32" else 2
+    emb_rows = (mb << 20) // 4 // item // 1024  # a quarter of the bytes in one embedding-like tensor
+    n_small = max(1, ((mb << 20) - emb_rows * 1024 * item) // ((4 << 20) * item))
+    paths = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        t = {"model.embed_tokens.weight": torch.randn(emb_rows, 1024, generator=g).to(tdt)}
+        for j in range(n_small):
+            t[f"model.layers.{j}.mlp.weight"] = torch.randn(2048, 2048, generator=g).to(tdt)
+        p = os.path.join(root, f"in{i}")
+        os.makedirs(p)
+        save_file(t, os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(p, "config.json"), "w") as f:
+            json.dump({"model_type": "bench"}, f)
+        paths.append(p)
+    return paths
+
+
+def run(code: str, out: str, paths: list) -> tuple:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", code, out] + paths, capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise SystemExit(res.stderr)
+    before, peak, secs = res.stdout.split()[-3:]
+    return (int(peak) - int(before)) / 1024.0, float(secs)  # MB grown, seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=300, help="size of each input checkpoint in MB")
+    ap.add_argument("--n", type=int, default=3, help="number of checkpoints")
+    ap.add_argument("--dtype", choices=["F32", "BF16"], default="F32")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="bench_merge_")
+    try:
+        t = time.perf_counter()
+        paths = make_checkpoints(root, args.n, args.mb, args.dtype)
+        size = os.path.getsize(os.path.join(paths[0], "model.safetensors")) / 2**20
+        print(f"{args.n} x {size:.0f} MB {args.dtype} checkpoints written in {time.perf_counter() - t:.1f}s")
+        s_mb, s_t = run(STREAM, os.path.join(root, "stream"), paths)
+        n_mb, n_t = run(NAIVE, os.path.join(root, "naive"), paths)
+        print(f"{'merge':<28}{'peak RSS growth MB':>20}{'x one ckpt':>12}{'seconds':>10}")
+        print(f"{'streaming (mindvl merge)':<28}{s_mb:>20.0f}{s_mb / size:>12.2f}{s_t:>10.2f}")
+        print(f"{'reference (load all)':<28}{n_mb:>20.0f}{n_mb / size:>12.2f}{n_t:>10.2f}")
+        print(f"ratio reference/streaming: memory {n_mb / max(s_mb, 1):.1f}x, time {n_t / s_t:.2f}x")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

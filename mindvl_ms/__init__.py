@@ -1,0 +1,21 @@
+"""mindvl-ms: MindSpore-native training, conversion and serving of MindVL-style multimodal LLMs.
+
+`from mindvl_ms import MindVLForConditionalGeneration, MindVLConfig` loads lazily so that the command line
+starts fast; see README.md and configs/ for how to run it.
+"""
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MindVLForConditionalGeneration": "mindvl_ms.models.mindvl",
+    "MindVLConfig": "mindvl_ms.config",
+    "MindVLProcessor": "mindvl_ms.data.processor",
+    "build_model_inputs": "mindvl_ms.models.inputs",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)

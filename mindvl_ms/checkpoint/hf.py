@@ -1,0 +1,224 @@
+"""Hugging Face <-> native checkpoints for MindVL (Qwen2.5-VL layout; Qwen3/Qwen2 LLM checkpoints).
+
+Native parameter names equal the HF Qwen2.5-VL file names (`visual.*`, `model.*`, `lm_head.*`), so the
+conversion is near-identity:
+- `visual.patch_embed.proj.weight`: HF Conv3d [E, C, T, P, P] <-> native MatMul weight [E, C*T*P*P]
+  (a reshape: bit-exact);
+- transformers >= 4.52 in-memory names (`model.visual.*`, `model.language_model.*`) are accepted too;
+- DeepSeek-V3 language models map through `hf_deepseek` when present.
+A native checkpoint directory is `config.json` ({"format": "mindvl-native", "config": {...}}) plus
+safetensors; an HF directory is transformers' `config.json` plus safetensors.
+"""
+import dataclasses
+import json
+import os
+import re
+from typing import Dict, Optional
+
+import numpy as np
+
+from ..config import MindVLConfig, from_hf_dict, load, to_hf_dict
+from ..config.model import text_from_hf, vision_from_hf
+from .io import RawTensor, atomic_dir, read_tensors, write_json, write_tensors
+
+PATCH = "visual.patch_embed.proj.weight"
+NATIVE = "mindvl-native"
+
+
+def read_config_json(path: str) -> dict:
+    fn = os.path.join(path, "config.json")
+    if not os.path.isfile(fn):
+        raise FileNotFoundError(f"{path}: no config.json (expected a checkpoint directory)")
+    with open(fn, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{fn}: not valid JSON: {e}") from None
+
+
+def is_native(cfg_json: dict) -> bool:
+    return cfg_json.get("format") == NATIVE
+
+
+def config_from_dir(path: str) -> MindVLConfig:
+    d = read_config_json(path)
+    if is_native(d):
+        return load(MindVLConfig, d["config"], source=os.path.join(path, "config.json"))
+    return from_hf_dict(d)
+
+
+def normalize_hf_name(name: str) -> str:
+    """transformers in-memory names -> checkpoint-file names."""
+    if name.startswith("model.visual."):
+        return name[len("model."):]
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+def hf_to_native(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, RawTensor]:
+    out = {}
+    for name, t in tensors.items():
+        name = normalize_hf_name(name)
+        if name == PATCH and t.data.ndim == 5:
+            t = t.reshape(t.shape[0], -1)
+        out[name] = t
+    if cfg.text.model_type == "deepseek_v3":
+        from . import hf_deepseek
+
+        out = hf_deepseek.hf_to_native(out, cfg.text)
+    return out
+
+
+def native_to_hf(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, RawTensor]:
+    if cfg.text.model_type == "deepseek_v3":
+        from . import hf_deepseek
+
+        tensors = hf_deepseek.native_to_hf(tensors, cfg.text)
+    v = cfg.vision
+    out = dict(tensors)
+    if PATCH in out:
+        out[PATCH] = out[PATCH].reshape(v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                        v.patch_size)
+    return out
+
+
+# -- model <-> tensors ---------------------------------------------------------------------------------
+
+def model_tensors(model, dtype: Optional[str] = None) -> Dict[str, RawTensor]:
+    """Parameters of a MindSpore model as RawTensors (fp32 unless `dtype` is F16/BF16)."""
+    out = {}
+    for name, p in model.parameters_and_names():
+        arr = p.asnumpy()
+        if dtype == "BF16":
+            out[name] = RawTensor(to_bf16(arr), "BF16")
+        elif dtype == "F16":
+            out[name] = RawTensor.of(arr.astype(np.float16))
+        else:
+            out[name] = RawTensor.of(arr)
+    return out
+
+
+def to_bf16(arr: np.ndarray) -> np.ndarray:
+    from .io import to_bf16_bits
+
+    return to_bf16_bits(arr.astype(np.float32))
+
+
+def load_into(model, tensors: Dict[str, RawTensor], strict: bool = True, prefix_filter=None) -> Dict[str, list]:
+    """Copy tensors into the model's parameters by name; shape mismatches and (if strict) missing or
+    unexpected names are a ValueError listing them. Returns {"missing": [...], "unexpected": [...]}."""
+    import mindspore as ms
+
+    params = dict(model.parameters_and_names())
+    if prefix_filter is not None:
+        params = {k: v for k, v in params.items() if prefix_filter(k)}
+        tensors = {k: v for k, v in tensors.items() if prefix_filter(k)}
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    bad = [f"{k}: checkpoint {list(tensors[k].shape)} vs model {list(params[k].shape)}"
+           for k in sorted(set(params) & set(tensors)) if tuple(tensors[k].shape) != tuple(params[k].shape)]
+    if bad:
+        raise ValueError("shape mismatch:\n  " + "\n  ".join(bad))
+    if strict and (missing or unexpected):
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}; unexpected {unexpected[:20]}"
+                         f"{' ...' if len(unexpected) > 20 else ''}")
+    for k in sorted(set(params) & set(tensors)):
+        p = params[k]
+        p.set_data(ms.Tensor(tensors[k].float32().astype(ms.dtype_to_nptype(p.dtype))))
+    return {"missing": missing, "unexpected": unexpected}
+
+
+def read_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
+    """(config, native-named tensors) from a native or HF directory."""
+    d = read_config_json(path)
+    cfg = cfg or config_from_dir(path)
+    tensors = read_tensors(path)
+    if not is_native(d):
+        tensors = hf_to_native(tensors, cfg)
+    return cfg, tensors
+
+
+def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None):
+    cfg, tensors = read_checkpoint(path, config)
+    model = cls(cfg)
+    load_into(model, tensors)
+    return model
+
+
+def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor], format: str = "native",
+                     max_shard_bytes: Optional[int] = None, extra_files: Optional[Dict[str, dict]] = None) -> None:
+    """Atomically write a checkpoint directory in native or HF layout from native-named tensors."""
+    if format not in ("native", "hf"):
+        raise ValueError(f"format must be 'native' or 'hf', got {format!r}")
+    with atomic_dir(path) as tmp:
+        if format == "hf":
+            write_json(os.path.join(tmp, "config.json"), to_hf_dict(cfg))
+            write_tensors(tmp, native_to_hf(tensors, cfg), max_shard_bytes)
+        else:
+            write_json(os.path.join(tmp, "config.json"), {"format": NATIVE, "config": dataclasses.asdict(cfg)})
+            write_tensors(tmp, tensors, max_shard_bytes)
+        for name, obj in (extra_files or {}).items():
+            write_json(os.path.join(tmp, name), obj)
+
+
+def save_pretrained(model, path: str, format: str = "native", max_shard_bytes: Optional[int] = None) -> None:
+    write_checkpoint(path, model.config, model_tensors(model), format, max_shard_bytes)
+
+
+# -- conversions used by the CLI ------------------------------------------------------------------------
+
+def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None) -> Dict[str, int]:
+    """hf -> native (to='native') or native -> hf (to='hf'), tensors copied bit-exactly."""
+    d = read_config_json(src)
+    cfg = config_from_dir(src)
+    tensors = read_tensors(src)
+    if not is_native(d):
+        tensors = hf_to_native(tensors, cfg)
+    write_checkpoint(dst, cfg, tensors, format=to, max_shard_bytes=max_shard_bytes)
+    return {"tensors": len(tensors), "parameters": int(sum(np.prod(t.shape) for t in tensors.values()))}
+
+
+def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 0) -> MindVLConfig:
+    """The MindVL initialisation: ViT from a Qwen2.5-VL checkpoint, LLM from a Qwen3 (or Qwen2/DeepSeek-V3)
+    checkpoint, projector (`visual.merger.*`) freshly initialised. Writes a native checkpoint to `out`."""
+    import mindspore as ms
+
+    from ..models.mindvl import MindVLForConditionalGeneration
+
+    vd, ld = read_config_json(vision_from), read_config_json(llm_from)
+    if is_native(vd):
+        vision = config_from_dir(vision_from).vision
+    else:
+        vision = vision_from_hf(vd.get("vision_config") or vd)
+    text = config_from_dir(llm_from).text if is_native(ld) else text_from_hf(ld)
+    vision.out_hidden_size = text.hidden_size
+    cfg = MindVLConfig(vision=vision, text=text)
+    for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        if k in vd:
+            setattr(cfg, k, vd[k])
+    cfg.validate()
+    ms.set_seed(seed)
+    model = MindVLForConditionalGeneration(cfg)
+    vt = read_tensors(vision_from)
+    if not is_native(vd):
+        vt = {k: v for k, v in hf_to_native(vt, from_hf_dict(vd)).items()}
+    vt = {k: v for k, v in vt.items() if k.startswith("visual.") and not k.startswith("visual.merger.")}
+    lt = read_tensors(llm_from)
+    if not is_native(ld):
+        lt = {normalize_hf_name(k): v for k, v in lt.items()}
+        if text.model_type == "deepseek_v3":
+            from . import hf_deepseek
+
+            lt = hf_deepseek.hf_to_native(lt, text)
+    lt = {k: v for k, v in lt.items() if re.match(r"^(model\.|lm_head\.)", k)}
+    load_into(model, vt, strict=False, prefix_filter=lambda k: k.startswith("visual.") and
+              not k.startswith("visual.merger."))
+    load_into(model, lt, strict=False, prefix_filter=lambda k: not k.startswith("visual."))
+    names = dict(model.parameters_and_names())
+    missing = [k for k in names if not k.startswith("visual.merger.") and k not in vt and k not in lt]
+    if missing:
+        raise ValueError(f"init: parameters found in neither checkpoint: {missing[:20]}")
+    save_pretrained(model, out)
+    return cfg

@@ -1,0 +1,346 @@
+"""Weight merging of checkpoints: linear average, task arithmetic, TIES; streamed tensor by tensor.
+
+    mindvl merge RUN_2K RUN_4K RUN_8K --out merged                     # uniform average (MindVL 5.3)
+    mindvl merge A B C --out merged --weights 2 1 1                      # weighted average (normalised)
+    mindvl merge SFT_4K --base DSV3 --method task_arithmetic --only model.layers --out merged
+    mindvl merge A B --base BASE --method ties --density 0.2 --out merged
+
+Methods (theta_i: input i, theta_b: base, tau_i = theta_i - theta_b, w_i: --weights, lam: --scale):
+- linear:            sum_i w_i theta_i / sum_i w_i                 (weights default 1, always normalised)
+- task_arithmetic:   theta_b + lam * sum_i w_i tau_i               (weights default 1/N, used as given)
+- ties:              trim each tau_i to its top `density` fraction by magnitude (per tensor, values >= the
+                     k-th largest magnitude are kept), elect the sign of sum_i w_i tau_i per element, then
+                     theta_b + lam * (sum of w_i tau_i over inputs agreeing with the sign) / (sum of their w_i)
+`--only PREFIX` merges the keys starting with a prefix; all other tensors are copied from the first input,
+and the other inputs need only hold the selected keys (e.g. the LLM of a VLM merged with its base LLM).
+
+Design:
+- Headers are checked before anything is written: every input (and the base) must hold the same keys with
+  the same shapes and dtypes; the error lists every difference per input.
+- Memory stays about one tensor chunk per input, not N checkpoints: each input file's header is read once
+  and tensor bytes are fetched with positional reads in chunks of `CHUNK` elements; the output file is
+  written as a stream (header first, then tensor bytes in order). Memory-mapped reading (as
+  `safetensors.safe_open` does) would keep every touched page of all N inputs resident, and the numpy
+  frontend of safetensors cannot hold bf16; `safe_open` is used to verify the written files.
+- Floating tensors are combined in float32 (float64 stays float64) and written back in their own dtype
+  (bf16 with round-to-nearest-even). Integer/bool tensors must be identical across inputs and are copied.
+- The output mirrors the first input: same shard files, same index, same `__metadata__`
+  (transformers needs `format: pt`), plus config.json and the other non-weight files, and a
+  `merge_record.json` with inputs and weights. It is built in `OUT.partial` and renamed at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from tqdm import tqdm
+
+CHUNK = 1 << 22  # elements per streamed chunk (16 MiB in float32)
+METHODS = ("linear", "task_arithmetic", "ties")
+NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+         "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+         "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
+FLOATS = ("F64", "F32", "F16", "BF16")
+SKIP_FILES = ("trainer_state.json", "merge_record.json")  # not carried over from the first input
+SKIP_PREFIXES = ("optimizer", "rng_state", "scheduler")
+
+
+class MergeError(ValueError):
+    """Inputs that cannot be merged; the message lists what differs."""
+
+
+class SafetensorsFile:
+    """Header of one .safetensors file plus chunked positional reads of its tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise MergeError(f"{path}: not a readable safetensors file ({e})") from None
+        self.metadata = header.pop("__metadata__", None)
+        self.tensors = header  # key -> {dtype, shape, data_offsets}
+        self.data_start = 8 + n
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """Flat elements [start, stop) of `key` in their storage dtype (bf16 as uint16)."""
+        info = self.tensors[key]
+        dt = np.dtype(NUMPY[info["dtype"]])
+        numel = int(np.prod(info["shape"], dtype=np.int64))
+        stop = numel if stop is None else stop
+        nbytes = (stop - start) * dt.itemsize
+        buf = np.empty(stop - start, dtype=dt)
+        got = os.preadv(self._fd, [memoryview(buf).cast("B")], self.data_start + info["data_offsets"][0]
+                        + start * dt.itemsize) if nbytes else 0
+        if got != nbytes:
+            raise MergeError(f"{self.path}: tensor '{key}' is truncated")
+        return buf
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class Checkpoint:
+    """A checkpoint directory (single file or sharded with an index) or one .safetensors file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if os.path.isfile(path) and path.endswith(".safetensors"):
+            root, shards = os.path.dirname(path), [os.path.basename(path)]
+            self.index_name = None
+        elif os.path.isdir(path):
+            root = path
+            idx = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+            self.index_name = idx[0] if idx else None
+            if idx:
+                with open(os.path.join(path, idx[0])) as f:
+                    wmap = json.load(f).get("weight_map", {})
+                shards = sorted(set(wmap.values()))
+            else:
+                shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not shards:
+                raise MergeError(f"{path}: no *.safetensors weights in this directory")
+        else:
+            raise FileNotFoundError(f"checkpoint not found: {path}")
+        self.root = root
+        self.files = {s: SafetensorsFile(os.path.join(root, s)) for s in shards}
+        self.where: Dict[str, str] = {}
+        for s, f in self.files.items():
+            for k in f.tensors:
+                if k in self.where:
+                    raise MergeError(f"{path}: tensor '{k}' is in both {self.where[k]} and {s}")
+                self.where[k] = s
+
+    def info(self, key: str) -> Tuple[str, List[int]]:
+        t = self.files[self.where[key]].tensors[key]
+        return t["dtype"], list(t["shape"])
+
+    def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        return self.files[self.where[key]].read(key, start, stop)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def to_float(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Storage array -> float32 (float64 for F64)."""
+    if dtype == "BF16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float64 if dtype == "F64" else np.float32)
+
+
+def from_float(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32/64 -> storage array of `dtype` (bf16: round to nearest even, NaN kept NaN)."""
+    if dtype != "BF16":
+        return x.astype(NUMPY[dtype])
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    out[np.isnan(x)] = 0x7FC0
+    return out
+
+
+def _diff_listing(name: str, ref: Checkpoint, other: Checkpoint, keys: Sequence[str], exact: bool) -> List[str]:
+    """Human-readable differences of `other` against `ref` on `keys` (and extra keys when `exact`)."""
+    lines, show = [], 10
+    missing = [k for k in keys if k not in other.where]
+    extra = sorted(set(other.where) - set(ref.where)) if exact else []
+    bad = []
+    for k in keys:
+        if k in other.where and other.info(k) != ref.info(k):
+            (d1, s1), (d2, s2) = ref.info(k), other.info(k)
+            bad.append(f"    {k}: {d1}{s1} in {ref.path} vs {d2}{s2}")
+    if missing:
+        lines.append(f"  {name} {other.path}: {len(missing)} key(s) missing, e.g. " + ", ".join(missing[:show]))
+    if extra:
+        lines.append(f"  {name} {other.path}: {len(extra)} extra key(s), e.g. " + ", ".join(extra[:show]))
+    if bad:
+        lines.append(f"  {name} {other.path}: {len(bad)} shape/dtype mismatch(es):")
+        lines.extend(bad[:show] + ([f"    ... and {len(bad) - show} more"] if len(bad) > show else []))
+    return lines
+
+
+def check_compatible(inputs: List[Checkpoint], base: Optional[Checkpoint], selected: List[str],
+                     only: Optional[Sequence[str]]) -> None:
+    """Raise MergeError listing every key/shape/dtype difference of inputs[1:] and base vs inputs[0]."""
+    ref, lines = inputs[0], []
+    for i, ck in enumerate(inputs[1:], 2):
+        lines += _diff_listing(f"input {i}", ref, ck, selected, exact=not only)
+    if base is not None:
+        lines += _diff_listing("base", ref, base, selected, exact=False)
+    if lines:
+        raise MergeError("checkpoints do not match (reference: first input " + ref.path + "):\n" + "\n".join(lines))
+
+
+class StreamWriter:
+    """Write one .safetensors file as a stream: the header first, then tensor bytes in header order."""
+
+    def __init__(self, path: str, entries: List[Tuple[str, str, List[int]]], metadata: Optional[dict]):
+        header, off = {}, 0
+        if metadata is not None:
+            header["__metadata__"] = metadata
+        for key, dtype, shape in entries:
+            n = int(np.prod(shape, dtype=np.int64)) * np.dtype(NUMPY[dtype]).itemsize
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
+            off += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.f = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.total = off
+
+    def write(self, arr: np.ndarray) -> None:
+        self.f.write(np.ascontiguousarray(arr).tobytes())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _combine(method: str, xs: List[np.ndarray], w: np.ndarray, base: Optional[np.ndarray],
+             thresholds: Optional[List[float]], scale: float) -> np.ndarray:
+    """Merge one chunk of float arrays (all float32/64) by `method`."""
+    if method == "linear":
+        acc = np.zeros_like(xs[0])
+        for wi, x in zip(w, xs):
+            acc += wi * x
+        return acc / w.sum()
+    taus = [x - base for x in xs]
+    if method == "task_arithmetic":
+        acc = np.zeros_like(base)
+        for wi, t in zip(w, taus):
+            acc += wi * t
+        return base + scale * acc
+    trimmed = [np.where(np.abs(t) >= th, t, 0) for t, th in zip(taus, thresholds)]
+    sign = np.sign(sum(wi * t for wi, t in zip(w, trimmed)))  # elected sign per element
+    num, den = np.zeros_like(base), np.zeros_like(base)
+    for wi, t in zip(w, trimmed):
+        agree = (np.sign(t) == sign) & (t != 0)
+        num += np.where(agree, wi * t, 0)
+        den += np.where(agree, wi, 0)
+    return base + scale * num / np.maximum(den, np.finfo(den.dtype).tiny)
+
+
+def _ties_threshold(ck: Checkpoint, base: Checkpoint, key: str, dtype: str, density: float) -> float:
+    """Magnitude of the k-th largest |tau| of one tensor, k = ceil(density * numel)."""
+    tau = np.abs(to_float(ck.read(key), dtype) - to_float(base.read(key), dtype))
+    k = max(1, int(np.ceil(density * tau.size)))
+    return float(np.partition(tau, tau.size - k)[tau.size - k]) if tau.size else 0.0
+
+
+def _copy_side_files(src: str, dst: str, skip: set) -> List[str]:
+    copied = []
+    for name in sorted(os.listdir(src)):
+        p = os.path.join(src, name)
+        if (name in skip or name in SKIP_FILES or name.endswith(".safetensors") or os.path.isdir(p)
+                or name.startswith(SKIP_PREFIXES)):
+            continue
+        shutil.copy2(p, os.path.join(dst, name))
+        copied.append(name)
+    return copied
+
+
+def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Optional[Sequence[float]] = None,
+          base: Optional[str] = None, density: float = 0.2, scale: float = 1.0,
+          only: Optional[Sequence[str]] = None, overwrite: bool = False, progress: bool = True) -> dict:
+    """Merge checkpoints `inputs` into directory `out`; returns the merge record (also written to out)."""
+    if method not in METHODS:
+        raise MergeError(f"unknown method '{method}': expected one of {', '.join(METHODS)}")
+    if not inputs:
+        raise MergeError("no input checkpoints given")
+    if method != "linear" and base is None:
+        raise MergeError(f"method '{method}' needs --base (the checkpoint the task vectors are taken against)")
+    if method == "linear" and len(inputs) < 2:
+        raise MergeError("a linear merge needs at least two checkpoints")
+    if weights is not None and len(weights) != len(inputs):
+        raise MergeError(f"{len(weights)} weight(s) given for {len(inputs)} checkpoint(s)")
+    if method == "ties" and not 0 < density <= 1:
+        raise MergeError(f"--density {density}: expected 0 < density <= 1")
+    if weights is None:
+        weights = [1.0] * len(inputs) if method != "task_arithmetic" else [1.0 / len(inputs)] * len(inputs)
+    w = np.asarray(weights, dtype=np.float64)
+    if method == "linear" and (w < 0).any() or (method != "task_arithmetic" and w.sum() <= 0):
+        raise MergeError(f"weights {list(weights)}: expected non-negative weights with a positive sum")
+    if os.path.exists(out) and os.listdir(out) and not overwrite:
+        raise MergeError(f"output directory {out} exists and is not empty (use --overwrite)")
+
+    cks = [Checkpoint(p) for p in inputs]
+    bck = Checkpoint(base) if base is not None else None
+    try:
+        ref = cks[0]
+        keys = list(ref.where)
+        selected = [k for k in keys if not only or any(k.startswith(p) for p in only)]
+        if only and not selected:
+            raise MergeError(f"--only {' '.join(only)} matches no tensor of {ref.path}; keys look like: "
+                             + ", ".join(keys[:5]))
+        check_compatible(cks, bck, selected, only)
+        sel = set(selected)
+        tmp = out.rstrip("/") + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        total = sum(int(np.prod(ref.info(k)[1], dtype=np.int64)) for k in keys)
+        bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"merge ({method})", disable=not progress)
+        for shard, f in ref.files.items():
+            order = list(f.tensors)
+            wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], f.metadata)
+            for key in order:
+                dtype, shape = ref.info(key)
+                numel = int(np.prod(shape, dtype=np.int64))
+                ths = None
+                if key in sel and method == "ties" and dtype in FLOATS:
+                    ths = [_ties_threshold(c, bck, key, dtype, density) for c in cks]
+                for a in range(0, max(numel, 1), CHUNK):
+                    b = min(numel, a + CHUNK)
+                    if key not in sel:
+                        wr.write(ref.read(key, a, b))
+                    elif dtype not in FLOATS:
+                        x0 = ref.read(key, a, b)
+                        for c in cks[1:]:
+                            if not np.array_equal(c.read(key, a, b), x0):
+                                raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
+                                                 f"between {ref.path} and {c.path}")
+                        wr.write(x0)
+                    else:
+                        xs = [to_float(c.read(key, a, b), dtype) for c in cks]
+                        bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
+                        wr.write(from_float(_combine(method, xs, w, bx, ths, scale), dtype))
+                    bar.update(b - a)
+            wr.close()
+        bar.close()
+        if ref.index_name:
+            with open(os.path.join(ref.root, ref.index_name)) as fh:
+                index = json.load(fh)
+            index.setdefault("metadata", {})["total_size"] = sum(
+                int(np.prod(ref.info(k)[1], dtype=np.int64)) * np.dtype(NUMPY[ref.info(k)[0]]).itemsize
+                for k in keys)
+            with open(os.path.join(tmp, ref.index_name), "w") as fh:
+                json.dump(index, fh, indent=2)
+        copied = _copy_side_files(ref.root, tmp, {ref.index_name} if ref.index_name else set())
+        record = {
+            "method": method,
+            "inputs": [{"path": os.path.abspath(p), "weight": float(x)} for p, x in zip(inputs, weights)],
+            "normalised_weights": (w / w.sum()).tolist() if method == "linear" else None,
+            "base": os.path.abspath(base) if base else None,
+            "density": density if method == "ties" else None,
+            "scale": scale if method != "linear" else None,
+            "only": list(only) if only else None,
+            "merged_tensors": len(selected), "copied_tensors": len(keys) - len(selected),
+            "files_copied_from_first_input": copied,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        with open(os.path.join(tmp, "merge_record.json"), "w") as fh:
+            json.dump(record, fh, indent=2)
+    finally:
+        for c in cks + ([bck] if bck else []):
+            c.close()
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return record

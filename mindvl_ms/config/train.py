@@ -1,0 +1,279 @@
+"""Training run configs: the run (seed, model, data, stages) and the MindSpore/MindFormers sections.
+
+Design:
+- `RunConfig` is the top of a training YAML (`mindvl train --config FILE`): `seed`, `model` (a
+  MindVLConfig; usually pulled in with `_include_: [../model/tiny.yaml]`), `data` (the DataConfig
+  of `mindvl_ms.config.data`), `stages` (a list run in order, each starting from the previous
+  stage's weights) and the `context`, `parallel`, `parallel_config`, `recompute_config` sections,
+  whose key names mirror MindSpore's `set_context`/`set_auto_parallel_context` and MindFormers'
+  YAML so a MindFormers user recognises them.
+- A stage carries its whole recipe (MindVL Table 1 / openPangu-VL Table 2 columns): trainable
+  modules, per-module LR coefficients, sequence length, global/micro batch, warm-up ratio, max/min
+  LR, epochs or token budget, loss. Batch arithmetic is checked when the data-parallel size is known
+  (`StageConfig.accumulation(dp)`), everything else in `validate()`.
+
+Load with `load_run_config(path, overrides)`; `describe(RunConfig)` lists every field with its doc.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Union
+
+from .base import ConfigError, F, load, read_yaml, set_dotted, sub
+from .model import MindVLConfig
+
+try:  # the data pipeline's config; a minimal stand-in keeps this module usable without it
+    from .data import DataConfig  # type: ignore
+except ImportError:  # pragma: no cover - replaced once mindvl_ms/config/data.py exists
+    @dataclass
+    class DataConfig:  # type: ignore[no-redef]
+        """Minimal data section: JSONL files and their mix weights."""
+
+        train: List[str] = F([], "training JSONL files (or packed directories)")
+        weights: List[float] = F([], "mix weight per file (empty: equal)")
+        seed: int = F(1234, "shuffle seed")
+
+
+PROJECTOR_PREFIX = "visual.merger."
+MODULE_PREFIXES = {  # names usable in `trainable` / `lr_coefficients`
+    "projector": ["visual.merger."],
+    "vision": ["visual."],
+    "visual": ["visual."],
+    "llm": ["model.", "lm_head."],
+    "all": [""],
+}
+
+
+@dataclass
+class LossConfig:
+    """Training loss: plain token mean or the openPangu-VL balanced loss (report eq. 1)."""
+
+    type: str = F("token_mean", "token_mean (mean CE over supervised tokens) or balanced (openPangu-VL eq. 1)")
+    lambda1: float = F(1.0, "balanced: weight of the per-token term L_t")
+    lambda2: float = F(1.0, "balanced: weight of the per-sample term L_s")
+    tau1: float = F(0.1, "balanced: order weight 1/ln(e + tau1*i), i = index of the target in its sample")
+    tau2: float = F(2.0, "balanced: magnitude weight 2*sigmoid(tau2*CE - 0.5)")
+
+    def validate(self) -> None:
+        if self.type not in ("token_mean", "balanced"):
+            raise ConfigError(f"loss.type '{self.type}': expected token_mean or balanced")
+        if self.lambda1 < 0 or self.lambda2 < 0 or self.lambda1 + self.lambda2 <= 0:
+            raise ConfigError(f"loss lambda1={self.lambda1}, lambda2={self.lambda2}: need >= 0 and not both 0")
+        if self.tau1 < 0 or self.tau2 < 0:
+            raise ConfigError(f"loss tau1={self.tau1}, tau2={self.tau2}: must be >= 0")
+
+
+@dataclass
+class StageConfig:
+    """One training stage (a column of MindVL Table 1 / openPangu-VL Table 2)."""
+
+    name: str = F("stage", "stage name (checkpoints go to OUT/<name>/)")
+    data: Dict[str, Any] = F({}, "overrides of the run-level `data` section for this stage (data mix)")
+    trainable: Union[str, List[str]] = F("all", "projector | all | list of modules (projector, vision, llm) "
+                                                "or parameter-name prefixes; everything else is frozen")
+    lr_coefficients: Dict[str, float] = F({}, "LR multiplier per module/prefix, e.g. {vision: 0.1}")
+    seq_length: int = F(4096, "tokens per packed row")
+    global_batch_size: int = F(8, "rows per optimizer step over all data-parallel ranks")
+    micro_batch_size: int = F(1, "rows per forward/backward on one rank (accumulation fills the rest)")
+    warmup_ratio: float = F(0.1, "fraction of the stage's steps with linear LR warm-up")
+    max_lr: float = F(1e-4, "peak LR (after warm-up)")
+    min_lr: float = F(0.0, "final LR of the cosine decay")
+    epochs: Optional[float] = F(1.0, "passes over the stage data (used when token_budget is null)")
+    token_budget: Optional[int] = F(None, "stop after this many tokens (global_batch*seq_length per step)")
+    max_steps: Optional[int] = F(None, "hard cap on optimizer steps (for smoke runs)")
+    weight_decay: float = F(0.1, "AdamW decoupled weight decay (not on norms and biases)")
+    adam_beta1: float = F(0.9, "AdamW beta1")
+    adam_beta2: float = F(0.95, "AdamW beta2")
+    adam_eps: float = F(1e-8, "AdamW epsilon")
+    grad_clip: float = F(1.0, "clip gradients to this global L2 norm (0 disables)")
+    loss: LossConfig = sub(LossConfig, "loss of this stage")
+    save_every: int = F(0, "save a checkpoint every N optimizer steps (0: only at stage end)")
+    keep_last: int = F(2, "periodic checkpoints kept per stage (the stage-end one is always kept)")
+    max_nonfinite: int = F(5, "stop when this many steps in a row have a non-finite loss/gradient")
+    log_every: int = F(1, "write a metrics line every N steps")
+
+    def validate(self) -> None:
+        for k in ("seq_length", "global_batch_size", "micro_batch_size", "max_nonfinite", "log_every"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"stage '{self.name}': {k} must be >= 1, got {getattr(self, k)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"stage '{self.name}': global_batch_size {self.global_batch_size} is not a "
+                              f"multiple of micro_batch_size {self.micro_batch_size}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(f"stage '{self.name}': warmup_ratio {self.warmup_ratio} must be in [0, 1)")
+        if self.max_lr <= 0 or self.min_lr < 0 or self.min_lr > self.max_lr:
+            raise ConfigError(f"stage '{self.name}': need 0 <= min_lr <= max_lr and max_lr > 0 "
+                              f"(got min_lr={self.min_lr}, max_lr={self.max_lr})")
+        if self.epochs is None and self.token_budget is None and self.max_steps is None:
+            raise ConfigError(f"stage '{self.name}': set epochs, token_budget or max_steps")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ConfigError(f"stage '{self.name}': epochs must be > 0, got {self.epochs}")
+        if self.token_budget is not None and self.token_budget <= 0:
+            raise ConfigError(f"stage '{self.name}': token_budget must be > 0, got {self.token_budget}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1) or self.adam_eps <= 0:
+            raise ConfigError(f"stage '{self.name}': AdamW betas must be in [0, 1) and eps > 0")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.save_every < 0 or self.keep_last < 1:
+            raise ConfigError(f"stage '{self.name}': weight_decay, grad_clip, save_every must be >= 0, keep_last >= 1")
+        mods = [self.trainable] if isinstance(self.trainable, str) else list(self.trainable)
+        if not mods:
+            raise ConfigError(f"stage '{self.name}': trainable is empty (nothing would train)")
+        for c in self.lr_coefficients.values():
+            if c < 0:
+                raise ConfigError(f"stage '{self.name}': lr_coefficients must be >= 0, got {c}")
+
+    def trainable_prefixes(self) -> List[str]:
+        """Parameter-name prefixes that train in this stage ('' matches everything)."""
+        mods = [self.trainable] if isinstance(self.trainable, str) else list(self.trainable)
+        return [p for m in mods for p in MODULE_PREFIXES.get(m, [m])]
+
+    def lr_prefixes(self) -> Dict[str, float]:
+        """Prefix -> LR coefficient (module names expanded)."""
+        return {p: c for m, c in self.lr_coefficients.items() for p in MODULE_PREFIXES.get(m, [m])}
+
+    def accumulation(self, dp: int) -> int:
+        """Micro-batches per rank per optimizer step; raises if the batch does not split over `dp` ranks."""
+        per_rank, rem = divmod(self.global_batch_size, dp)
+        if rem or per_rank % self.micro_batch_size:
+            raise ConfigError(f"stage '{self.name}': global_batch_size {self.global_batch_size} must be a "
+                              f"multiple of data_parallel ({dp}) x micro_batch_size ({self.micro_batch_size})")
+        return per_rank // self.micro_batch_size
+
+    def total_steps(self, rows_per_epoch: Optional[int]) -> int:
+        """Optimizer steps of the stage from token budget, epochs (given the rows per epoch) or max_steps."""
+        steps = []
+        if self.token_budget is not None:
+            steps.append(math.ceil(self.token_budget / (self.global_batch_size * self.seq_length)))
+        elif self.epochs is not None and rows_per_epoch is not None:
+            steps.append(max(1, math.floor(self.epochs * rows_per_epoch / self.global_batch_size)))
+        if self.max_steps is not None:
+            steps.append(self.max_steps)
+        if not steps:
+            raise ConfigError(f"stage '{self.name}': cannot size the stage (epochs need a dataset of known size)")
+        return min(steps)
+
+
+@dataclass
+class ContextConfig:
+    """MindSpore context (names as in `mindspore.set_context`) and numeric precision."""
+
+    mode: int = F(0, "0 = GRAPH_MODE (the train step is a compiled graph), 1 = PYNATIVE_MODE")
+    device_target: str = F("CPU", "CPU or Ascend")
+    precision: str = F("float32", "compute dtype: float32, float16 (dynamic loss scaling) or bfloat16 (Ascend)")
+    loss_scale_value: float = F(65536.0, "initial dynamic loss scale (float16)")
+    loss_scale_factor: float = F(2.0, "loss scale is divided by this on overflow, multiplied after a window")
+    loss_scale_window: int = F(1000, "good steps before the loss scale grows")
+    max_device_memory: str = F("", "Ascend: e.g. '58GB' (empty: MindSpore default)")
+    jit_level: str = F("O0", "graph compile level passed to jit_config on Ascend (O0/O1/O2)")
+
+    def validate(self) -> None:
+        if self.mode not in (0, 1):
+            raise ConfigError(f"context.mode {self.mode}: expected 0 (graph) or 1 (pynative)")
+        if self.device_target not in ("CPU", "Ascend"):
+            raise ConfigError(f"context.device_target '{self.device_target}': expected CPU or Ascend")
+        if self.precision not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"context.precision '{self.precision}': expected float32, float16 or bfloat16")
+        if self.loss_scale_value <= 0 or self.loss_scale_factor <= 1 or self.loss_scale_window < 1:
+            raise ConfigError("context: loss_scale_value > 0, loss_scale_factor > 1, loss_scale_window >= 1 required")
+
+
+@dataclass
+class ParallelConfig:
+    """`parallel:` section, names as in `mindspore.set_auto_parallel_context` / MindFormers."""
+
+    parallel_mode: int = F(0, "0 data_parallel, 1 semi_auto_parallel, 2 auto_parallel, 3 hybrid_parallel")
+    gradients_mean: bool = F(False, "average (true) or sum gradients across ranks; the loss is already "
+                                    "normalised by global counts, so false gives the single-process result")
+    full_batch: bool = F(False, "every rank reads the whole batch (semi-auto parallel)")
+    enable_parallel_optimizer: bool = F(False, "shard optimizer states over data-parallel ranks (Ascend)")
+    search_mode: str = F("sharding_propagation", "auto_parallel search mode")
+    strategy_ckpt_save_file: str = F("", "where MindSpore writes the sharding strategy (empty: none)")
+
+    def validate(self) -> None:
+        if self.parallel_mode not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.parallel_mode {self.parallel_mode}: expected 0, 1, 2 or 3")
+
+
+@dataclass
+class ParallelSizes:
+    """`parallel_config:` section (MindFormers TransformerOpParallelConfig names)."""
+
+    data_parallel: int = F(1, "data-parallel size (must equal the number of ranks / (mp*pp))")
+    model_parallel: int = F(1, "tensor-parallel size")
+    pipeline_stage: int = F(1, "pipeline stages")
+    expert_parallel: int = F(1, "expert-parallel size (MoE)")
+    micro_batch_num: int = F(1, "pipeline micro-batches")
+    use_seq_parallel: bool = F(False, "sequence parallel inside tensor-parallel groups")
+    vocab_emb_dp: bool = F(True, "data-parallel (not sharded) embedding")
+    gradient_aggregation_group: int = F(4, "gradient fusion group size")
+
+    def validate(self) -> None:
+        for k in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"parallel_config.{k} must be >= 1, got {getattr(self, k)}")
+
+
+@dataclass
+class RecomputeConfig:
+    """`recompute_config:` section (activation checkpointing), MindFormers names."""
+
+    recompute: bool = F(False, "recompute every decoder layer / vision block in the backward pass")
+    select_recompute: bool = F(False, "recompute only attention/activation ops (Ascend)")
+    parallel_optimizer_comm_recompute: bool = F(False, "recompute parallel-optimizer all-gathers")
+    mp_comm_recompute: bool = F(True, "recompute model-parallel communication")
+    recompute_slice_activation: bool = F(False, "slice saved activations across model-parallel ranks")
+
+
+@dataclass
+class RunConfig:
+    """A training run: model, data and a list of stages run in order."""
+
+    seed: int = F(1234, "seed for parameter init, data order and any sampling")
+    model: MindVLConfig = sub(MindVLConfig, "the model (often `_include_`d from configs/model/*.yaml)")
+    init_from: str = F("", "checkpoint directory to start from (empty: random init from `model`)")
+    data: DataConfig = sub(DataConfig, "data shared by all stages (a stage's `data` overrides keys)")
+    stages: List[StageConfig] = F([], "stages, run in order; each starts from the previous one's weights")
+    context: ContextConfig = sub(ContextConfig, "MindSpore context and precision")
+    parallel: ParallelConfig = sub(ParallelConfig, "MindSpore auto-parallel context")
+    parallel_config: ParallelSizes = sub(ParallelSizes, "parallel sizes (data/tensor/pipeline/expert)")
+    recompute_config: RecomputeConfig = sub(RecomputeConfig, "activation checkpointing")
+    plot: bool = F(True, "write loss/LR PNG plots per stage")
+
+    def validate(self) -> None:
+        if not self.stages:
+            raise ConfigError("`stages` is empty: a run needs at least one stage")
+        names = [s.name for s in self.stages]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"stage names must be unique, repeated: {sorted(dup)}")
+        if self.context.precision == "bfloat16" and self.context.device_target == "CPU":
+            raise ConfigError("context.precision bfloat16 needs Ascend (no bf16 matmul on CPU); use float16 or float32")
+
+
+def load_run_config(path: Optional[str] = None, overrides: Optional[List[str]] = None,
+                    data: Optional[Dict[str, Any]] = None) -> RunConfig:
+    """Read a run YAML (with `_include_`), apply `--set key=value` overrides, validate."""
+    raw = read_yaml(path) if path else dict(data or {})
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"--set {ov!r}: expected key=value")
+        k, v = ov.split("=", 1)
+        _set_with_index(raw, k.strip(), v)
+    return load(RunConfig, raw, source=path or "<dict>")
+
+
+def _set_with_index(raw: Dict[str, Any], dotted: str, value: str) -> None:
+    """`--set stages.0.max_lr=1e-4` addresses list items by index; other keys as `set_dotted`."""
+    keys = dotted.split(".")
+    for i, k in enumerate(keys[:-1]):
+        if k.isdigit() and isinstance(raw, list):
+            idx = int(k)
+            if idx >= len(raw):
+                raise ConfigError(f"--set {dotted}: index {idx} out of range (list has {len(raw)} items)")
+            return _set_with_index(raw[idx], ".".join(keys[i + 1:]), value)
+        if isinstance(raw, dict) and isinstance(raw.get(k), list) and keys[i + 1].isdigit():
+            return _set_with_index(raw[k], ".".join(keys[i + 1:]), value)  # type: ignore[arg-type]
+        raw = raw.setdefault(k, {})
+        if not isinstance(raw, (dict, list)):
+            raise ConfigError(f"--set {dotted}: '{k}' is not a mapping")
+    set_dotted(raw, keys[-1], value)

@@ -1,0 +1,14 @@
+"""The multimodal data pipeline: JSONL samples -> processed samples -> packs -> per-rank batches.
+
+Modules: `tokenizer` (tokenizers-based loading), `schema` (JSONL lines), `processor` (smart_resize,
+patches, chat template, labels; `MindVLProcessor`), `grounding` (openPangu-VL coordinate syntax),
+`packing` (offline best-fit-decreasing packer with rank balancing; online buffer packer),
+`dataset` (per-rank loader with resumable state), `validate` (`mindvl data validate`), `commands`
+(the `mindvl data` CLI). Heavy imports (MindSpore) happen only inside the loader.
+"""
+from .grounding import box_iou, format_box, format_point, format_quad, parse_grounding
+from .processor import IGNORE_INDEX, MindVLProcessor, image_tokens, patchify, smart_resize
+from .tokenizer import load_tokenizer
+
+__all__ = ["MindVLProcessor", "smart_resize", "patchify", "image_tokens", "IGNORE_INDEX", "load_tokenizer",
+           "parse_grounding", "box_iou", "format_box", "format_point", "format_quad"]

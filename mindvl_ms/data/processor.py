@@ -1,0 +1,268 @@
+"""Sample processing: smart_resize, patchification, the Qwen chat template and assistant-only labels.
+
+Image path (identical to transformers 4.57.1 `Qwen2VLImageProcessor`, slow path, checked in
+tests/test_data_processor.py): RGB -> `smart_resize` (sides multiples of patch*merge=28, area in
+[min_pixels, max_pixels], aspect ratio <= 200) -> PIL bicubic resize -> x*(1/255) in float64 then
+float32 -> (x - mean) / std with the OpenAI CLIP statistics -> the still image is repeated to
+`temporal_patch_size` frames -> patches [grid_t*grid_h*grid_w, C*T*P*P] ordered by 2x2 merge unit,
+so each run of 4 consecutive patches is one LLM token. Tokens per image = grid_t*grid_h*grid_w / 4.
+
+Text path: the Qwen2.5-VL chat template (`<|im_start|>role\\n...<|im_end|>\\n`, a default system
+turn when the sample has none); every `<image>` becomes `<|vision_start|><|image_pad|>*N<|vision_end|>`.
+The template is rendered with ONE `<|image_pad|>` per image, tokenised once with character
+offsets, and each pad is then expanded to N ids; labels are the ids of tokens that start inside an
+assistant turn's content or its closing `<|im_end|>` (HF convention: aligned with input_ids,
+-100 elsewhere; the model shifts). The same rendering gives the metadata-only token count used by
+the offline packer (`count_tokens`), so packer and loader always agree on lengths.
+
+Usage:
+    proc = MindVLProcessor.from_pretrained(dir_or_None)
+    batch = proc(messages=[...], images=[PIL.Image...])           # HF-style numpy batch of one
+    sample = proc.process_sample(parse_sample(obj, "file.jsonl", 1))   # per-sample dict for packing
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+from ..config.base import load
+from ..config.data import DataConfig, ImageConfig
+from .schema import IMAGE_PLACEHOLDER, Sample, SampleError, count_placeholders, normalise_messages
+from .tokenizer import TextTokenizer, load_tokenizer
+
+IGNORE_INDEX = -100
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+MAX_RATIO = 200
+
+
+# ----------------------------------------------------------------------------------------------
+# images
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 28 * 28 * 1280) -> Tuple[int, int]:
+    """(height, width) rounded to multiples of `factor` with the area inside [min_pixels, max_pixels]."""
+    if min(height, width) <= 0:
+        raise ValueError(f"image size {width}x{height} is empty")
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
+                         f"got {max(height, width) / min(height, width)}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_grid(width: int, height: int, cfg: ImageConfig) -> Tuple[int, int, int]:
+    """(grid_t, grid_h, grid_w) of a still image of the given pixel size, from metadata alone."""
+    h, w = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
+    return 1, h // cfg.patch_size, w // cfg.patch_size
+
+
+def image_tokens(width: int, height: int, cfg: ImageConfig) -> int:
+    """LLM tokens of one still image: grid_t*grid_h*grid_w / merge_size**2."""
+    t, h, w = image_grid(width, height, cfg)
+    return t * h * w // (cfg.merge_size ** 2)
+
+
+def load_image(path: str) -> Image.Image:
+    """Decode an image file fully (errors name the file)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"image not found: {path}")
+    with Image.open(path) as im:
+        im.load()
+        return im.copy()
+
+
+def image_size(path: str) -> Tuple[int, int]:
+    """(width, height) from the file header only (PIL opens lazily; no pixel decoding)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"image not found: {path}")
+    with Image.open(path) as im:
+        return im.size
+
+
+def patchify(image: Image.Image, cfg: ImageConfig) -> Tuple[np.ndarray, np.ndarray]:
+    """One image -> (pixel patches float32[grid_t*grid_h*grid_w, C*T*P*P], grid_thw int64[3])."""
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    P, T, M = cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size
+    h, w = smart_resize(image.height, image.width, P * M, cfg.min_pixels, cfg.max_pixels)
+    arr = np.array(image.resize((w, h), resample=Image.BICUBIC))  # uint8 [h, w, 3]
+    arr = (arr.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.array(cfg.image_mean, dtype=np.float32)
+    std = np.array(cfg.image_std, dtype=np.float32)
+    arr = ((arr - mean) / std).transpose(2, 0, 1)  # [C, h, w]
+    frames = np.repeat(arr[None], T, axis=0)  # [T, C, h, w]
+    C, gh, gw = arr.shape[0], h // P, w // P
+    x = frames.reshape(1, T, C, gh // M, M, P, gw // M, M, P)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, gh/M, gw/M, M, M, C, T, P, P]
+    return np.ascontiguousarray(x.reshape(gh * gw, C * T * P * P)), np.array([1, gh, gw], dtype=np.int64)
+
+
+def process_images(images: Sequence[Image.Image], cfg: ImageConfig) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """Images -> (pixel_values float32[sum N_i, 1176], image_grid_thw int64[k, 3]), or (None, None)."""
+    if not images:
+        return None, None
+    out = [patchify(im, cfg) for im in images]
+    return np.concatenate([p for p, _ in out]), np.stack([g for _, g in out])
+
+
+# ----------------------------------------------------------------------------------------------
+# chat template and labels
+
+def render(messages: List[Dict[str, str]], system_prompt: str = "You are a helpful assistant.",
+           add_generation_prompt: bool = False) -> Tuple[str, List[Tuple[int, int]]]:
+    """Template text with one <|image_pad|> per image, and the supervised character spans."""
+    parts: List[str] = []
+    spans: List[Tuple[int, int]] = []
+    pos = 0
+
+    def put(s: str, supervised: bool = False) -> None:
+        nonlocal pos
+        parts.append(s)
+        if supervised and s:
+            spans.append((pos, pos + len(s)))
+        pos += len(s)
+
+    if messages[0]["role"] != "system" and system_prompt:
+        put(f"{IM_START}system\n{system_prompt}{IM_END}\n")
+    for m in messages:
+        content = m["content"].replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
+        put(f"{IM_START}{m['role']}\n")
+        if m["role"] == "assistant":
+            put(content + IM_END, supervised=True)
+            put("\n")
+        else:
+            put(content + IM_END + "\n")
+    if add_generation_prompt:
+        put(f"{IM_START}assistant\n")
+    return "".join(parts), spans
+
+
+def _supervised_mask(offsets, spans) -> np.ndarray:
+    starts = np.array([s for s, _ in offsets], dtype=np.int64)
+    mask = np.zeros(len(offsets), dtype=bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    return mask
+
+
+def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: Sequence[int]):
+    """Repeat the k-th <|image_pad|> id counts[k] times (labels there are IGNORE_INDEX)."""
+    where = np.flatnonzero(ids == pad_id)
+    if len(where) != len(counts):
+        raise ValueError(f"text has {len(where)} image pad tokens but there are {len(counts)} images")
+    reps = np.ones(len(ids), dtype=np.int64)
+    reps[where] = np.asarray(counts, dtype=np.int64)
+    out_labels = labels.copy()
+    out_labels[where] = IGNORE_INDEX
+    return np.repeat(ids, reps), np.repeat(out_labels, reps)
+
+
+class MindVLProcessor:
+    """Tokenizer + image processor + chat template; see the module docstring."""
+
+    def __init__(self, tokenizer: Optional[TextTokenizer] = None, config: Optional[DataConfig] = None):
+        self.config = config or DataConfig()
+        self.tokenizer = tokenizer or load_tokenizer(self.config.tokenizer or None)
+        self.image_pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
+        for t in (VISION_START, VISION_END, IM_START, IM_END):
+            self.tokenizer.token_to_id(t)  # fail early on a tokenizer without the chat/vision tokens
+
+    @property
+    def image_config(self) -> ImageConfig:
+        return self.config.image
+
+    @classmethod
+    def from_pretrained(cls, path: Optional[str] = None, **overrides) -> "MindVLProcessor":
+        """Tokenizer files from `path` (default: the bundled Qwen3 tokenizer); pixel limits from its
+        preprocessor_config.json when present (HF keys min_pixels/max_pixels/size, patch sizes, mean/std)."""
+        cfg = DataConfig(tokenizer=path or "")
+        pre = os.path.join(path, "preprocessor_config.json") if path else ""
+        if pre and os.path.isfile(pre):
+            with open(pre, encoding="utf-8") as f:
+                d = json.load(f)
+            size = d.get("size") or {}
+            img = {"min_pixels": d.get("min_pixels", size.get("shortest_edge")),
+                   "max_pixels": d.get("max_pixels", size.get("longest_edge")),
+                   "patch_size": d.get("patch_size"), "temporal_patch_size": d.get("temporal_patch_size"),
+                   "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
+                   "image_std": d.get("image_std")}
+            cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
+        for k, v in overrides.items():
+            target = cfg.image if hasattr(cfg.image, k) else cfg
+            if not hasattr(target, k):
+                raise TypeError(f"MindVLProcessor.from_pretrained: unknown option {k!r}")
+            setattr(target, k, v)
+        cfg.image.validate()
+        return cls(config=cfg)
+
+    # -- text ---------------------------------------------------------------------------------
+    def encode(self, messages: List[Dict[str, str]], image_counts: Sequence[int],
+               add_generation_prompt: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+        """Conversation -> (input_ids int64[n], labels int64[n]) with image pads expanded."""
+        text, spans = render(messages, self.config.system_prompt, add_generation_prompt)
+        ids, offsets = self.tokenizer.encode_offsets(text)
+        ids = np.asarray(ids, dtype=np.int64)
+        labels = np.where(_supervised_mask(offsets, spans), ids, IGNORE_INDEX) if len(ids) else ids
+        return expand_image_pads(ids, labels.astype(np.int64), self.image_pad_id, image_counts)
+
+    def count_tokens(self, messages: List[Dict[str, str]], image_counts: Sequence[int]) -> int:
+        """Sequence length from metadata alone (no image decoding): equals len(encode(...)[0])."""
+        text, _ = render(messages, self.config.system_prompt)
+        return len(self.tokenizer.encode(text)) + int(sum(image_counts)) - len(image_counts)
+
+    # -- samples ------------------------------------------------------------------------------
+    def process_sample(self, sample: Sample, images: Optional[Sequence[Image.Image]] = None) -> Dict:
+        """A parsed JSONL sample -> dict(input_ids, labels, pixel_values, image_grid_thw, id, source, line)."""
+        if count_placeholders(sample) != len(sample.images if images is None else images):
+            raise SampleError(sample.source, sample.line, "image count mismatch",
+                              f"{count_placeholders(sample)} <image> placeholders for "
+                              f"{len(sample.images if images is None else images)} images")
+        if images is None:
+            try:
+                images = [load_image(p) for p in sample.images]
+            except (OSError, FileNotFoundError) as e:
+                raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+        pixel_values, grid = process_images(images, self.image_config)
+        counts = [] if grid is None else [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in grid]
+        input_ids, labels = self.encode(sample.messages, counts)
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": pixel_values, "image_grid_thw": grid,
+                "id": sample.id, "source": sample.source, "line": sample.line}
+
+    def __call__(self, messages, images: Optional[Sequence[Image.Image]] = None,
+                 add_generation_prompt: Optional[bool] = None) -> Dict[str, np.ndarray]:
+        """HF-style call for one conversation: numpy batch of one (input_ids [1, n], attention_mask,
+        pixel_values, image_grid_thw, labels). Adds the generation prompt when the last turn is not
+        the assistant's (inference) unless told otherwise."""
+        msgs = normalise_messages(messages)
+        images = list(images or [])
+        n_ph = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in msgs)
+        if n_ph != len(images):
+            raise ValueError(f"messages have {n_ph} image placeholders but {len(images)} images were given")
+        if add_generation_prompt is None:
+            add_generation_prompt = msgs[-1]["role"] != "assistant"
+        pixel_values, grid = process_images(images, self.image_config)
+        counts = [] if grid is None else [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in grid]
+        ids, labels = self.encode(msgs, counts, add_generation_prompt)
+        out = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), dtype=np.int64),
+               "labels": labels[None]}
+        if pixel_values is not None:
+            out["pixel_values"], out["image_grid_thw"] = pixel_values, grid
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

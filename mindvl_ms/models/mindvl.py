@@ -1,0 +1,90 @@
+"""MindVL: vision encoder + patch-merger projector + language model (Qwen3/Qwen2 dense or DeepSeek-V3 MoE).
+
+Inputs are the arrays of `mindvl_ms.models.inputs.build_model_inputs` in INPUT_NAMES order; the merge
+of image features into the <|image_pad|> positions is one gather over concat(text embeddings, image
+features) with a host-computed index, so `construct` has no value-dependent control flow and one
+compiled graph (dynamic shapes via `set_dynamic_inputs`) serves every sequence length and image size.
+
+Outputs (the same for every configuration):
+  logits      float32[B, L, V]
+  aux_loss    float32[]            MoE auxiliary loss (0 for dense models)
+  expert_load float32[layers, E]   tokens routed to each expert per MoE layer ([1, 1] zeros for dense)
+
+Parameter names follow transformers' Qwen2.5-VL checkpoint layout: `visual.*`, `model.*`, `lm_head.*`.
+"""
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from ..config import MindVLConfig
+from .inputs import INPUT_NAMES, patch_dim
+from .text import TextModel, lm_logits
+from .vision import VisionTransformer, dense
+
+
+def build_language_model(cfg) -> nn.Cell:
+    if cfg.model_type == "deepseek_v3":
+        from .moe import DeepseekV3Model
+
+        return DeepseekV3Model(cfg)
+    return TextModel(cfg)
+
+
+class MindVLForConditionalGeneration(nn.Cell):
+    INPUT_NAMES = INPUT_NAMES
+
+    def __init__(self, config: MindVLConfig):
+        super().__init__()
+        self.config = config
+        self.visual = VisionTransformer(config.vision)
+        self.model = build_language_model(config.text)
+        t = config.text
+        self.tied = t.tie_word_embeddings
+        self.lm_head = None if self.tied else dense(t.hidden_size, t.vocab_size, False, t.initializer_range)
+
+    def construct(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
+                  reverse_index, window_segment_ids, full_segment_ids, embed_index):
+        b, l = input_ids.shape
+        text = self.model.embed_tokens(input_ids)  # [B, L, D]
+        d = text.shape[-1]
+        image = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
+                            full_segment_ids)  # [M, D] merged visual tokens, image order
+        table = ops.cat((text.reshape(-1, d), image.astype(text.dtype)), 0)  # [B*L + M, D]
+        embeds = ops.gather(table, embed_index, 0).reshape(b, l, d)  # [B, L, D]
+        hidden, aux_loss, expert_load = self.model(embeds, position_ids, segment_ids)
+        logits = lm_logits(hidden, self.model.embed_tokens.weight, self.lm_head)  # [B, L, V]
+        return logits, aux_loss, expert_load
+
+    # -- graph set-up helpers ------------------------------------------------------------------
+    def dynamic_inputs(self):
+        """Placeholder Tensors with dynamic dims for `set_inputs` (one compile for all shapes)."""
+        i32, f32 = ms.int32, ms.float32
+        return [
+            Tensor(shape=[None, None], dtype=i32),  # input_ids [B, L]
+            Tensor(shape=[3, None, None], dtype=i32),  # position_ids
+            Tensor(shape=[None, None], dtype=i32),  # segment_ids
+            Tensor(shape=[None, patch_dim(self.config)], dtype=f32),  # pixel_values [N, K]
+            Tensor(shape=[None, 2], dtype=i32),  # vision_pos_ids
+            Tensor(shape=[None], dtype=i32),  # window_index [N/4]
+            Tensor(shape=[None], dtype=i32),  # reverse_index
+            Tensor(shape=[None], dtype=i32),  # window_segment_ids [N]
+            Tensor(shape=[None], dtype=i32),  # full_segment_ids
+            Tensor(shape=[None], dtype=i32),  # embed_index [B*L]
+        ]
+
+    def set_dynamic_inputs(self) -> "MindVLForConditionalGeneration":
+        self.set_inputs(*self.dynamic_inputs())
+        return self
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, config: MindVLConfig = None) -> "MindVLForConditionalGeneration":
+        """Load a native or Hugging Face Qwen2.5-VL directory (config.json + safetensors, sharded too)."""
+        from ..checkpoint.hf import load_pretrained
+
+        return load_pretrained(cls, path, config)
+
+    def save_pretrained(self, path: str, format: str = "native", max_shard_bytes: int = None) -> None:
+        """Write config.json + safetensors; format 'hf' writes transformers' Qwen2.5-VL layout."""
+        from ..checkpoint.hf import save_pretrained
+
+        save_pretrained(self, path, format=format, max_shard_bytes=max_shard_bytes)

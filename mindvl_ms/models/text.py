@@ -1,0 +1,159 @@
+"""Dense language model with M-RoPE: Qwen3 (QK-norm, no bias) and Qwen2 (qkv bias) from one config.
+
+Reads top to bottom: multimodal rotary embedding, MLP, attention, decoder layer, model, causal-LM head.
+Module names follow transformers' Qwen2/Qwen3 (`embed_tokens`, `layers.{i}.self_attn.q_proj`, `q_norm`,
+`mlp.gate_proj`, `input_layernorm`, `norm`) so checkpoints convert by name.
+
+M-RoPE: position_ids int32[3, B, L] hold (t, h, w) positions; rotary pair d uses axis a(d) given by
+`mrope_section` (first t pairs from t, next from h, then w; the same split repeated for the second half
+of head_dim as in Qwen2.5-VL). For text tokens the three positions are equal, so this is plain 1D RoPE.
+Attention is causal within a segment (segment_ids int32[B, L], 0 = padding), which makes packed rows
+behave like separate samples.
+
+The model returns (hidden [B, L, D], aux_loss [], expert_load [1, 1]) so that it has the same outputs as
+the MoE language model (models/moe.py); for this dense model aux_loss is 0.
+"""
+import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ..config import TextConfig
+from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from .vision import dense
+
+
+def mrope_axis_mask(mrope_section, rot_dim: int) -> np.ndarray:
+    """float32[3, rot_dim]: one-hot of the position axis (t, h, w) each rotary dim reads."""
+    axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(list(mrope_section) * 2)])
+    assert axis.size == rot_dim, (mrope_section, rot_dim)
+    return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
+
+
+class MRotaryEmbedding(nn.Cell):
+    """position_ids [3, B, L] -> cos, sin float32[B, 1, L, rot_dim] (M-RoPE, rotate-half layout)."""
+
+    def __init__(self, rot_dim: int, theta: float, mrope_section):
+        super().__init__()
+        inv = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / rot_dim))
+        self.inv_freq = Tensor(np.concatenate([inv, inv]).astype(np.float32))  # [rot]
+        self.axis_mask = Tensor(mrope_axis_mask(mrope_section, rot_dim))  # [3, rot]
+
+    def construct(self, position_ids):
+        pos = position_ids.astype(ms.float32)  # [3, B, L]
+        # select the axis of each rotary dim: exact, since the mask is one-hot
+        pos = (pos[:, :, :, None] * self.axis_mask[:, None, None, :]).sum(0)  # [B, L, rot]
+        freqs = pos * self.inv_freq  # [B, L, rot]
+        return ops.cos(freqs)[:, None], ops.sin(freqs)[:, None]
+
+
+class TextMLP(nn.Cell):
+    def __init__(self, hidden: int, inter: int, std: float):
+        super().__init__()
+        self.gate_proj = dense(hidden, inter, False, std)
+        self.up_proj = dense(hidden, inter, False, std)
+        self.down_proj = dense(inter, hidden, False, std)
+        self.glu = SwiGLU()
+
+    def construct(self, x):
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
+
+
+class TextAttention(nn.Cell):
+    """GQA attention; Qwen3 applies RMSNorm per head to q and k before RoPE."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.h, self.kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim_
+        std, bias = cfg.initializer_range, cfg.attention_bias
+        self.q_proj = dense(cfg.hidden_size, self.h * self.hd, bias, std)
+        self.k_proj = dense(cfg.hidden_size, self.kv * self.hd, bias, std)
+        self.v_proj = dense(cfg.hidden_size, self.kv * self.hd, bias, std)
+        self.o_proj = dense(self.h * self.hd, cfg.hidden_size, False, std)
+        self.use_qk_norm = cfg.use_qk_norm
+        if self.use_qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.rotary = ApplyRotary()
+        self.core = CoreAttention(self.h, self.kv, self.hd)
+
+    def construct(self, x, cos, sin, bias):  # x [B, L, D]
+        b, l, _ = x.shape
+        q = self.q_proj(x).reshape(b, l, self.h, self.hd)
+        k = self.k_proj(x).reshape(b, l, self.kv, self.hd)
+        v = self.v_proj(x).reshape(b, l, self.kv, self.hd).transpose(0, 2, 1, 3)  # [B, KV, L, hd]
+        if self.use_qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = self.rotary(q.transpose(0, 2, 1, 3), cos, sin)  # [B, H, L, hd]
+        k = self.rotary(k.transpose(0, 2, 1, 3), cos, sin)
+        out = self.core(q, k, v, bias)  # [B, H, L, hd]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, l, self.h * self.hd))
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = TextAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = TextMLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range)
+
+    def construct(self, x, cos, sin, bias):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Cell):
+    """Token embedding table `weight` [V, D] (a gather, as torch nn.Embedding)."""
+
+    def __init__(self, vocab: int, dim: int, std: float):
+        super().__init__()
+        self.weight = ms.Parameter(initializer(Normal(std), (vocab, dim), ms.float32), name="weight")
+
+    def construct(self, ids):  # [B, L] -> [B, L, D]
+        return ops.gather(self.weight, ids, 0)
+
+
+class TextModel(nn.Cell):
+    """Embeddings are looked up by the caller (so image features can be merged in first)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
+        self.layers = nn.CellList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(cfg.head_dim_, cfg.rope_theta, cfg.mrope_section)
+
+    def embed(self, input_ids):  # [B, L] -> [B, L, D]
+        return self.embed_tokens(input_ids)
+
+    def construct(self, inputs_embeds, position_ids, segment_ids):
+        cos, sin = self.rotary_emb(position_ids)  # [B, 1, L, hd]
+        bias = segment_bias(segment_ids, segment_ids, True)  # [B, 1, L, L]
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, bias)
+        return self.norm(x), ops.zeros((), ms.float32), ops.zeros((1, 1), ms.float32)
+
+
+def lm_logits(h, embedding_weight, lm_head):
+    """Hidden [B, L, D] -> float32 logits [B, L, V] through `lm_head`, or the embedding table when tied."""
+    if lm_head is None:
+        return ops.matmul(h, embedding_weight.astype(h.dtype).T).astype(ms.float32)
+    return lm_head(h).astype(ms.float32)
+
+
+class TextForCausalLM(nn.Cell):
+    """A text-only Qwen2/Qwen3 causal LM (parameter names as HF: model.*, lm_head.weight)."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.model = TextModel(cfg)
+        self.tied = cfg.tie_word_embeddings
+        self.lm_head = None if self.tied else dense(cfg.hidden_size, cfg.vocab_size, False, cfg.initializer_range)
+
+    def construct(self, input_ids, position_ids, segment_ids):
+        h, aux, load = self.model(self.model.embed(input_ids), position_ids, segment_ids)
+        return lm_logits(h, self.model.embed_tokens.weight, self.lm_head), aux, load

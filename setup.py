@@ -1,0 +1,23 @@
+"""mindvl-ms: a MindSpore-native framework for training MindVL-style multimodal LLMs."""
+import os
+
+from setuptools import find_packages, setup
+
+
+def reqs(fn):
+    with open(os.path.join(os.path.dirname(__file__), fn)) as f:
+        return [l.strip() for l in f if l.strip() and not l.startswith(("#", "-r"))]
+
+
+setup(
+    name="mindvl-ms",
+    version="0.1.0",
+    description="MindSpore-native training, conversion and serving of MindVL-style multimodal LLMs",
+    packages=find_packages(include=["mindvl_ms", "mindvl_ms.*"]),
+    package_data={"mindvl_ms": ["configs/**/*.yaml", "assets/*"]},
+    include_package_data=True,
+    python_requires=">=3.9,<3.12",
+    install_requires=reqs("requirements.txt"),
+    extras_require={"test": ["torch==2.13.0", "transformers==4.57.1", "pytest"]},
+    entry_points={"console_scripts": ["mindvl=mindvl_ms.cli:main"]},
+)
