@@ -3,7 +3,7 @@
     python bench/bench_merge.py [--mb 300] [--n 3] [--dtype F32|BF16]
 
 Writes N random checkpoints of about `--mb` MB each (many 16 MB tensors plus one embedding-sized tensor),
-then merges them twice, each in a fresh subprocess so `ru_maxrss` is that merge's own peak:
+then merges them twice, each in a fresh subprocess so VmHWM (peak RSS) is that merge's own peak:
 - streaming: `mindvl_ms.checkpoint.merge.merge` (positional chunked reads, streamed writer)
 - reference: `safetensors.torch.load_file` of every input, fp32 average, `save_file`
 Prints peak RSS growth in MB, as a multiple of one checkpoint, and the ratios reference / streaming.
@@ -21,25 +21,29 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-STREAM = """
-import resource, sys, time
-from mindvl_ms.checkpoint.merge import merge
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t = time.perf_counter()
-merge(sys.argv[2:], sys.argv[1], progress=False)
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)
+HWM = """def hwm():  # peak RSS (KiB) of this address space; unlike ru_maxrss it does not inherit the parent's
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
 """
 
-NAIVE = """
-import resource, sys, time, os, torch
+STREAM = HWM + """
+import sys, time
+from mindvl_ms.checkpoint.merge import merge
+before = hwm()
+t = time.perf_counter()
+merge(sys.argv[2:], sys.argv[1], progress=False)
+print(before, hwm(), time.perf_counter() - t)
+"""
+
+NAIVE = HWM + """
+import sys, time, os, torch
 from safetensors.torch import load_file, save_file
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = hwm()
 t = time.perf_counter()
 states = [load_file(os.path.join(p, "model.safetensors")) for p in sys.argv[2:]]
 out = {k: (sum(s[k].float() for s in states) / len(states)).to(states[0][k].dtype) for k in states[0]}
 os.makedirs(sys.argv[1], exist_ok=True)
 save_file(out, os.path.join(sys.argv[1], "model.safetensors"), metadata={"format": "pt"})
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)
+print(before, hwm(), time.perf_counter() - t)
 """
 
 

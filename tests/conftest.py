@@ -7,6 +7,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only
+
 import mindspore as ms  # noqa: E402
 
 ms.set_context(mode=ms.GRAPH_MODE)

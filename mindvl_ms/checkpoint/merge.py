@@ -135,7 +135,7 @@ def to_float(x: np.ndarray, dtype: str) -> np.ndarray:
     """Storage array -> float32 (float64 for F64)."""
     if dtype == "BF16":
         return (x.astype(np.uint32) << 16).view(np.float32)
-    return x.astype(np.float64 if dtype == "F64" else np.float32)
+    return x.astype(np.float64 if dtype == "F64" else np.float32, copy=False)  # reads are fresh arrays
 
 
 def from_float(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -204,21 +204,29 @@ class StreamWriter:
         self.f.close()
 
 
-def _combine(method: str, xs: List[np.ndarray], w: np.ndarray, base: Optional[np.ndarray],
+def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray],
              thresholds: Optional[List[float]], scale: float) -> np.ndarray:
-    """Merge one chunk of float arrays (all float32/64) by `method`."""
-    if method == "linear":
-        acc = np.zeros_like(xs[0])
-        for wi, x in zip(w, xs):
-            acc += wi * x
-        return acc / w.sum()
-    taus = [x - base for x in xs]
-    if method == "task_arithmetic":
-        acc = np.zeros_like(base)
-        for wi, t in zip(w, taus):
-            acc += wi * t
-        return base + scale * acc
-    trimmed = [np.where(np.abs(t) >= th, t, 0) for t, th in zip(taus, thresholds)]
+    """Merge one chunk; `read(i)` returns input i's chunk as a fresh float32/64 array.
+
+    linear and task arithmetic accumulate input by input (memory: 3 chunks); TIES needs all N at once.
+    """
+    if method in ("linear", "task_arithmetic"):
+        acc = None
+        for i in range(n):
+            x = read(i)
+            if base is not None:
+                x -= base  # task vector
+            x *= w[i]
+            acc = x if acc is None else np.add(acc, x, out=acc)
+        if method == "linear":
+            return acc / w.sum()
+        acc *= scale
+        return np.add(acc, base, out=acc)
+    trimmed = []
+    for i in range(n):
+        t = read(i) - base
+        t[np.abs(t) < thresholds[i]] = 0
+        trimmed.append(t)
     sign = np.sign(sum(wi * t for wi, t in zip(w, trimmed)))  # elected sign per element
     num, den = np.zeros_like(base), np.zeros_like(base)
     for wi, t in zip(w, trimmed):
@@ -308,9 +316,9 @@ def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Opti
                                                  f"between {ref.path} and {c.path}")
                         wr.write(x0)
                     else:
-                        xs = [to_float(c.read(key, a, b), dtype) for c in cks]
                         bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
-                        wr.write(from_float(_combine(method, xs, w, bx, ths, scale), dtype))
+                        read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
+                        wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype))
                     bar.update(b - a)
             wr.close()
         bar.close()

@@ -88,3 +88,11 @@ class MindVLForConditionalGeneration(nn.Cell):
         from ..checkpoint.hf import save_pretrained
 
         save_pretrained(self, path, format=format, max_shard_bytes=max_shard_bytes)
+
+
+def cast_params(model: nn.Cell, dtype) -> nn.Cell:
+    """Cast every parameter to `dtype` (e.g. ms.float16 for fp16 inference); norms and softmax still
+    accumulate in float32 and logits come out in float32."""
+    for p in model.get_parameters():
+        p.set_dtype(dtype)
+    return model

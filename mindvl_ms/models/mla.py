@@ -69,7 +69,7 @@ class MLAttention(nn.Cell):
         self.v_dim = m.v_head_dim
         self.kv_rank = m.kv_lora_rank
         self.q_lora = m.q_lora_rank is not None
-        self.interleave = bool(getattr(m, "rope_interleave", True))
+        self.interleave = bool(m.rope_interleave)
         qk = self.nope + self.rope
         if self.q_lora:
             self.q_a_proj = dense(d, m.q_lora_rank, std, cfg.attention_bias)

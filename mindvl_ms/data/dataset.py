@@ -1,0 +1,256 @@
+"""Per-rank loading with an exact, resumable position (the paper's consumed-data tracker).
+
+Two sources of packs, one loader:
+- `PackedShardSource` (offline mode): rank r opens only `rank_{r:05d}.jsonl` of a `mindvl data pack`
+  directory and indexes its line offsets; a pack is read by seeking to it. Shard position i is
+  global step i on every rank (the packer aligned ViT load per step), so the epoch order is a
+  permutation of shard positions drawn from (seed, epoch) only, identical on all ranks; the rank
+  enters through its shard.
+- `OnlinePackSource` (online mode): rank r reads only its stride of each JSONL source (lines
+  r, r+dp, ...), shuffles it with (seed, epoch, rank, source), repeats/subsamples by mix weight, computes
+  token counts from metadata and packs with `OnlinePacker`. Resuming replays the epoch's metadata
+  stream (no image decoding) up to the saved pack, which reproduces the packer's state exactly.
+
+`DataLoader` turns packs into micro-batches: every sample of a pack is processed
+(`MindVLProcessor.process_sample`), the rows go through `collate` (by default the model's
+`build_model_inputs(rows, config, pad_to)`). It counts batches as they are handed to the trainer,
+so `state_dict()` is the consumed position even when a MindSpore pipeline prefetches ahead;
+`load_state_dict()` restores it and the next batch is exactly the one that would have come.
+`to_mindspore()` wraps the same batches in a `mindspore.dataset.GeneratorDataset` (random access
+over the remaining batches of the epoch, order preserved).
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections import Counter
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..config.data import DataConfig
+from .packing import Item, OnlinePacker
+from .schema import SampleError, parse_line, parse_sample
+
+Pack = List[Tuple[Dict[str, Any], str, int]]  # [(raw sample object, source path for relative images, line)]
+
+
+def _line_offsets(path: str, keep: Optional[Callable[[int], bool]] = None) -> List[Tuple[int, int]]:
+    """[(1-based line, byte offset)] of the lines `keep` accepts (one pass, no JSON parsing)."""
+    out, pos = [], 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if keep is None or keep(n):
+                out.append((n, pos))
+            pos += len(raw)
+    return out
+
+
+def _read_at(path: str, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.readline().decode("utf-8")
+
+
+class PackedShardSource:
+    """Packs of one rank's offline shard (see module doc)."""
+
+    kind = "offline"
+
+    def __init__(self, packed_dir: str, config: DataConfig):
+        man_path = os.path.join(packed_dir, "manifest.json")
+        if not os.path.isfile(man_path):
+            raise FileNotFoundError(f"{packed_dir}: no manifest.json (run `mindvl data pack` first)")
+        with open(man_path, encoding="utf-8") as f:
+            man = json.load(f)
+        if man["dp_size"] != config.dp_size:
+            raise ValueError(f"{man_path}: packed for dp_size={man['dp_size']}, but data.dp_size={config.dp_size}")
+        if man["seq_length"] > config.seq_length:
+            raise ValueError(f"{man_path}: packs of {man['seq_length']} tokens exceed data.seq_length={config.seq_length}")
+        self.config, self.source = config, man.get("source", man_path)
+        self.shard = os.path.join(packed_dir, man["shards"][config.dp_rank])
+        self.offsets = [o for _, o in _line_offsets(self.shard)]
+        if len(self.offsets) != man["rank_packs"][config.dp_rank]:
+            raise ValueError(f"{self.shard}: {len(self.offsets)} packs, manifest says {man['rank_packs'][config.dp_rank]}")
+
+    def skip(self, epoch: int, packs: int) -> Iterator[Pack]:
+        """The epoch's packs after the first `packs` (cheap: the order is known up front)."""
+        n, c = len(self.offsets), self.config
+        order = np.random.default_rng([c.seed, epoch]).permutation(n) if c.shuffle else np.arange(n)
+        for i in order[packs:]:
+            rec = json.loads(_read_at(self.shard, self.offsets[i]))
+            yield [(obj, self.shard, line) for obj, line in zip(rec["samples"], rec["lines"])]
+
+    def epoch_packs(self, epoch: int) -> Iterator[Pack]:
+        return self.skip(epoch, 0)
+
+
+class OnlinePackSource:
+    """Streaming packs from this rank's stride of the JSONL sources (see module doc)."""
+
+    kind = "online"
+
+    def __init__(self, config: DataConfig, processor):
+        if not config.sources:
+            raise ValueError("data.sources is empty: online packing needs at least one JSONL file")
+        self.config, self.proc = config, processor
+        r, dp = config.dp_rank, config.dp_size
+        self.lines = []
+        for s in config.sources:
+            if not os.path.isfile(s.path):
+                raise FileNotFoundError(f"data source not found: {s.path}")
+            self.lines.append(_line_offsets(s.path, lambda n: (n - 1) % dp == r))
+        self.dropped: Counter = Counter()
+
+    def _epoch_order(self, epoch: int) -> List[Tuple[int, int, int]]:
+        """[(source index, line, offset)] for the epoch: weight w gives floor(w) passes + a random fraction."""
+        c, out = self.config, []
+        for k, (src, lines) in enumerate(zip(c.sources, self.lines)):
+            rng = np.random.default_rng([c.seed, epoch, c.dp_rank, k])
+            reps = [rng.permutation(len(lines)) for _ in range(int(np.ceil(src.weight)))]
+            take = np.concatenate(reps)[: int(round(src.weight * len(lines)))] if reps else []
+            out += [(k, *lines[i]) for i in take]
+        rng = np.random.default_rng([c.seed, epoch, c.dp_rank])
+        perm = rng.permutation(len(out)) if c.shuffle else np.arange(len(out))
+        return [out[i] for i in perm]
+
+    def _items(self, epoch: int) -> Iterator[Item]:
+        from .offline import sample_meta
+
+        for k, line, off in self._epoch_order(epoch):
+            path = self.config.sources[k].path
+            s = parse_line(_read_at(path, off), path, line)
+            try:
+                if isinstance(s, SampleError):
+                    raise s
+                tokens, img = sample_meta(self.proc, s)
+            except SampleError as e:
+                self.dropped[e.reason] += 1
+                warnings.warn(f"skipping {e}")
+                continue
+            yield Item((k, line, off), tokens, img)
+
+    def skip(self, epoch: int, packs: int) -> Iterator[Pack]:
+        self.dropped = Counter()  # per pass over the epoch (a resume replays the pass)
+        packer = OnlinePacker(self.config.seq_length, self.config.max_image_tokens, self.config.online_buffer)
+        for n, pack in enumerate(packer.pack_stream(self._items(epoch))):
+            if n < packs:
+                continue
+            yield [(json.loads(_read_at(self.config.sources[k].path, off)), self.config.sources[k].path, line)
+                   for (k, line, off) in (it.key for it in pack.items)]
+        for it, reason in packer.dropped:
+            self.dropped[reason.split(" (")[0]] += 1
+
+    def epoch_packs(self, epoch: int) -> Iterator[Pack]:
+        return self.skip(epoch, 0)
+
+
+class DataLoader:
+    """Micro-batches of processed packs with an exact consumed-data state (see module doc)."""
+
+    def __init__(self, source, processor, config: DataConfig, collate: Optional[Callable] = None,
+                 model_config=None):
+        self.source, self.proc, self.config = source, processor, config
+        if collate is None and model_config is not None:
+            from ..models.inputs import build_model_inputs
+
+            pad = config.pad_to or config.seq_length
+            collate = lambda rows: build_model_inputs(rows, model_config, pad_to=pad)  # noqa: E731
+        self.collate = collate or (lambda rows: rows)
+        self.epoch, self.position, self.consumed_samples = 0, 0, 0
+        self.skipped: List[str] = []
+
+    @classmethod
+    def from_config(cls, config: DataConfig, processor=None, model_config=None, collate=None) -> "DataLoader":
+        from .processor import MindVLProcessor
+
+        proc = processor or MindVLProcessor(config=config)
+        src = (PackedShardSource(config.packed_dir, config) if config.packing == "offline"
+               else OnlinePackSource(config, proc))
+        return cls(src, proc, config, collate=collate, model_config=model_config)
+
+    def _rows(self, packs: Sequence[Pack]) -> List[List[Dict]]:
+        rows = []
+        for pack in packs:
+            row = []
+            for obj, path, line in pack:
+                try:
+                    s = parse_sample(obj, path, line)
+                    out = self.proc.process_sample(s)
+                    out["source"] = getattr(self.source, "source", path)  # the original JSONL, not the shard
+                    row.append(out)
+                except SampleError as e:  # counted and reported, never silent
+                    self.skipped.append(str(e))
+                    warnings.warn(f"skipping {e}")
+            rows.append(row)
+        return rows
+
+    def _pack_batches(self, epoch: int, start: int) -> Iterator[List[Pack]]:
+        """Raw packs grouped into micro-batches, from micro-batch `start` of the epoch."""
+        mbs, buf = self.config.micro_batch_size, []
+        for pack in self.source.skip(epoch, start * mbs):
+            buf.append(pack)
+            if len(buf) == mbs:
+                yield buf
+                buf = []
+        if buf:
+            yield buf
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches from the saved position to the end of the epoch; then the epoch advances."""
+        for packs in self._pack_batches(self.epoch, self.position):
+            batch = self.collate(self._rows(packs))
+            self.position += 1
+            self.consumed_samples += sum(len(p) for p in packs)
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        c = self.config
+        return {"kind": self.source.kind, "epoch": self.epoch, "position": self.position,
+                "consumed_samples": self.consumed_samples, "seed": c.seed, "dp_rank": c.dp_rank,
+                "dp_size": c.dp_size, "micro_batch_size": c.micro_batch_size, "skipped": len(self.skipped)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        c = self.config
+        for key in ("kind", "seed", "dp_rank", "dp_size", "micro_batch_size"):
+            mine = self.source.kind if key == "kind" else getattr(c, key)
+            if state.get(key) != mine:
+                raise ValueError(f"loader state was saved with {key}={state.get(key)!r}, this loader has {mine!r}: "
+                                 f"resuming would not continue the same data order")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.consumed_samples = int(state["consumed_samples"])
+
+    def to_mindspore(self, column_names: Sequence[str]):
+        """A MindSpore GeneratorDataset over the rest of the current epoch (random access, order kept,
+        samples processed in the pipeline's workers). Iterate it with
+        `create_tuple_iterator(num_epochs=1, output_numpy=True)` and call `mark_consumed()` once per batch
+        taken, so the state follows what the trainer used, not what the pipeline prefetched."""
+        import mindspore.dataset as msd
+
+        groups = list(self._pack_batches(self.epoch, self.position))  # raw JSON only, no image decoding
+        names = list(column_names)
+        loader = self
+
+        class _Source:
+            def __len__(self):
+                return len(groups)
+
+            def __getitem__(self, i):
+                out = loader.collate(loader._rows(groups[i]))
+                return tuple(np.asarray(out[k]) for k in names)
+
+        self._ms_start, self._ms_counts = self.position, [sum(len(p) for p in g) for g in groups]
+        return msd.GeneratorDataset(_Source(), column_names=names, shuffle=False,
+                                    num_parallel_workers=self.config.num_workers, python_multiprocessing=False)
+
+    def mark_consumed(self) -> None:
+        """Advance the state by one batch of the `to_mindspore()` pipeline (the epoch rolls over at its end)."""
+        i = self.position - self._ms_start
+        if not 0 <= i < len(self._ms_counts):
+            raise RuntimeError("mark_consumed called more often than the pipeline has batches")
+        self.consumed_samples += self._ms_counts[i]
+        self.position += 1
+        if i + 1 == len(self._ms_counts):
+            self.epoch, self.position, self._ms_start, self._ms_counts = self.epoch + 1, 0, 0, []

@@ -1,0 +1,175 @@
+"""Offline packing (`mindvl data pack`): metadata pass, best-fit-decreasing, per-rank shards, manifest.
+
+1. Metadata pass (multi-process, tqdm): every line is parsed; image token counts come from
+   `image_sizes` when present, else from the image header (PIL opens lazily: no pixel decoding);
+   text token counts from the chat template via the tokenizer (`MindVLProcessor.count_tokens`,
+   the same function the loader's lengths agree with). Bad lines become `dropped` entries with a
+   reason, never silent skips.
+2. `pack_bfd` under seq_length and max_image_tokens, then `assign_ranks` (equal pack counts,
+   token-balanced ranks, ViT-balanced steps).
+3. Output in OUT_DIR: `rank_00000.jsonl` ... one shard per data-parallel rank (a line is a pack:
+   {"tokens", "image_tokens", "lines", "samples": [original JSON objects]}, image paths rewritten
+   relative to OUT_DIR) and `manifest.json` as in DESIGN.md plus balance statistics.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple
+
+from tqdm import tqdm
+
+from ..config.data import DataConfig
+from .packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
+from .schema import Sample, SampleError, count_placeholders, parse_line
+
+_PROC = None  # per-worker processor (tokenizer loaded once per process)
+
+
+def _init_worker(config: DataConfig) -> None:
+    global _PROC
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from .processor import MindVLProcessor
+
+    _PROC = MindVLProcessor(config=config)
+
+
+def sample_meta(proc, sample: Sample) -> Tuple[int, int]:
+    """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers)."""
+    from .processor import image_size, image_tokens
+
+    n_ph = count_placeholders(sample)
+    if n_ph != len(sample.images):
+        raise SampleError(sample.source, sample.line, "image count mismatch",
+                          f"{n_ph} <image> placeholders for {len(sample.images)} images")
+    sizes = sample.image_sizes
+    if sizes is None:
+        try:
+            sizes = [image_size(p) for p in sample.images]
+        except (OSError, FileNotFoundError) as e:
+            raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+    try:
+        counts = [image_tokens(w, h, proc.image_config) for w, h in sizes]
+    except ValueError as e:
+        raise SampleError(sample.source, sample.line, "bad image size", str(e)) from None
+    return proc.count_tokens(sample.messages, counts), sum(counts)
+
+
+def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[str]]]:
+    """[(line, (tokens, image_tokens) or None, reason or None)] for a chunk of raw lines."""
+    path, chunk = args
+    out = []
+    for line, text in chunk:
+        s = parse_line(text, path, line)
+        if isinstance(s, SampleError):
+            out.append((line, None, s.reason))
+            continue
+        try:
+            out.append((line, sample_meta(_PROC, s), None))
+        except SampleError as e:
+            out.append((line, None, e.reason))
+    return out
+
+
+def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int = 2000,
+                     progress: bool = True) -> Tuple[List[Item], List[Dict[str, Any]]]:
+    """Items (key = 1-based line) and dropped entries for every line of `path`."""
+    with open(path, encoding="utf-8") as f:
+        lines = list(enumerate(f, 1))
+    chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
+    workers = workers or os.cpu_count() or 1
+    items, dropped = [], []
+    bar = tqdm(total=len(lines), desc="metadata", unit="sample", disable=not progress)
+    if workers > 1 and len(chunks) > 1:
+        with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(config,)) as pool:
+            results = pool.imap(_meta_chunk, chunks)
+            for res in results:
+                _collect(res, items, dropped)
+                bar.update(len(res))
+    else:
+        _init_worker(config)
+        for c in chunks:
+            res = _meta_chunk(c)
+            _collect(res, items, dropped)
+            bar.update(len(res))
+    bar.close()
+    return items, dropped
+
+
+def _collect(res, items, dropped) -> None:
+    for line, meta, reason in res:
+        if meta is None:
+            dropped.append({"line": line, "reason": reason})
+        else:
+            items.append(Item(line, meta[0], meta[1]))
+
+
+def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int] = None,
+              progress: bool = True) -> Dict[str, Any]:
+    """Pack `path` into per-rank shards under `out_dir`; returns the manifest (also written)."""
+    t0 = time.perf_counter()
+    items, dropped = compute_metadata(path, config, config.pack_workers if workers is None else workers,
+                                      progress=progress)
+    if config.over_length == "error":
+        _, bad = split_oversized(items, config.seq_length, config.max_image_tokens)
+        if bad:
+            raise ValueError(f"{path}:{bad[0][0].key}: {bad[0][1]} (over_length: error; "
+                             f"{len(bad)} such samples)")
+    ok, bad = split_oversized(items, config.seq_length, config.max_image_tokens)
+    dropped += [{"line": it.key, "reason": reason} for it, reason in bad]
+    t_meta = time.perf_counter() - t0
+    packs = pack_bfd(ok, config.seq_length, config.max_image_tokens)
+    if len(packs) < config.dp_size:
+        raise ValueError(f"{path}: only {len(packs)} packs for {config.dp_size} ranks; add data or lower dp_size")
+    ranks, stats = assign_ranks(packs, config.dp_size)
+    t_pack = time.perf_counter() - t0 - t_meta
+    os.makedirs(out_dir, exist_ok=True)
+    _write_shards(path, out_dir, ranks, progress)
+    all_packs = [p for r in ranks for p in r]
+    dropped.sort(key=lambda d: d["line"])
+    manifest = {
+        "seq_length": config.seq_length, "dp_size": config.dp_size, "max_image_tokens": config.max_image_tokens,
+        "source": os.path.abspath(path), "num_lines": len(items) + len(dropped) - len(bad),
+        "num_samples": sum(len(p.items) for p in all_packs), "num_packs": len(all_packs),
+        "efficiency": round(efficiency(all_packs, config.seq_length), 6),
+        "rank_tokens": stats["rank_tokens"], "rank_packs": stats["rank_packs"],
+        "rank_image_tokens": stats["rank_image_tokens"], "rank_token_ratio": round(stats["rank_token_ratio"], 6),
+        "vit_step_max_min_ratio_mean": round(stats["vit_step_max_min_ratio_mean"], 6),
+        "dropped_counts": dict(Counter(d["reason"].split(" (")[0] for d in dropped)),
+        "dropped": dropped,
+        "shards": [f"rank_{r:05d}.jsonl" for r in range(config.dp_size)],
+        "timing_s": {"metadata": round(t_meta, 3), "packing": round(t_pack, 3)},
+        "packs": [{"rank": r, "tokens": p.tokens, "image_tokens": p.image_tokens, "lines": [it.key for it in p.items]}
+                  for r, rp in enumerate(ranks) for p in rp],
+    }
+    tmp = os.path.join(out_dir, "manifest.json.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+    os.replace(tmp, os.path.join(out_dir, "manifest.json"))
+    return manifest
+
+
+def _write_shards(path: str, out_dir: str, ranks, progress: bool) -> None:
+    """One JSONL shard per rank; samples copied verbatim except image paths (relative to out_dir)."""
+    need = {it.key for r in ranks for p in r for it in p.items}
+    base, out_abs = os.path.dirname(os.path.abspath(path)), os.path.abspath(out_dir)
+    raw: Dict[int, Dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(tqdm(f, desc="shards", unit="line", disable=not progress), 1):
+            if n in need:
+                obj = json.loads(text)
+                if obj.get("images"):
+                    obj["images"] = [os.path.relpath(p if os.path.isabs(p) else os.path.join(base, p), out_abs)
+                                     for p in obj["images"]]
+                raw[n] = obj
+    for r, rp in enumerate(ranks):
+        tmp = os.path.join(out_dir, f"rank_{r:05d}.jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for p in rp:
+                f.write(json.dumps({"tokens": p.tokens, "image_tokens": p.image_tokens,
+                                    "lines": [it.key for it in p.items],
+                                    "samples": [raw[it.key] for it in p.items]}, ensure_ascii=False) + "\n")
+        os.replace(tmp, os.path.join(out_dir, f"rank_{r:05d}.jsonl"))

@@ -1,0 +1,148 @@
+"""What a user sees while training: progress bar, metrics JSONL, loss/LR plot, run summary with MFU.
+
+- `ProgressBar`: tqdm over the stage's steps with step, loss, tokens/s, LR (ETA from tqdm).
+- `MetricsLog`: one JSON object per logged step in OUT/metrics.jsonl (stage, step, loss, lr,
+  grad_norm, loss_scale, applied, tokens, tokens_per_s, step_time). On resume the file is cut back
+  to the checkpoint's position, so an interrupted + resumed run logs exactly the lines of an
+  uninterrupted one.
+- `plot_stage`: OUT/<stage>/loss_lr.png (matplotlib Agg; loss left axis, LR right axis).
+- `summarize`: throughput and model FLOPs utilisation. FLOPs per step = 6 x parameters x tokens
+  (forward 2 + backward 4, the PaLM convention; attention score FLOPs left out), counted for the LLM
+  on text tokens and for the vision tower on patches. MFU divides by the matmul peak measured on
+  this machine with MindSpore (`measure_matmul_peak`), so it is honest about the hardware.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+
+class ProgressBar:
+    def __init__(self, total: int, initial: int, desc: str, enabled: bool = True):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled,
+                        dynamic_ncols=True)
+
+    def update(self, rec: Dict[str, Any]) -> None:
+        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec['lr']:.2e}",
+                             refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class MetricsLog:
+    """Append-only JSONL of step records (rank 0 writes)."""
+
+    def __init__(self, path: str, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+
+    def truncate_after(self, stage_index: int, step: int) -> None:
+        """Drop records past (stage_index, step): what an interrupted run logged after its checkpoint."""
+        if not (self.enabled and os.path.isfile(self.path)):
+            return
+        keep = [line for line in open(self.path, encoding="utf-8")
+                if line.strip() and (json.loads(line)["stage_index"], json.loads(line)["step"]) <= (stage_index, step)]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def write(self, rec: Dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def read(self, stage: Optional[str] = None) -> List[Dict[str, Any]]:
+        if not os.path.isfile(self.path):
+            return []
+        recs = [json.loads(line) for line in open(self.path, encoding="utf-8") if line.strip()]
+        return [r for r in recs if stage is None or r["stage"] == stage]
+
+
+def plot_stage(records: List[Dict[str, Any]], path: str, title: str) -> Optional[str]:
+    """Loss and LR against step; returns the PNG path (None without records)."""
+    if not records:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, [r["loss"] for r in records], color="tab:blue", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["lr"] for r in records], color="tab:orange", label="lr")
+    ax2.set_ylabel("learning rate", color="tab:orange")
+    ax.set_title(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def measure_matmul_peak(n: int = 512, repeats: int = 20) -> float:
+    """Achieved fp32 FLOP/s of an n x n MindSpore matmul on this device (best of `repeats`)."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    a = Tensor(np.random.RandomState(0).rand(n, n).astype(np.float32))
+    b = Tensor(np.random.RandomState(1).rand(n, n).astype(np.float32))
+    ops.matmul(a, b).asnumpy()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ops.matmul(a, b).asnumpy()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def param_counts(model) -> Dict[str, int]:
+    """Parameters of the vision tower, the LLM (without the embedding lookup table) and in total."""
+    vis = llm = total = 0
+    tied = getattr(getattr(model, "config", None), "text", None)
+    tied = bool(getattr(tied, "tie_word_embeddings", False))
+    for p in model.get_parameters():
+        n = int(np.prod(p.shape))
+        total += n
+        if p.name.startswith("visual."):
+            vis += n
+        elif "embed_tokens" not in p.name or tied:  # a tied table is also the lm_head matmul
+            llm += n
+    return {"vision": vis, "llm": llm, "total": total}
+
+
+def summarize(records: List[Dict[str, Any]], counts: Dict[str, int], peak_flops: float, world: int,
+              wall_time: float, compile_time: float) -> Dict[str, Any]:
+    """Run summary from step records (this rank's tokens; FLOPs scaled by the number of ranks)."""
+    if not records:
+        return {"steps": 0, "wall_time_s": wall_time}
+    step_time = sum(r["step_time"] for r in records)
+    tokens = sum(r["tokens"] for r in records) * world
+    patches = sum(r.get("patches", 0) for r in records) * world
+    flops = 6.0 * (counts["llm"] * tokens + counts["vision"] * patches)
+    achieved = flops / max(step_time, 1e-9)
+    return {
+        "steps": len(records),
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(step_time, 1e-9),
+        "mean_step_time_s": step_time / len(records),
+        "model_tflops_per_s": achieved / 1e12,
+        "peak_tflops_per_s": peak_flops * world / 1e12,
+        "mfu": achieved / (peak_flops * world),
+        "final_loss": records[-1]["loss"],
+        "skipped_steps": sum(0 if r["applied"] else 1 for r in records),
+        "compile_time_s": compile_time,
+        "wall_time_s": wall_time,
+        "params": counts,
+    }

@@ -1,0 +1,152 @@
+"""Distribution: msrun data parallel on CPU/Ascend, auto-parallel context on Ascend, strategy checks.
+
+- Launch with `scripts/msrun_train.sh N mindvl train --config ...` (msrun starts N workers and a
+  scheduler; `mindspore.communication.init()` joins them: mccl on CPU, hccl on Ascend).
+- Data parallel is explicit: every rank runs the same compiled micro-step graph on its rows, and
+  the apply graph all-reduces (sums) the accumulated gradients once per global batch. The loss is
+  normalised by global counts, so the sum equals the single-process gradient of the same global
+  batch (`parallel.gradients_mean: false`).
+- On Ascend the `parallel:` / `parallel_config:` sections go to `set_auto_parallel_context`
+  (parallel mode, device_num, pipeline stages, gradient mean, parallel optimizer, search mode).
+  On CPU anything beyond data parallel is refused with a clear message.
+- `validate_strategy` checks divisibility (heads, KV heads, hidden, FFN, vocab, layers, experts)
+  before any graph is built.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import List
+
+import numpy as np
+
+from ..config.base import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    dp: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_msrun() -> bool:
+    return "MS_WORKER_NUM" in os.environ and "MS_ROLE" in os.environ
+
+
+def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
+    """Raise ConfigError listing every divisibility problem of (dp, mp, pp, ep) for this model."""
+    mp, pp, ep, dp = sizes.model_parallel, sizes.pipeline_stage, sizes.expert_parallel, sizes.data_parallel
+    problems = []
+    if dp * mp * pp != world:
+        problems.append(f"data_parallel ({dp}) x model_parallel ({mp}) x pipeline_stage ({pp}) = {dp * mp * pp}, "
+                        f"but {world} ranks are running")
+    t, v = model_cfg.text, model_cfg.vision
+    checks = [("text num_attention_heads", t.num_attention_heads, mp),
+              ("text num_key_value_heads", t.num_key_value_heads, mp),
+              ("text hidden_size", t.hidden_size, mp),
+              ("text intermediate_size", t.intermediate_size, mp),
+              ("vision num_heads", v.num_heads, mp),
+              ("vision hidden_size", v.hidden_size, mp),
+              ("text num_hidden_layers", t.num_hidden_layers, pp)]
+    if not sizes.vocab_emb_dp:
+        checks.append(("text vocab_size", t.vocab_size, mp))
+    if t.model_type == "deepseek_v3":
+        checks.append(("moe n_routed_experts", t.moe.n_routed_experts, ep))
+        if ep * mp > world:
+            problems.append(f"expert_parallel ({ep}) x model_parallel ({mp}) exceeds the {world} ranks")
+        try:  # the MoE module's own rules, when it provides them
+            from ..models.moe_parallel import validate_moe_parallel  # type: ignore
+
+            validate_moe_parallel(t, sizes, device_num=world)
+        except ImportError:
+            pass
+        except (ValueError, ConfigError) as e:
+            problems.append(str(e))
+    elif ep != 1:
+        problems.append(f"expert_parallel={ep} but the text model ({t.model_type}) has no experts")
+    for name, value, by in checks:
+        if by > 1 and value % by:
+            problems.append(f"{name} {value} is not divisible by {by}")
+    if pp > 1 and sizes.micro_batch_num < pp:
+        problems.append(f"micro_batch_num {sizes.micro_batch_num} < pipeline_stage {pp} (the pipeline would idle)")
+    if problems:
+        raise ConfigError("parallel strategy does not fit the model:\n  " + "\n  ".join(problems))
+    return problems
+
+
+def setup(run_cfg) -> DistInfo:
+    """Set the MindSpore context, join the msrun cluster when launched by it, validate the strategy."""
+    import mindspore as ms
+
+    ctx = run_cfg.context
+    ms.set_context(mode=ms.GRAPH_MODE if ctx.mode == 0 else ms.PYNATIVE_MODE)
+    ms.set_device(ctx.device_target)
+    if ctx.max_device_memory and ctx.device_target == "Ascend":
+        ms.set_context(max_device_memory=ctx.max_device_memory)
+    sizes, par = run_cfg.parallel_config, run_cfg.parallel
+    cpu = ctx.device_target == "CPU"
+    if cpu and (par.parallel_mode != 0 or sizes.model_parallel > 1 or sizes.pipeline_stage > 1
+                or sizes.expert_parallel > 1 or par.enable_parallel_optimizer):
+        raise ConfigError(
+            "on CPU only data parallel is supported: set parallel.parallel_mode: 0, parallel_config."
+            "model_parallel/pipeline_stage/expert_parallel: 1 and parallel.enable_parallel_optimizer: false "
+            f"(got mode {par.parallel_mode}, mp {sizes.model_parallel}, pp {sizes.pipeline_stage}, "
+            f"ep {sizes.expert_parallel}); tensor/pipeline/expert parallel need Ascend")
+    info = DistInfo()
+    if launched_by_msrun():
+        from mindspore.communication import get_group_size, get_rank, init
+
+        init()
+        info.rank, info.world = get_rank(), get_group_size()
+    if sizes.data_parallel == 1 and sizes.model_parallel * sizes.pipeline_stage == 1 and info.world > 1:
+        sizes.data_parallel = info.world
+        log.info("parallel_config.data_parallel set to %d (the number of ranks)", info.world)
+    validate_strategy(run_cfg.model, sizes, info.world)
+    info.dp = sizes.data_parallel
+    if not cpu and info.world > 1:
+        modes = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
+        kw = dict(parallel_mode=modes[par.parallel_mode], device_num=info.world,
+                  gradients_mean=par.gradients_mean, full_batch=par.full_batch,
+                  enable_parallel_optimizer=par.enable_parallel_optimizer)
+        if par.parallel_mode == 2:
+            kw["search_mode"] = par.search_mode
+        if sizes.pipeline_stage > 1:
+            kw["pipeline_stages"] = sizes.pipeline_stage
+        if par.strategy_ckpt_save_file:
+            kw["strategy_ckpt_save_file"] = par.strategy_ckpt_save_file
+        ms.set_auto_parallel_context(**kw)
+    return info
+
+
+class HostAllReduce:
+    """Sum a small float32 numpy vector over all ranks (counts used to normalise the loss)."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._cell = None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.world == 1:
+            return x
+        import mindspore as ms
+        from mindspore import Tensor, nn, ops
+
+        if self._cell is None:
+            class _Sum(nn.Cell):
+                def __init__(self):
+                    super().__init__()
+                    self.op = ops.AllReduce()
+
+                def construct(self, v):
+                    return self.op(v)
+
+            self._cell = _Sum()
+        return self._cell(Tensor(np.asarray(x, np.float32), ms.float32)).asnumpy()
