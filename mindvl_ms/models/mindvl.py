@@ -43,6 +43,14 @@ class MindVLForConditionalGeneration(nn.Cell):
 
     def construct(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
                   reverse_index, window_segment_ids, full_segment_ids, embed_index):
+        hidden, aux_loss, expert_load = self.hidden_states(
+            input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index, reverse_index,
+            window_segment_ids, full_segment_ids, embed_index)
+        return self.logits(hidden), aux_loss, expert_load
+
+    def hidden_states(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
+                      reverse_index, window_segment_ids, full_segment_ids, embed_index):
+        """Final normalised hidden states [B, L, D] (plus the language model's aux loss and expert load)."""
         b, l = input_ids.shape
         text = self.model.embed_tokens(input_ids)  # [B, L, D]
         d = text.shape[-1]
@@ -50,9 +58,11 @@ class MindVLForConditionalGeneration(nn.Cell):
                             full_segment_ids)  # [M, D] merged visual tokens, image order
         table = ops.cat((text.reshape(-1, d), image.astype(text.dtype)), 0)  # [B*L + M, D]
         embeds = ops.gather(table, embed_index, 0).reshape(b, l, d)  # [B, L, D]
-        hidden, aux_loss, expert_load = self.model(embeds, position_ids, segment_ids)
-        logits = lm_logits(hidden, self.model.embed_tokens.weight, self.lm_head)  # [B, L, V]
-        return logits, aux_loss, expert_load
+        return self.model(embeds, position_ids, segment_ids)
+
+    def logits(self, hidden):
+        """[..., D] -> float32 [..., V] through lm_head (or the tied embedding table)."""
+        return lm_logits(hidden, self.model.embed_tokens.weight, self.lm_head)
 
     # -- graph set-up helpers ------------------------------------------------------------------
     def dynamic_inputs(self):
