@@ -3,6 +3,7 @@
 Run: pytest -q tests/test_merge.py
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def test_linear_task_arithmetic_sharded_and_side_files(tmp_path):
         f.write('{"max_pixels": 1003520}')
     with open(os.path.join(paths[0], "trainer_state.json"), "w") as f:
         f.write("{}")
+    save_file({"exp_avg.lm_head.weight": torch.zeros(5, 8)}, os.path.join(paths[0], "optimizer.safetensors"))
     rec = merge(paths, str(tmp_path / "lin"), weights=[2, 1, 1], progress=False)
     out = _load_dir(str(tmp_path / "lin"))
     for k in keys:
@@ -143,6 +145,9 @@ def test_mismatch_listing_and_bad_arguments(tmp_path):
         merge([pa, pa, pa], str(tmp_path / "o"), weights=[1, 2])
     with pytest.raises(MergeError, match="matches no tensor"):
         merge([pa, pa], str(tmp_path / "o"), only=["language_model."])
+    with pytest.raises(MergeError, match="exists and is not empty"):
+        merge([pa, pa], pb)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]  # no partial output left behind
 
 
 def test_only_prefix_merges_llm_with_base_llm(tmp_path):
@@ -184,3 +189,60 @@ def test_streaming_memory_is_not_n_checkpoints(tmp_path):
         x = f.get_tensor("layer.5.weight")
     ref = sum(load_file(os.path.join(p, "model.safetensors"))["layer.5.weight"].double() for p in paths) / 3
     np.testing.assert_allclose(x, ref.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_cli_merge(tmp_path, capsys):
+    from mindvl_ms import cli
+
+    a, b = _random(0), _random(1)
+    pa, pb = _ckpt(str(tmp_path / "a"), a), _ckpt(str(tmp_path / "b"), b)
+    assert cli.main(["merge", pa, pb, "--out", str(tmp_path / "m"), "--weights", "1", "3", "--quiet"]) == 0
+    out = _load_dir(str(tmp_path / "m"))
+    torch.testing.assert_close(out["lm_head.weight"], 0.25 * a["lm_head.weight"] + 0.75 * b["lm_head.weight"])
+    assert "5 tensors merged" in capsys.readouterr().out
+    assert cli.main(["merge", pa, "--out", str(tmp_path / "t"), "--method", "ties"]) == 2
+    assert "needs --base" in capsys.readouterr().err
+
+
+def _ties_torch(base, xs, w, density, scale):
+    """TIES per tensor (Yadav et al. 2023; weighted as in mergekit), vectorised in torch."""
+    trimmed = []
+    for x in xs:
+        t = (x - base).double()
+        k = math.ceil(density * t.numel())
+        thr = t.abs().flatten().topk(k).values.min()
+        trimmed.append(torch.where(t.abs() >= thr, t, torch.zeros_like(t)))
+    T = torch.stack(trimmed)
+    W = torch.tensor(w, dtype=torch.float64).view(-1, *([1] * base.dim()))
+    sign = torch.sign((W * T).sum(0))
+    agree = (torch.sign(T) == sign) & (T != 0)
+    merged = (W * T * agree).sum(0) / (W * agree).sum(0).clamp(min=1e-300)
+    return base.double() + scale * merged
+
+
+def test_ties_and_chunking_against_torch(tmp_path, monkeypatch):
+    import mindvl_ms.checkpoint.merge as merge_mod
+
+    monkeypatch.setattr(merge_mod, "CHUNK", 7)  # many chunks per tensor, thresholds still per whole tensor
+    ts = [_random(s) for s in range(4)]
+    paths = [_ckpt(str(tmp_path / f"in{i}"), t) for i, t in enumerate(ts)]
+    merge(paths[1:], str(tmp_path / "ties"), method="ties", base=paths[0], weights=[1.0, 0.5, 2.0], density=0.3,
+          scale=0.8, progress=False)
+    merge(paths[1:], str(tmp_path / "lin"), progress=False)
+    ties, lin = _load_dir(str(tmp_path / "ties")), _load_dir(str(tmp_path / "lin"))
+    for k in ts[0]:
+        ref = _ties_torch(ts[0][k], [t[k] for t in ts[1:]], [1.0, 0.5, 2.0], 0.3, 0.8)
+        torch.testing.assert_close(ties[k].double(), ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lin[k].double(), sum(t[k].double() for t in ts[1:]) / 3, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(ties["lm_head.weight"], lin["lm_head.weight"])
+
+
+def test_bare_safetensors_files(tmp_path):
+    a, b = _random(0), _random(1)
+    save_file(a, str(tmp_path / "a.safetensors"), metadata={"format": "pt"})
+    save_file(b, str(tmp_path / "b.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "notes.txt").write_text("not part of a checkpoint")
+    merge([str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")], str(tmp_path / "m"), progress=False)
+    assert sorted(os.listdir(tmp_path / "m")) == ["a.safetensors", "merge_record.json"]
+    out = load_file(str(tmp_path / "m" / "a.safetensors"))
+    torch.testing.assert_close(out["model.norm.weight"], (a["model.norm.weight"] + b["model.norm.weight"]) / 2)

@@ -17,16 +17,18 @@ and the other inputs need only hold the selected keys (e.g. the LLM of a VLM mer
 Design:
 - Headers are checked before anything is written: every input (and the base) must hold the same keys with
   the same shapes and dtypes; the error lists every difference per input.
-- Memory stays about one tensor chunk per input, not N checkpoints: each input file's header is read once
-  and tensor bytes are fetched with positional reads in chunks of `CHUNK` elements; the output file is
-  written as a stream (header first, then tensor bytes in order). Memory-mapped reading (as
-  `safetensors.safe_open` does) would keep every touched page of all N inputs resident, and the numpy
-  frontend of safetensors cannot hold bf16; `safe_open` is used to verify the written files.
+- Memory stays about a few chunks, not N checkpoints: each input file's header is read once and tensor
+  bytes are fetched with positional reads in chunks of `CHUNK` elements; the output is written as a
+  stream (header first, then tensor bytes in order) and each written shard is checked by opening it with
+  `safetensors.safe_open`. Reading the inputs through `safe_open` instead keeps the memory-mapped pages
+  of all N inputs resident, and its numpy frontend cannot hold bf16. bench/bench_merge.py, 3 x 300 MB
+  fp32: peak RSS growth 49 MB (0.16 x one checkpoint) vs 1229 MB through safe_open and 1409 MB loading all.
 - Floating tensors are combined in float32 (float64 stays float64) and written back in their own dtype
   (bf16 with round-to-nearest-even). Integer/bool tensors must be identical across inputs and are copied.
 - The output mirrors the first input: same shard files, same index, same `__metadata__`
-  (transformers needs `format: pt`), plus config.json and the other non-weight files, and a
-  `merge_record.json` with inputs and weights. It is built in `OUT.partial` and renamed at the end.
+  (transformers needs `format: pt`), plus config.json and the other non-weight files (not the
+  optimizer/trainer state), and a `merge_record.json` with inputs and weights. It is written through
+  `io.atomic_dir`: a failed merge leaves no directory behind.
 """
 from __future__ import annotations
 
@@ -38,7 +40,10 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from safetensors import safe_open
 from tqdm import tqdm
+
+from .io import INDEX, atomic_dir, weight_files
 
 CHUNK = 1 << 22  # elements per streamed chunk (16 MiB in float32)
 METHODS = ("linear", "task_arithmetic", "ties")
@@ -89,35 +94,26 @@ class SafetensorsFile:
 
 
 class Checkpoint:
-    """A checkpoint directory (single file or sharded with an index) or one .safetensors file."""
+    """A checkpoint directory (model.safetensors, or shards + index; found by io.weight_files, so an
+    optimizer.safetensors next to the weights is not mistaken for weights) or one .safetensors file."""
 
     def __init__(self, path: str):
-        self.path = path
-        if os.path.isfile(path) and path.endswith(".safetensors"):
-            root, shards = os.path.dirname(path), [os.path.basename(path)]
-            self.index_name = None
-        elif os.path.isdir(path):
-            root = path
-            idx = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
-            self.index_name = idx[0] if idx else None
-            if idx:
-                with open(os.path.join(path, idx[0])) as f:
-                    wmap = json.load(f).get("weight_map", {})
-                shards = sorted(set(wmap.values()))
-            else:
-                shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not shards:
-                raise MergeError(f"{path}: no *.safetensors weights in this directory")
-        else:
+        if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint not found: {path}")
-        self.root = root
-        self.files = {s: SafetensorsFile(os.path.join(root, s)) for s in shards}
+        self.path = path
+        try:
+            files = weight_files(path)  # tensor name -> file
+        except (FileNotFoundError, OSError, ValueError, KeyError) as e:
+            raise MergeError(f"{path}: no readable safetensors weights ({e})") from None
+        self.root = path if os.path.isdir(path) else os.path.dirname(path)
+        self.index_name = INDEX if os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX)) else None
+        self.files = {os.path.basename(f): SafetensorsFile(f) for f in sorted(set(files.values()))}
         self.where: Dict[str, str] = {}
-        for s, f in self.files.items():
-            for k in f.tensors:
-                if k in self.where:
-                    raise MergeError(f"{path}: tensor '{k}' is in both {self.where[k]} and {s}")
-                self.where[k] = s
+        for k, f in files.items():
+            shard = os.path.basename(f)
+            if k not in self.files[shard].tensors:
+                raise MergeError(f"{path}: the index puts '{k}' in {shard}, which does not hold it")
+            self.where[k] = shard
 
     def info(self, key: str) -> Tuple[str, List[int]]:
         t = self.files[self.where[key]].tensors[key]
@@ -255,6 +251,44 @@ def _copy_side_files(src: str, dst: str, skip: set) -> List[str]:
     return copied
 
 
+def _write_shards(tmp: str, cks: List[Checkpoint], bck: Optional[Checkpoint], sel: set, method: str,
+                  w: np.ndarray, density: float, scale: float, progress: bool) -> None:
+    """Stream every tensor of the first input's shards into `tmp`, merged when selected, else copied."""
+    ref = cks[0]
+    total = sum(int(np.prod(ref.info(k)[1], dtype=np.int64)) for k in ref.where)
+    bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"merge ({method})", disable=not progress)
+    for shard, f in ref.files.items():
+        order = [k for k in f.tensors if ref.where.get(k) == shard]
+        wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], f.metadata)
+        for key in order:
+            dtype, shape = ref.info(key)
+            numel = int(np.prod(shape, dtype=np.int64))
+            ths = None
+            if key in sel and method == "ties" and dtype in FLOATS:
+                ths = [_ties_threshold(c, bck, key, dtype, density) for c in cks]
+            for a in range(0, max(numel, 1), CHUNK):
+                b = min(numel, a + CHUNK)
+                if key not in sel:
+                    wr.write(ref.read(key, a, b))
+                elif dtype not in FLOATS:
+                    x0 = ref.read(key, a, b)
+                    for c in cks[1:]:
+                        if not np.array_equal(c.read(key, a, b), x0):
+                            raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
+                                             f"between {ref.path} and {c.path}")
+                    wr.write(x0)
+                else:
+                    bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
+                    read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
+                    wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype))
+                bar.update(b - a)
+        wr.close()
+        with safe_open(os.path.join(tmp, shard), "np") as check:  # the reference reader accepts the file
+            if list(check.keys()) != sorted(order):
+                raise MergeError(f"written shard {shard} does not list the expected tensors")
+    bar.close()
+
+
 def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Optional[Sequence[float]] = None,
           base: Optional[str] = None, density: float = 0.2, scale: float = 1.0,
           only: Optional[Sequence[str]] = None, overwrite: bool = False, progress: bool = True) -> dict:
@@ -289,66 +323,33 @@ def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Opti
             raise MergeError(f"--only {' '.join(only)} matches no tensor of {ref.path}; keys look like: "
                              + ", ".join(keys[:5]))
         check_compatible(cks, bck, selected, only)
-        sel = set(selected)
-        tmp = out.rstrip("/") + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        total = sum(int(np.prod(ref.info(k)[1], dtype=np.int64)) for k in keys)
-        bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"merge ({method})", disable=not progress)
-        for shard, f in ref.files.items():
-            order = list(f.tensors)
-            wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], f.metadata)
-            for key in order:
-                dtype, shape = ref.info(key)
-                numel = int(np.prod(shape, dtype=np.int64))
-                ths = None
-                if key in sel and method == "ties" and dtype in FLOATS:
-                    ths = [_ties_threshold(c, bck, key, dtype, density) for c in cks]
-                for a in range(0, max(numel, 1), CHUNK):
-                    b = min(numel, a + CHUNK)
-                    if key not in sel:
-                        wr.write(ref.read(key, a, b))
-                    elif dtype not in FLOATS:
-                        x0 = ref.read(key, a, b)
-                        for c in cks[1:]:
-                            if not np.array_equal(c.read(key, a, b), x0):
-                                raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
-                                                 f"between {ref.path} and {c.path}")
-                        wr.write(x0)
-                    else:
-                        bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
-                        read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
-                        wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype))
-                    bar.update(b - a)
-            wr.close()
-        bar.close()
-        if ref.index_name:
-            with open(os.path.join(ref.root, ref.index_name)) as fh:
-                index = json.load(fh)
-            index.setdefault("metadata", {})["total_size"] = sum(
-                int(np.prod(ref.info(k)[1], dtype=np.int64)) * np.dtype(NUMPY[ref.info(k)[0]]).itemsize
-                for k in keys)
-            with open(os.path.join(tmp, ref.index_name), "w") as fh:
-                json.dump(index, fh, indent=2)
-        copied = _copy_side_files(ref.root, tmp, {ref.index_name} if ref.index_name else set())
-        record = {
-            "method": method,
-            "inputs": [{"path": os.path.abspath(p), "weight": float(x)} for p, x in zip(inputs, weights)],
-            "normalised_weights": (w / w.sum()).tolist() if method == "linear" else None,
-            "base": os.path.abspath(base) if base else None,
-            "density": density if method == "ties" else None,
-            "scale": scale if method != "linear" else None,
-            "only": list(only) if only else None,
-            "merged_tensors": len(selected), "copied_tensors": len(keys) - len(selected),
-            "files_copied_from_first_input": copied,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        with open(os.path.join(tmp, "merge_record.json"), "w") as fh:
-            json.dump(record, fh, indent=2)
+        with atomic_dir(out) as tmp:  # renamed into place only when complete
+            _write_shards(tmp, cks, bck, set(selected), method, w, density, scale, progress)
+            if ref.index_name:
+                with open(os.path.join(ref.root, ref.index_name)) as fh:
+                    index = json.load(fh)
+                index.setdefault("metadata", {})["total_size"] = sum(
+                    int(np.prod(ref.info(k)[1], dtype=np.int64)) * np.dtype(NUMPY[ref.info(k)[0]]).itemsize
+                    for k in keys)
+                with open(os.path.join(tmp, ref.index_name), "w") as fh:
+                    json.dump(index, fh, indent=2)
+            copied = (_copy_side_files(ref.root, tmp, {ref.index_name} if ref.index_name else set())
+                      if os.path.isdir(ref.path) else [])  # a bare .safetensors input has no side files
+            record = {
+                "method": method,
+                "inputs": [{"path": os.path.abspath(p), "weight": float(x)} for p, x in zip(inputs, weights)],
+                "normalised_weights": (w / w.sum()).tolist() if method == "linear" else None,
+                "base": os.path.abspath(base) if base else None,
+                "density": density if method == "ties" else None,
+                "scale": scale if method != "linear" else None,
+                "only": list(only) if only else None,
+                "merged_tensors": len(selected), "copied_tensors": len(keys) - len(selected),
+                "files_copied_from_first_input": copied,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            with open(os.path.join(tmp, "merge_record.json"), "w") as fh:
+                json.dump(record, fh, indent=2)
     finally:
         for c in cks + ([bck] if bck else []):
             c.close()
-    if os.path.exists(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
     return record

@@ -255,12 +255,17 @@ def mme_scores(records: Iterable[dict]) -> Dict[str, float]:
 # ------------------------------------------------------------------------------------ dispatching
 
 def metric_for(task: Optional[str], metric: Optional[str]) -> str:
-    """The metric of a line: its `metric` field, else the default of its `task`, else exact_match."""
+    """The metric of a line: its `metric` field, else the default of the benchmark its `task` names
+    (longest TASK_METRIC key the task starts with), else exact_match."""
     if metric:
         if metric not in METRICS:
             raise ValueError(f"unknown metric {metric!r}: expected one of {', '.join(METRICS)}")
         return metric
-    return TASK_METRIC.get((task or "").lower(), "exact_match")
+    name = (task or "").lower()
+    for key in sorted(TASK_METRIC, key=len, reverse=True):  # "docvqa_val" -> docvqa, "refcoco+" before refcoco
+        if name.startswith(key):
+            return TASK_METRIC[key]
+    return "exact_match"
 
 
 def score_sample(metric: str, pred: str, ref: dict) -> float:

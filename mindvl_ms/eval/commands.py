@@ -1,0 +1,87 @@
+"""`mindvl eval` and `mindvl search-resolution` (see runner.py and resolution_search.py).
+
+    mindvl eval --ckpt DIR --data FILE.jsonl [--min-pixels N --max-pixels N] [--out DIR]
+    mindvl search-resolution --ckpt DIR [DIR ...] --data FILE.jsonl [FILE ...] [--save]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .metrics import METRICS, TASK_METRIC
+
+_FORMAT = ("Benchmark lines use the training JSONL format; the reference answer is the last assistant turn or "
+           "an 'answers' list. A 'task' field names the benchmark (default: the file name) and chooses the "
+           "metric unless a 'metric' field does. Metrics: " + ", ".join(METRICS) + ". Task defaults: "
+           + ", ".join(f"{k}->{v}" for k, v in TASK_METRIC.items()) + ".")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .runner import evaluate, load_backend
+
+    backend = load_backend(args.ckpt, args.max_new_tokens)  # loaded once for all files
+    for data in args.data:
+        out = args.out if len(args.data) == 1 else os.path.join(args.out, os.path.splitext(os.path.basename(data))[0])
+        res = evaluate(args.ckpt, data, out, backend=backend, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, limit=args.limit)
+        print(f"{data}: min_pixels={res['min_pixels']} max_pixels={res['max_pixels']} ({res['pixels_from']})")
+        for task, t in res["tasks"].items():
+            vals = ", ".join(f"{k}={v:.4g}" for k, v in t.items() if k not in ("metric", "primary"))
+            print(f"  {task} [{t['metric']}]: {100 * t['primary']:.2f}  ({vals})")
+        print(f"  average {100 * res['average']:.2f}; predictions and scores in {out}")
+    return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    from .resolution_search import search, summary
+
+    res = search(args.ckpt, args.data, args.out, min_grid=args.min_grid, max_grid=args.max_grid,
+                 batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, limit=args.limit, save=args.save,
+                 plot=not args.no_plot)
+    print(summary(res))
+    print(f"table, scores and plot in {args.out}")
+    if args.save:
+        for c, b in res["best"].items():
+            print(f"saved {json.dumps({k: b['average'][k] for k in ('min_pixels', 'max_pixels')})} "
+                  f"to {os.path.join(c, 'inference_config.json')}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=int, default=8, help="samples per generation batch (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="greedy decoding length limit (default 128)")
+    p.add_argument("--limit", type=int, help="use only the first N lines of each file (quick checks)")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="score a checkpoint on JSONL benchmarks",
+                              description="Batched greedy generation over a benchmark; writes predictions.jsonl "
+                                          "and scores.json. " + _FORMAT)
+    p.add_argument("--ckpt", required=True, help="checkpoint directory")
+    p.add_argument("--data", required=True, nargs="+", help="benchmark JSONL file(s)")
+    p.add_argument("--out", default="eval_out", help="output directory (one subdirectory per file when several)")
+    p.add_argument("--min-pixels", type=int, help="smallest resized image area in pixels (default: the checkpoint's "
+                                                  "inference_config.json, else preprocessor_config.json, else 3136)")
+    p.add_argument("--max-pixels", type=int, help="largest resized image area in pixels (default as --min-pixels; "
+                                                  "built-in 1280*28*28)")
+    _common(p)
+    p.set_defaults(func=_eval)
+
+    s = subparsers.add_parser(
+        "search-resolution", help="test-time grid search over min/max pixels",
+        description="Evaluate checkpoints over a min_pixels x max_pixels grid (units of 28x28 pixels), reusing "
+                    "vision features and answers where images resize identically. Writes resolution_search.json, "
+                    "resolution_table.md and a Figure-4 style box plot resolution_boxplot.png. " + _FORMAT)
+    s.add_argument("--ckpt", required=True, nargs="+", help="checkpoint directories (one box per checkpoint)")
+    s.add_argument("--data", required=True, nargs="+", help="benchmark JSONL file(s)")
+    s.add_argument("--out", default="resolution_search", help="output directory")
+    s.add_argument("--min-grid", type=int, nargs="+", default=[4, 16, 32, 64],
+                   help="min_pixels values in units of 28*28 (default 4 16 32 64)")
+    s.add_argument("--max-grid", type=int, nargs="+", default=[1280, 2048, 2560, 3072, 4096, 8192],
+                   help="max_pixels values in units of 28*28 (default 1280 2048 2560 3072 4096 8192)")
+    s.add_argument("--save", action="store_true",
+                   help="write the best-average setting into each checkpoint's inference_config.json")
+    s.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    _common(s)
+    s.set_defaults(func=_search)

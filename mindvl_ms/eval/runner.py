@@ -1,0 +1,326 @@
+"""`mindvl eval`: run a checkpoint over a JSONL benchmark, write predictions.jsonl and scores.json.
+
+    mindvl eval --ckpt ckpt/merged --data bench/docvqa_val.jsonl [--min-pixels N --max-pixels N] [--out DIR]
+
+Benchmark lines use the training format (DESIGN.md) plus optional evaluation fields:
+    {"id": "q1", "images": ["img/1.png"], "messages": [{"role": "user", "content": "<image>\\nTitle?"},
+     {"role": "assistant", "content": "Annual report"}],
+     "answers": ["Annual report", "annual report 2020"],   # else the last assistant turn is the answer
+     "task": "docvqa", "metric": "anls",                   # metric defaults from task (metrics.TASK_METRIC)
+     "options": {"A": "cat", "B": "dog"},                  # multiple choice: appended to the question
+     "group": "img1", "category": "HME100k"}               # MME/circular grouping, OCRBench category
+The prompt is every turn before the last assistant turn. For `circular` (MMBench) a line with options
+becomes one pass per circular shift of its options; the question counts when every pass is right.
+
+Design:
+- Generation is a backend object: `backend.generate(samples) -> list[str]` (batched greedy decoding),
+  optionally `backend.encode_image(path, height, width) -> features`. Each sample dict carries the
+  prompt `messages`, absolute `images`, their resized `image_hw` [(h, w)] and, when the backend
+  encodes images, `image_features` from a VisionCache keyed on (image, resized h, w), so repeated
+  images and resolution-search settings that resize an image identically encode it once. The default
+  backend is the real model (`mindvl_ms.infer.generate`, imported lazily); tests inject a fake.
+- Pixel limits: the flags, else the checkpoint's inference_config.json (written by
+  `mindvl search-resolution --save`), else its preprocessor_config.json, else Qwen2-VL's defaults.
+- Bad lines are collected and reported together (file:line: problem); nothing is skipped silently.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from tqdm import tqdm
+
+from ..config.data import ImageConfig
+from ..data.processor import image_size, smart_resize
+from ..data.schema import IMAGE_PLACEHOLDER, normalise_messages
+from . import metrics as M
+
+INFERENCE_CONFIG = "inference_config.json"
+MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
+EVAL_FIELDS = {"id", "images", "image_sizes", "messages", "source", "meta", "answers", "task", "metric",
+               "options", "group", "category"}
+
+
+@dataclass
+class EvalItem:
+    """One generation request: a benchmark line (or one circular pass of it) and its reference."""
+
+    uid: str                               # unique key: id, plus "#k" for circular pass k
+    id: str
+    line: int
+    task: str
+    metric: str
+    messages: List[Dict[str, str]]          # prompt turns, the last one is the user's
+    images: List[str]                       # absolute paths
+    ref: dict                               # answers (+ options, category)
+    group: str
+    sizes: Optional[List[Tuple[int, int]]] = None   # (width, height) per image when given
+    extra: dict = field(default_factory=dict)
+
+
+def _options_block(options: Dict[str, str]) -> str:
+    return "\n" + "\n".join(f"{k}. {v}" for k, v in options.items()) + "\n" + MC_INSTRUCTION
+
+
+def _with_options(messages, options):
+    msgs = [dict(m) for m in messages]
+    msgs[-1]["content"] = msgs[-1]["content"] + _options_block(options)
+    return msgs
+
+
+def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = set(obj) - EVAL_FIELDS
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} (expected {', '.join(sorted(EVAL_FIELDS))})")
+    msgs = normalise_messages(obj.get("messages"))
+    last_a = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    prompt = msgs[:last_a] if last_a is not None else msgs
+    if not prompt or prompt[-1]["role"] != "user":
+        raise ValueError("messages: the prompt (turns before the last assistant turn) must end with a user turn")
+    answers = obj.get("answers")
+    if answers is None:
+        if last_a is None:
+            raise ValueError("no reference: give an 'answers' list or an assistant turn")
+        answers = [msgs[last_a]["content"]]
+    if not isinstance(answers, list) or not answers or not all(isinstance(a, (str, int, float)) for a in answers):
+        raise ValueError("answers: expected a non-empty list of strings")
+    answers = [str(a) for a in answers]
+    images = obj.get("images") or []
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise ValueError("images: expected a list of non-empty path strings")
+    n_ph = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in prompt)
+    if n_ph != len(images):
+        raise ValueError(f"{n_ph} <image> placeholder(s) in the prompt for {len(images)} image(s)")
+    base = os.path.dirname(os.path.abspath(path))
+    images = [p if os.path.isabs(p) else os.path.join(base, p) for p in images]
+    sizes = obj.get("image_sizes")
+    if sizes is not None:
+        if not (isinstance(sizes, list) and len(sizes) == len(images) and all(
+                isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and v > 0 for v in s) for s in sizes)):
+            raise ValueError(f"image_sizes: expected {len(images)} [width, height] pairs of positive integers")
+        sizes = [(s[0], s[1]) for s in sizes]
+    task = str(obj.get("task") or default_task)
+    metric = M.metric_for(task, obj.get("metric"))
+    options = obj.get("options")
+    if isinstance(options, list):
+        options = {chr(ord("A") + i): str(v) for i, v in enumerate(options)}
+    if options is not None and not (isinstance(options, dict) and options):
+        raise ValueError("options: expected a {letter: text} object or a list of option texts")
+    uid = str(obj.get("id", f"line{line}"))
+    group = str(obj.get("group") or (images[0] if metric == "mme" and images else uid))
+    ref = {"answers": answers, "category": str(obj.get("category") or "")}
+    if metric == "grounding" and M.parse_box(answers[0]) is None:
+        raise ValueError(f"grounding reference {answers[0]!r} holds no box")
+    if not options:
+        if metric in ("multiple_choice", "circular") and M.answer_letter(answers[0]) is None:
+            raise ValueError(f"multiple-choice answer {answers[0]!r} names no option letter")
+        return [EvalItem(uid, uid, line, task, metric, prompt, images, ref, group, sizes)]
+    options = {str(k).strip().upper(): str(v) for k, v in options.items()}
+    if metric not in ("multiple_choice", "circular"):
+        if obj.get("metric"):
+            raise ValueError(f"options given but metric is {metric!r} (use multiple_choice or circular)")
+        metric = "multiple_choice"
+    want = M.answer_letter(answers[0], options)
+    if want is None:
+        raise ValueError(f"answer {answers[0]!r} is not one of the options {sorted(options)}")
+    letters = list(options)
+    passes = len(letters) if metric == "circular" else 1
+    items = []
+    for k in range(passes):  # pass k: letter i shows the original option (i + k) % n
+        shifted = {letters[i]: options[letters[(i + k) % len(letters)]] for i in range(len(letters))}
+        ans = letters[(letters.index(want) - k) % len(letters)]
+        r = dict(ref, answers=[ans], options=shifted)
+        items.append(EvalItem(uid if passes == 1 else f"{uid}#{k}", uid, line, task, metric,
+                              _with_options(prompt, shifted), images, r, group, sizes, {"pass": k}))
+    return items
+
+
+def load_benchmark(path: str, limit: Optional[int] = None) -> List[EvalItem]:
+    """All generation requests of a benchmark JSONL; raises ValueError listing every bad line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"benchmark file not found: {path}")
+    default_task = os.path.splitext(os.path.basename(path))[0]
+    items, errors, seen = [], [], set()
+    with open(path, encoding="utf-8") as f:
+        for n, text in enumerate(f, 1):
+            if limit is not None and n > limit:
+                break
+            if not text.strip():
+                errors.append(f"{path}:{n}: blank line")
+                continue
+            try:
+                new = _parse_line(json.loads(text), path, n, default_task)
+            except (ValueError, json.JSONDecodeError) as e:
+                errors.append(f"{path}:{n}: {e}")
+                continue
+            dup = [it.uid for it in new if it.uid in seen]
+            if dup:
+                errors.append(f"{path}:{n}: duplicate id {dup[0]!r}")
+                continue
+            seen.update(it.uid for it in new)
+            items.extend(new)
+    if errors:
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise ValueError(f"{len(errors)} bad line(s) in {path}:\n  " + "\n  ".join(errors[:20]) + more)
+    if not items:
+        raise ValueError(f"{path}: no samples")
+    return items
+
+
+# ----------------------------------------------------------------------------------------------
+# pixel limits
+
+def resolve_pixels(ckpt: Optional[str], min_pixels: Optional[int] = None,
+                   max_pixels: Optional[int] = None) -> Tuple[int, int, str]:
+    """(min_pixels, max_pixels, where they came from): flags > inference_config.json >
+    preprocessor_config.json > ImageConfig defaults."""
+    d = ImageConfig()
+    lo, hi, src = d.min_pixels, d.max_pixels, "defaults"
+    for name in ("preprocessor_config.json", INFERENCE_CONFIG):
+        p = os.path.join(ckpt, name) if ckpt else ""
+        if p and os.path.isfile(p):
+            with open(p, encoding="utf-8") as f:
+                cfg = json.load(f)
+            if "min_pixels" in cfg or "max_pixels" in cfg:
+                lo, hi, src = int(cfg.get("min_pixels", lo)), int(cfg.get("max_pixels", hi)), p
+    if min_pixels is not None or max_pixels is not None:
+        lo, hi, src = min_pixels or lo, max_pixels or hi, "command line"
+    if not 0 < lo <= hi:
+        raise ValueError(f"need 0 < min_pixels <= max_pixels, got {lo}, {hi} (from {src})")
+    return lo, hi, src
+
+
+# ----------------------------------------------------------------------------------------------
+# generation with caches
+
+class VisionCache:
+    """Vision features keyed on (image path, resized height, resized width); least recently used entries
+    are dropped beyond `max_bytes` (features of a large benchmark need not all stay in memory)."""
+
+    def __init__(self, max_bytes: int = 2 << 30):
+        self.store: "OrderedDict[Tuple[str, int, int], object]" = OrderedDict()
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self.hits = self.misses = 0
+
+    def get(self, path: str, hw: Tuple[int, int], encode: Callable):
+        key = (path, int(hw[0]), int(hw[1]))
+        if key in self.store:
+            self.hits += 1
+            self.store.move_to_end(key)
+            return self.store[key]
+        self.misses += 1
+        feat = self.store[key] = encode(path, key[1], key[2])
+        self.nbytes += getattr(feat, "nbytes", 0)
+        while self.nbytes > self.max_bytes and len(self.store) > 1:
+            _, old = self.store.popitem(last=False)
+            self.nbytes -= getattr(old, "nbytes", 0)
+        return feat
+
+
+class Sizes:
+    """Original (width, height) of images: from the line's image_sizes, else read from the file header."""
+
+    def __init__(self):
+        self.known: Dict[str, Tuple[int, int]] = {}
+
+    def resized(self, item: EvalItem, min_pixels: int, max_pixels: int, factor: int = 28) -> List[Tuple[int, int]]:
+        out = []
+        for i, p in enumerate(item.images):
+            if p not in self.known:
+                self.known[p] = item.sizes[i] if item.sizes else image_size(p)
+            w, h = self.known[p]
+            out.append(smart_resize(h, w, factor, min_pixels, max_pixels))
+        return out
+
+
+def predict(items: Sequence[EvalItem], backend, min_pixels: int, max_pixels: int, batch_size: int = 8,
+            max_new_tokens: int = 128, vision_cache: Optional[VisionCache] = None, sizes: Optional[Sizes] = None,
+            pred_cache: Optional[dict] = None, desc: str = "eval",
+            progress: bool = True) -> Tuple[List[str], List[list], dict]:
+    """Predictions for `items` at one pixel setting; returns (predictions, resized sizes, stats).
+
+    `pred_cache` maps (uid, resized sizes) -> prediction: a sample whose images resize exactly as in an
+    earlier setting has identical model inputs, so its greedy answer is reused instead of regenerated."""
+    sizes = sizes or Sizes()
+    vision_cache = vision_cache if vision_cache is not None else VisionCache()
+    hws = [sizes.resized(it, min_pixels, max_pixels) for it in items]
+    preds: List[Optional[str]] = [None] * len(items)
+    todo = []
+    for i, (it, hw) in enumerate(zip(items, hws)):
+        key = (it.uid, tuple(hw))
+        if pred_cache is not None and key in pred_cache:
+            preds[i] = pred_cache[key]
+        else:
+            todo.append(i)
+    encode = getattr(backend, "encode_image", None)
+    for s in tqdm(range(0, len(todo), batch_size), desc=desc, unit="batch", disable=not (todo and progress)):
+        idx = todo[s:s + batch_size]
+        batch = []
+        for i in idx:
+            it = items[i]
+            sample = {"id": it.uid, "messages": it.messages, "images": it.images, "image_hw": hws[i],
+                      "max_new_tokens": max_new_tokens}
+            if encode is not None:
+                sample["image_features"] = [vision_cache.get(p, hw, encode) for p, hw in zip(it.images, hws[i])]
+            batch.append(sample)
+        out = backend.generate(batch)
+        if len(out) != len(batch):
+            raise RuntimeError(f"backend returned {len(out)} answers for a batch of {len(batch)}")
+        for i, text in zip(idx, out):
+            preds[i] = str(text)
+            if pred_cache is not None:
+                pred_cache[(items[i].uid, tuple(hws[i]))] = preds[i]
+    stats = {"generated": len(todo), "reused": len(items) - len(todo),
+             "vision_encoded": vision_cache.misses, "vision_reused": vision_cache.hits}
+    return preds, hws, stats
+
+
+def score(items: Sequence[EvalItem], preds: Sequence[str]) -> Tuple[List[float], Dict[str, dict]]:
+    """Per-item scores and per-task aggregates ({task: {..., 'metric', 'primary', 'n'}})."""
+    per, by_task = [], {}
+    for it, p in zip(items, preds):
+        s = M.score_sample(it.metric, p, it.ref)
+        per.append(s)
+        by_task.setdefault(it.task, (it.metric, []))[1].append({"score": s, "group": it.group})
+    tasks = {t: dict(M.aggregate(m, recs), metric=m) for t, (m, recs) in sorted(by_task.items())}
+    return per, tasks
+
+
+def load_backend(ckpt: str, max_new_tokens: int = 128):
+    """The real model behind `mindvl eval`: mindvl_ms.infer.generate.load_eval_backend (imported lazily)."""
+    try:
+        from ..infer import generate as gen
+    except ImportError as e:
+        raise RuntimeError(f"generation backend unavailable (mindvl_ms.infer.generate): {e}") from e
+    if not hasattr(gen, "load_eval_backend"):
+        raise RuntimeError("mindvl_ms.infer.generate has no load_eval_backend(ckpt, max_new_tokens) -> backend "
+                           "with generate(samples) -> list[str]")
+    return gen.load_eval_backend(ckpt, max_new_tokens=max_new_tokens)
+
+
+def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pixels: Optional[int] = None,
+             max_pixels: Optional[int] = None, batch_size: int = 8, max_new_tokens: int = 128,
+             limit: Optional[int] = None) -> dict:
+    """Run one benchmark file; writes out_dir/predictions.jsonl and out_dir/scores.json; returns the scores."""
+    items = load_benchmark(data, limit)
+    lo, hi, src = resolve_pixels(ckpt, min_pixels, max_pixels)
+    backend = backend if backend is not None else load_backend(ckpt, max_new_tokens)
+    preds, hws, stats = predict(items, backend, lo, hi, batch_size, max_new_tokens)
+    per, tasks = score(items, preds)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "predictions.jsonl"), "w", encoding="utf-8") as f:
+        for it, p, s, hw in zip(items, preds, per, hws):
+            rec = {"id": it.uid, "line": it.line, "task": it.task, "metric": it.metric, "prediction": p,
+                   "answers": it.ref["answers"], "score": s, "group": it.group, "image_hw": [list(x) for x in hw]}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    result = {"checkpoint": ckpt, "data": os.path.abspath(data), "min_pixels": lo, "max_pixels": hi,
+              "pixels_from": src, "tasks": tasks,
+              "average": sum(t["primary"] for t in tasks.values()) / len(tasks), **stats}
+    with open(os.path.join(out_dir, "scores.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    return result
