@@ -139,3 +139,25 @@ def test_fp16_forward_close_to_fp32(hf_pair):
     out = half(*model_args(batch))[0].asnumpy()
     assert out.dtype == np.float32
     assert np.abs(out - ref).max() < 2e-2 * max(1.0, np.abs(ref).max())
+
+
+def test_training_loss_matches_hf_loss(hf_pair):
+    """Token-mean loss of the train step's loss cell on a labelled multi-image batch equals HF's loss."""
+    from mindvl_ms.train.loss import TrainLoss
+
+    _, hf, model = hf_pair
+    s = dict(_samples()[2])
+    labels = s["input_ids"].copy()
+    labels[:7] = -100  # an unsupervised prompt
+    labels[labels == hf_tiny.IMAGE] = -100
+    s["labels"] = labels
+    batch = build_model_inputs([[s]], model.config)
+    logits = model(*model_args(batch))[0]
+    n_sup = float((batch["targets"] != -100).sum())
+    ours = TrainLoss("token_mean")(logits, Tensor(batch["targets"]), Tensor(batch["segment_ids"]),
+                                   Tensor(batch["token_index"]), Tensor(n_sup, ms.float32),
+                                   Tensor(1.0, ms.float32)).asnumpy()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(s["input_ids"][None]), pixel_values=torch.tensor(s["pixel_values"]),
+                 image_grid_thw=torch.tensor(s["image_grid_thw"]), labels=torch.tensor(labels[None])).loss.item()
+    assert abs(float(ours) - ref) <= 1e-5
