@@ -24,13 +24,13 @@ import numpy as np
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
+from mindspore.common.initializer import Normal
 
 from ..ops import ApplyRotary, CoreAttention, RMSNorm
 
 
 def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> nn.Dense:
-    from mindspore.common.initializer import Normal
-
+    """nn.Dense (weight [out, in], as torch Linear) with a normal init."""
     return nn.Dense(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
 
 

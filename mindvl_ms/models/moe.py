@@ -18,12 +18,15 @@ maps them to and from HF's per-expert Linear weights. Multi-token-prediction lay
 Routed experts: router (moe_router.TopkRouter) -> TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU ->
 GroupedMatmul (down) -> TokenUnpermute with the routing weights, plus the shared experts. The primitives come
 from `mindvl_ms.ops.moe`, i.e. MoeTokenPermute/GroupedMatmul/TopkExt on Ascend and exact CPU equivalents
-elsewhere; the dataflow is MindFormers' MoELayer (router -> alltoall-free token dispatcher -> GroupedMLP).
+elsewhere; the dataflow is MindFormers' MoELayer (router -> token dispatcher -> GroupedMLP). On CPU the
+experts default to a dense combine (same values, fewer FLOPs than the CPU GroupedMatmul equivalent);
+`DeepseekV3ForCausalLM(cfg, expert_dispatch="grouped")` runs the Ascend dataflow on CPU; the tests check
+that both agree with transformers.
 MindFormers' MoELayer itself is not instantiated: it requires its TransformerConfig with a fixed
 seq_length, transposes to [S, B, H], reshapes with `Morph` cells that need a parallel context, and its
 router's group selection differs from DeepSeek-V3's (see moe_router.py), so HF parity would not hold.
-Expert parallelism on Ascend is a sharding of the stacked expert weights on their first axis (see
-`mindvl_ms.models.moe_parallel`).
+Parallel layouts (EP/TP/PP/DP) are validated by `mindvl_ms.models.moe_parallel.validate_moe_parallel`; this
+module sets no semi-auto-parallel shard strategies (they cannot run on CPU): on CPU only data parallel runs.
 
 Multi-token prediction (num_nextn_predict_layers > 0, DeepSeek-V3 section 2.2): depth k combines
 enorm(embedding of token i+k) and hnorm(depth k-1 hidden) with eh_proj, runs one decoder layer, then
@@ -32,10 +35,10 @@ weights their loss by mtp_loss_scale. Depth 1 takes the main model's final (norm
 Run the tests: pytest tests/test_moe_*.py
 """
 import mindspore as ms
-from mindspore import Parameter, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ..ops import RMSNorm, SwiGLU, segment_bias
+from ..ops import RMSNorm, SwiGLU, is_ascend, segment_bias
 from ..ops.moe import Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, tokens_per_expert
 from .mla import MLAttention, MRotaryEmbedding, dense
 from .moe_parallel import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
@@ -68,21 +71,40 @@ class DeepseekV3MLP(nn.Cell):
 
 
 class RoutedExperts(nn.Cell):
-    """E SwiGLU experts with stacked weights, computed on permuted tokens by grouped matmuls."""
+    """E SwiGLU experts with stacked weights: x [T, D], idx int32 [T, k], weights [T, k] -> [T, D].
 
-    def __init__(self, e: int, d: int, inter: int, std: float):
+    dispatch "grouped" (the Ascend path): TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU -> GroupedMatmul
+    (down) -> TokenUnpermute. dispatch "dense" (the CPU default): every expert on every token as one wide
+    matmul [T, D] x [D, E*I], the routing weights (scattered to [T, E]) folded into the activations, then one
+    [T, E*I] x [E*I, D] matmul; the same result with E/k times the expert FLOPs of the fused kernels, but k
+    times fewer than the grouped path run through the CPU GroupedMatmul equivalent.
+    """
+
+    def __init__(self, e: int, d: int, inter: int, std: float, dispatch: str = None):
         super().__init__()
         self.gate_proj = Parameter(initializer(Normal(std), (e, d, inter), ms.float32), name="gate_proj")
         self.up_proj = Parameter(initializer(Normal(std), (e, d, inter), ms.float32), name="up_proj")
         self.down_proj = Parameter(initializer(Normal(std), (e, inter, d), ms.float32), name="down_proj")
         self.num_experts = e
+        self.dispatch = dispatch or ("grouped" if is_ascend() else "dense")
+        if self.dispatch not in ("grouped", "dense"):
+            raise ValueError(f"expert dispatch '{self.dispatch}': expected 'grouped' or 'dense'")
         self.permute = TokenPermute()
         self.unpermute = TokenUnpermute()
         self.gmm = GroupedMatmul()
         self.cumsum = Cumsum(0)
         self.swiglu = SwiGLU()
 
-    def construct(self, x, idx, weights):  # x [T, D], idx int32 [T, k], weights [T, k] -> [T, D]
+    def construct(self, x, idx, weights):
+        if self.dispatch == "dense":
+            e, d, inter = self.gate_proj.shape
+            w_gate = self.gate_proj.swapaxes(0, 1).reshape(d, e * inter)  # [D, E*I]: one wide matmul
+            w_up = self.up_proj.swapaxes(0, 1).reshape(d, e * inter)
+            h = self.swiglu(ops.matmul(x, w_gate), ops.matmul(x, w_up)).reshape(-1, e, inter)  # [T, E, I]
+            onehot = ops.one_hot(idx, e, Tensor(1.0, x.dtype), Tensor(0.0, x.dtype))  # [T, k, E]
+            combine = (onehot * weights.astype(x.dtype)[:, :, None]).sum(1)  # [T, E]
+            h = (h * combine[:, :, None]).reshape(-1, e * inter)  # routing weight folded in before down_proj
+            return ops.matmul(h, self.down_proj.reshape(e * inter, d))  # [T, D] = sum_e w_e * expert_e(x)
         permuted, order = self.permute(x, idx)  # [T*k, D]
         group_list = self.cumsum(tokens_per_expert(idx, self.num_experts).astype(ms.int64))  # [E]
         h = self.swiglu(self.gmm(permuted, self.gate_proj, group_list),
@@ -94,7 +116,7 @@ class RoutedExperts(nn.Cell):
 class DeepseekV3MoE(nn.Cell):
     """Router + routed experts + shared experts: x [B, L, D] -> (y [B, L, D], load [E], aux scalar)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, expert_dispatch: str = None):
         super().__init__()
         m = cfg.moe
         std = cfg.initializer_range
@@ -103,7 +125,7 @@ class DeepseekV3MoE(nn.Cell):
         self.top_k = m.num_experts_per_tok
         self.use_aux = m.seq_aux_loss_coef > 0
         self.gate = TopkRouter(d, m, std)
-        self.experts = RoutedExperts(m.n_routed_experts, d, m.moe_intermediate_size, std)
+        self.experts = RoutedExperts(m.n_routed_experts, d, m.moe_intermediate_size, std, expert_dispatch)
         self.has_shared = m.n_shared_experts > 0
         if self.has_shared:
             self.shared_experts = DeepseekV3MLP(d, m.moe_intermediate_size * m.n_shared_experts, std)
@@ -122,12 +144,12 @@ class DeepseekV3MoE(nn.Cell):
 class DeepseekV3DecoderLayer(nn.Cell):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); returns (x, load [E], aux)."""
 
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, expert_dispatch: str = None):
         super().__init__()
         self.self_attn = MLAttention(cfg)
         self.is_moe = layer_idx >= cfg.moe.first_k_dense_replace
         if self.is_moe:
-            self.mlp = DeepseekV3MoE(cfg)
+            self.mlp = DeepseekV3MoE(cfg, expert_dispatch)
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -148,8 +170,8 @@ class DeepseekV3DecoderLayer(nn.Cell):
 class MTPLayer(DeepseekV3DecoderLayer):
     """One multi-token-prediction depth: eh_proj([enorm(emb), hnorm(h)]) -> decoder layer -> shared_head.norm."""
 
-    def __init__(self, cfg, layer_idx: int):
-        super().__init__(cfg, layer_idx)
+    def __init__(self, cfg, layer_idx: int, expert_dispatch: str = None):
+        super().__init__(cfg, layer_idx, expert_dispatch)
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
@@ -166,7 +188,7 @@ class MTPLayer(DeepseekV3DecoderLayer):
 class DeepseekV3Model(nn.Cell):
     """Decoder stack; see the module docstring for the construct contract."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, expert_dispatch: str = None):
         super().__init__()
         if cfg.model_type != "deepseek_v3":
             raise ValueError(f"DeepseekV3Model needs text.model_type 'deepseek_v3', got '{cfg.model_type}'")
@@ -176,11 +198,12 @@ class DeepseekV3Model(nn.Cell):
                              f"{cfg.num_hidden_layers} layers; use a dense model_type instead")
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
-        self.layers = nn.CellList([DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.CellList([DeepseekV3DecoderLayer(cfg, i, expert_dispatch)
+                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(m.qk_rope_head_dim, cfg.rope_theta, cfg.mrope_section)
         n = cfg.num_hidden_layers
-        self.mtp = nn.CellList([MTPLayer(cfg, n + k) for k in range(m.num_nextn_predict_layers)])
+        self.mtp = nn.CellList([MTPLayer(cfg, n + k, expert_dispatch) for k in range(m.num_nextn_predict_layers)])
         self.aux_coef = float(m.seq_aux_loss_coef)
 
     def routers(self):
@@ -226,12 +249,18 @@ def shift_left(x, k: int):
     return ops.cat((x[:, k:], pad), 1)
 
 
+def mtp_targets(targets, segment_ids, k: int):
+    """Depth-k MTP labels: targets[:, i + k] where position i + k is in the same segment, else -100."""
+    same = shift_left(segment_ids, k) == segment_ids
+    return ops.where(same, shift_left(targets + 100, k) - 100, ops.full_like(targets, -100))
+
+
 class DeepseekV3ForCausalLM(nn.Cell):
     """Text-only DeepSeek-V3: (input_ids, position_ids [3, B, L], segment_ids) -> (logits, aux, expert_load)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, expert_dispatch: str = None):
         super().__init__()
-        self.model = DeepseekV3Model(cfg)
+        self.model = DeepseekV3Model(cfg, expert_dispatch)
         self.lm_head = dense(cfg.hidden_size, cfg.vocab_size, cfg.initializer_range)
 
     def construct(self, input_ids, position_ids, segment_ids):
@@ -271,8 +300,6 @@ class CausalLMLoss(nn.Cell):
             outs, mtp_aux = model.mtp_forward(hidden, embeds, position_ids, segment_ids)
             mtp = ops.zeros((), ms.float32)
             for k, h in enumerate(outs):
-                same = shift_left(segment_ids, k + 1) == segment_ids
-                tk = ops.where(same, shift_left(targets + 100, k + 1) - 100, ops.full_like(targets, -100))
-                mtp = mtp + masked_ce(self.lm.lm_head(h), tk)
+                mtp = mtp + masked_ce(self.lm.lm_head(h), mtp_targets(targets, segment_ids, k + 1))
             loss = loss + self.mtp_scale * mtp / self.num_mtp + mtp_aux
         return loss, load

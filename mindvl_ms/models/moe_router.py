@@ -25,7 +25,7 @@ which is TopkExt on Ascend.
 import numpy as np
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops.moe import TopK, tokens_per_expert
@@ -96,21 +96,22 @@ class ExpertBiasUpdate(nn.Cell):
     """Aux-loss-free balancing step: bias_i += speed * sign(mean(load) - load_i) for every MoE layer.
 
     `routers` are the TopkRouter cells in layer order; construct(expert_load [num_moe_layers, E]) assigns the
-    new biases (graph side effect) and returns them stacked.
+    new biases (graph side effect) and returns them stacked. Only the bias Parameters are held (in a
+    ParameterTuple, no name prefix), so building this cell never renames the model's parameters. Under data
+    parallel, pass the load summed over all ranks so every rank applies the same update.
     """
 
     def __init__(self, routers, speed: float):
-        super().__init__()
-        self.routers = nn.CellList(list(routers))
+        super().__init__(auto_prefix=False)
+        self.biases = ParameterTuple([r.e_score_correction_bias for r in routers])
         self.speed = float(speed)
 
     def construct(self, load):
         out = []
-        for i, router in enumerate(self.routers):
+        for i, bias in enumerate(self.biases):
             row = load[i]
-            step = ops.sign(row.mean() - row) * self.speed
-            new = router.e_score_correction_bias + step
-            ops.assign(router.e_score_correction_bias, new)
+            new = bias + ops.sign(row.mean() - row) * self.speed
+            ops.assign(bias, new)
             out.append(new)
         return ops.stack(out)
 

@@ -102,7 +102,8 @@ class TokenPermute(nn.Cell):
             return permuted, sorted_indices.astype(ms.int32)
         k = expert_ids.shape[-1]
         flat = expert_ids.reshape(-1)  # [M]
-        # a stable order inside each expert: sort on expert * M + position (exact in float32 below 2^24)
+        # a stable order inside each expert: sort on expert * M + position (exact in float32 below 2^24;
+        # beyond that rounding is monotonic, so rows stay grouped by expert)
         m = flat.shape[0]
         pos = ops.arange(0, m, dtype=ms.int32)
         _, sorted_indices = self.sort((flat * m + pos).astype(ms.float32))  # [M]
