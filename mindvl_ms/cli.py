@@ -13,6 +13,11 @@ from typing import List, Optional
 COMMAND_MODULES = [
     "mindvl_ms.checkpoint.commands_convert",
     "mindvl_ms.checkpoint.commands",
+    "mindvl_ms.eval.commands",
+    "mindvl_ms.train.commands",
+    "mindvl_ms.data.commands",
+    "mindvl_ms.infer.commands",
+    "mindvl_ms.demo.commands",
 ]
 
 

@@ -36,7 +36,8 @@ class RawTensor:
 
     @classmethod
     def of(cls, arr: np.ndarray, dtype: Optional[str] = None) -> "RawTensor":
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr)
+        arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # keeps 0-d arrays 0-d
         return cls(arr, dtype or _ST[arr.dtype])
 
     @property

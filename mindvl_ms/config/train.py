@@ -17,10 +17,11 @@ Load with `load_run_config(path, overrides)`; `describe(RunConfig)` lists every 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from .base import ConfigError, F, load, read_yaml, set_dotted, sub
+from .base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
 from .model import MindVLConfig
 
 try:  # the data pipeline's config; a minimal stand-in keeps this module usable without it
@@ -206,6 +207,8 @@ class ParallelSizes:
     use_seq_parallel: bool = F(False, "sequence parallel inside tensor-parallel groups")
     vocab_emb_dp: bool = F(True, "data-parallel (not sharded) embedding")
     gradient_aggregation_group: int = F(4, "gradient fusion group size")
+    offset: List[int] = F([], "extra decoder layers per pipeline stage when layers % pipeline_stage != 0 "
+                              "(MindFormers `offset`; stage i gets layers // pp + offset[i])")
 
     def validate(self) -> None:
         for k in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num"):
@@ -254,12 +257,26 @@ def load_run_config(path: Optional[str] = None, overrides: Optional[List[str]] =
                     data: Optional[Dict[str, Any]] = None) -> RunConfig:
     """Read a run YAML (with `_include_`), apply `--set key=value` overrides, validate."""
     raw = read_yaml(path) if path else dict(data or {})
+    _resolve_model(raw, os.path.dirname(os.path.abspath(path)) if path else os.getcwd())
     for ov in overrides or []:
         if "=" not in ov:
             raise ConfigError(f"--set {ov!r}: expected key=value")
         k, v = ov.split("=", 1)
         _set_with_index(raw, k.strip(), v)
     return load(RunConfig, raw, source=path or "<dict>")
+
+
+def _resolve_model(raw: Dict[str, Any], base_dir: str) -> None:
+    """`model: ../model/tiny.yaml` or `model: {_include_: ../model/tiny.yaml, <overrides>}` -> the mapping."""
+    m = raw.get("model")
+    if isinstance(m, str):
+        raw["model"] = read_yaml(os.path.join(base_dir, m))
+    elif isinstance(m, dict) and "_include_" in m:
+        inc = m.pop("_include_")
+        merged: Dict[str, Any] = {}
+        for p in [inc] if isinstance(inc, str) else inc:
+            merged = deep_merge(merged, read_yaml(os.path.join(base_dir, p)))
+        raw["model"] = deep_merge(merged, m)
 
 
 def _set_with_index(raw: Dict[str, Any], dotted: str, value: str) -> None:

@@ -93,7 +93,6 @@ def plot_stage(records: List[Dict[str, Any]], path: str, title: str) -> Optional
 
 def measure_matmul_peak(n: int = 512, repeats: int = 20) -> float:
     """Achieved fp32 FLOP/s of an n x n MindSpore matmul on this device (best of `repeats`)."""
-    import mindspore as ms
     from mindspore import Tensor, ops
 
     a = Tensor(np.random.RandomState(0).rand(n, n).astype(np.float32))

@@ -69,3 +69,40 @@ def rank_slice(global_rows: List, rank: int, world: int) -> List:
 
 def micro_batches(rows: List, micro: int) -> List[List]:
     return [rows[i:i + micro] for i in range(0, len(rows), micro)]
+
+
+class LoaderSource:
+    """Adapter for the per-rank `mindvl_ms.data.dataset.DataLoader` (already collated micro-batches).
+
+    The loader reads only this rank's shard/stride, so the trainer takes `accumulation` micro-batches
+    from it per step (`next_micro_batches`) instead of slicing a global batch. Its state is the
+    loader's exact consumed position; each rank stores its own (`data_rank<r>` in the checkpoint).
+    """
+
+    def __init__(self, loader, rows_per_epoch: Optional[int] = None):
+        self.loader = loader
+        self.rows_per_epoch = rows_per_epoch
+        self._it = None
+
+    def next_micro_batches(self, k: int) -> List[Dict[str, Any]]:
+        out: List[Dict[str, Any]] = []
+        empty_epochs = 0
+        while len(out) < k:
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                out.append(next(self._it))
+                empty_epochs = 0
+            except StopIteration:
+                self._it = None
+                empty_epochs += 1
+                if empty_epochs > 1:
+                    raise RuntimeError("the data loader produced no batch in a whole epoch (is the data empty?)")
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, d: Dict[str, Any]) -> None:
+        self.loader.load_state_dict(d)
+        self._it = None

@@ -44,18 +44,26 @@ def launched_by_msrun() -> bool:
 def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
     """Raise ConfigError listing every divisibility problem of (dp, mp, pp, ep) for this model."""
     mp, pp, ep, dp = sizes.model_parallel, sizes.pipeline_stage, sizes.expert_parallel, sizes.data_parallel
-    problems = []
+    problems: List[str] = []
+    checks = []
     if dp * mp * pp != world:
         problems.append(f"data_parallel ({dp}) x model_parallel ({mp}) x pipeline_stage ({pp}) = {dp * mp * pp}, "
                         f"but {world} ranks are running")
     t, v = model_cfg.text, model_cfg.vision
-    checks = [("text num_attention_heads", t.num_attention_heads, mp),
+    checks += [("text num_attention_heads", t.num_attention_heads, mp),
               ("text num_key_value_heads", t.num_key_value_heads, mp),
               ("text hidden_size", t.hidden_size, mp),
               ("text intermediate_size", t.intermediate_size, mp),
               ("vision num_heads", v.num_heads, mp),
-              ("vision hidden_size", v.hidden_size, mp),
-              ("text num_hidden_layers", t.num_hidden_layers, pp)]
+              ("vision hidden_size", v.hidden_size, mp)]
+    layers = t.num_hidden_layers
+    if sizes.offset:
+        per = [layers // pp + o for o in sizes.offset]
+        if len(sizes.offset) != pp or sum(per) != layers or min(per) < 1:
+            problems.append(f"offset {sizes.offset}: needs {pp} entries and layers {layers} = sum(layers // pp + "
+                            f"offset[i]) with every stage >= 1 layer (got {per})")
+    else:
+        checks.append(("text num_hidden_layers", layers, pp))
     if not sizes.vocab_emb_dp:
         checks.append(("text vocab_size", t.vocab_size, mp))
     if t.model_type == "deepseek_v3":
@@ -150,3 +158,35 @@ class HostAllReduce:
 
             self._cell = _Sum()
         return self._cell(Tensor(np.asarray(x, np.float32), ms.float32)).asnumpy()
+
+
+def gather_json(obj, world: int):
+    """{"rank<r>": obj of rank r} on every rank (an AllGather of the JSON bytes, padded to equal length)."""
+    import json
+
+    if world == 1:
+        return {"rank0": obj}
+    import mindspore as ms
+    from mindspore import Tensor, nn, ops
+
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
+    sizes = HostAllReduce(world)(np.eye(world, dtype=np.float32)[_rank()] * raw.size).astype(int)
+    buf = np.zeros(int(sizes.max()), np.int32)
+    buf[:raw.size] = raw
+
+    class _Gather(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.op = ops.AllGather()
+
+        def construct(self, v):
+            return self.op(v)
+
+    allv = _Gather()(Tensor(buf, ms.int32)).asnumpy().reshape(world, -1)
+    return {f"rank{r}": json.loads(bytes(allv[r, :sizes[r]].astype(np.uint8)).decode()) for r in range(world)}
+
+
+def _rank() -> int:
+    from mindspore.communication import get_rank
+
+    return get_rank()

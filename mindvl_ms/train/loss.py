@@ -28,16 +28,17 @@ import mindspore as ms
 from mindspore import nn, ops
 
 IGNORE = -100
+_SOFTMAX_CE = ops.SoftmaxCrossEntropyWithLogits()
 
 
 def token_ce(logits, targets):
     """Per-position cross entropy in fp32. logits [B, L, V], targets [B, L] -> (ce [B, L], mask [B, L])."""
-    logits = logits.astype(ms.float32)
+    b, l, v = logits.shape
     mask = (targets != IGNORE).astype(ms.float32)                    # [B, L]
     safe = ops.select(targets != IGNORE, targets, ops.zeros_like(targets))
-    lse = ops.logsumexp(logits, -1)                                  # [B, L]
-    picked = ops.gather_elements(logits, 2, safe.expand_dims(-1)).squeeze(-1)  # [B, L]
-    return (lse - picked) * mask, mask
+    onehot = ops.one_hot(safe.reshape(-1), v, ops.ones((), ms.float32), ops.zeros((), ms.float32))  # [B*L, V]
+    ce, _ = _SOFTMAX_CE(logits.astype(ms.float32).reshape(b * l, v), onehot)  # fused kernel, [B*L]
+    return ce.reshape(b, l) * mask, mask
 
 
 def balanced_weights(ce, mask, token_index, tau1: float, tau2: float):

@@ -1,5 +1,5 @@
 """AdamW for the compiled update graph: decay groups, per-module LR coefficients, global-norm
-clipping, masked (skippable) updates, dynamic loss scaling.
+clipping, skippable updates.
 
 Design:
 - Parameters are selected by name prefix (`select_trainable`): frozen ones get
@@ -9,13 +9,15 @@ Design:
 - Each parameter carries an LR coefficient from the longest matching prefix in
   `StageConfig.lr_coefficients` (e.g. `visual.` x0.1 in openPangu-VL SFT); the projector
   `visual.merger.` matches before `visual.`.
-- `AdamWUpdate` is a Cell called inside `ApplyStep`: the update is written with `select` on an
-  `apply` flag instead of control flow, so a step with a non-finite gradient leaves parameters and
-  moments bit-identical and the graph has no branches.
+- `AdamWUpdate` runs MindSpore's fused in-place AdamWeightDecay kernel per parameter (bias correction
+  folded into its scalar inputs), so the update holds no optimizer-sized temporaries. A step with a
+  non-finite gradient never calls it (the host decides from `GradNorm`), so parameters and moments
+  stay bit-identical.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import math
+from typing import Dict, List, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -27,9 +29,13 @@ NO_DECAY_KEYS = ("norm", "bias", "ln_", "layernorm")
 def select_trainable(model: nn.Cell, prefixes: Sequence[str]) -> List[Parameter]:
     """Mark parameters whose name starts with any prefix trainable, freeze the rest; return the trainable."""
     params = list(model.get_parameters())
+    buffers = getattr(model, "_mindvl_buffers", None)
+    if buffers is None:  # parameters that never train (e.g. the MoE routing bias): remembered on first call
+        buffers = {p.name for p in params if not p.requires_grad}
+        object.__setattr__(model, "_mindvl_buffers", buffers)
     trainable = []
     for p in params:
-        on = any(p.name.startswith(pre) for pre in prefixes)
+        on = any(p.name.startswith(pre) for pre in prefixes) and p.name not in buffers
         p.requires_grad = on
         if on:
             trainable.append(p)
@@ -62,55 +68,46 @@ def zeros_like_params(params: Sequence[Parameter], prefix: str) -> ParameterTupl
 _adamw = ops.MultitypeFuncGraph("adamw")
 
 
+_adamw_kernel = ops.AdamWeightDecay()
+
+
 @_adamw.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                 "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor")
-def _adamw_one(apply, lr, b1, b2, eps, bc1, bc2, wd_base, coef, wd_on, grad, param, m, v, acc):
-    """One parameter: AdamW step where `apply` is true, unchanged otherwise; zero the accumulator."""
-    g = grad.astype(ms.float32)
-    m_new = b1 * m + (1.0 - b1) * g
-    v_new = b2 * v + (1.0 - b2) * g * g
-    upd = (m_new / bc1) / (ops.sqrt(v_new / bc2) + eps) + wd_base * wd_on * param
-    p_new = param - lr * coef * upd
-    ops.assign(param, ops.select(apply, p_new, param).astype(param.dtype))
-    ops.assign(m, ops.select(apply, m_new, m))
-    ops.assign(v, ops.select(apply, v_new, v))
-    ops.assign(acc, ops.zeros_like(acc))
-    return apply
+                 "Tensor", "Tensor", "Tensor", "Tensor")
+def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v):
+    """One parameter: fused in-place AdamW on the scaled accumulated gradient, then zero the accumulator."""
+    done = _adamw_kernel(param, m, v, lr * coef, b1, b2, eps, wd * wd_on, acc * mult)
+    return ops.depend(ops.assign(acc, ops.zeros_like(acc)), done)
 
 
 _sq = ops.MultitypeFuncGraph("sq")
 
 
-@_sq.register("Tensor")
-def _sq_one(g):
-    return (g.astype(ms.float32) * g.astype(ms.float32)).sum()
+@_sq.register("Tensor", "Tensor")
+def _sq_one(s, g):
+    return ops.square(g.astype(ms.float32) * s).sum()
 
 
-_finite = ops.MultitypeFuncGraph("finite")
+_zero = ops.MultitypeFuncGraph("zero")
 
 
-@_finite.register("Tensor")
-def _finite_one(g):
-    return ops.isfinite(g).all()
-
-
-_scale = ops.MultitypeFuncGraph("scale")
-
-
-@_scale.register("Tensor", "Tensor")
-def _scale_one(s, g):
-    return g * s
+@_zero.register("Tensor")
+def _zero_one(acc):
+    return ops.assign(acc, ops.zeros_like(acc))
 
 
 class AdamWUpdate(nn.Cell):
-    """AdamW over `params` with moments `m`, `v`; returns (grad_norm, applied).
+    """Fused AdamW (MindSpore's in-place `AdamWeightDecay` kernel) over `params` from the accumulators.
 
-    construct(grads tuple (unscaled, summed over the global batch), lr [], finite [] bool, clip [])
+    construct(mult [], lr [], eps [], wd []): grad = accum * mult (unscale x clip), then per parameter
+    lr * coef_p and wd * (1 if it decays). The kernel has no bias correction, so the caller folds it in:
+    lr = lr0 * sqrt(1 - b2^t) / (1 - b1^t), eps = eps0 * sqrt(1 - b2^t), wd = wd0 * (1 - b1^t) / sqrt(1 - b2^t)
+    gives exactly  p -= lr0 * (m_hat / (sqrt(v_hat) + eps0) + wd0 * p)  (`bias_corrected`).
+    Written in place, one parameter at a time, so the update needs no optimizer-sized temporaries.
     """
 
     def __init__(self, params: Sequence[Parameter], accum: ParameterTuple, lr_coefs: Dict[str, float],
                  weight_decay: float, beta1: float, beta2: float, eps: float):
-        super().__init__()
+        super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.params = ParameterTuple(params)
         self.accum = accum
         self.m = zeros_like_params(params, "adam_m")
@@ -118,26 +115,42 @@ class AdamWUpdate(nn.Cell):
         self.step = Parameter(Tensor(0, ms.int32), name="adam_step", requires_grad=False)
         self.coefs = tuple(Tensor(lr_coefficient(p.name, lr_coefs), ms.float32) for p in params)
         self.wd_on = tuple(Tensor(1.0 if decays(p) else 0.0, ms.float32) for p in params)
-        self.wd = Tensor(weight_decay, ms.float32)
-        self.b1, self.b2, self.eps = (Tensor(x, ms.float32) for x in (beta1, beta2, eps))
+        self.weight_decay, self.beta1, self.beta2, self.eps = weight_decay, beta1, beta2, eps
+        self.b1, self.b2 = Tensor(beta1, ms.float32), Tensor(beta2, ms.float32)
         self.hyper_map = ops.HyperMap()
 
-    def construct(self, grads, lr, finite, clip):
-        sq = self.hyper_map(_sq, grads)
-        norm = ops.sqrt(ops.addn(sq))                                     # global L2 norm
-        apply = ops.logical_and(finite, ops.isfinite(norm))
-        coef = ops.select(clip > 0, ops.minimum(1.0, clip / (norm + 1e-6)), ops.ones_like(norm))
-        grads = self.hyper_map(ops.partial(_scale, coef), grads)
-        step = self.step + apply.astype(ms.int32)
-        t = step.astype(ms.float32)
-        bc1 = 1.0 - ops.pow(self.b1, ops.maximum(t, 1.0))
-        bc2 = 1.0 - ops.pow(self.b2, ops.maximum(t, 1.0))
-        self.hyper_map(ops.partial(_adamw, apply, lr, self.b1, self.b2, self.eps, bc1, bc2, self.wd),
-                       self.coefs, self.wd_on, grads, self.params, self.m, self.v, self.accum)
-        ops.assign(self.step, step)
-        return norm, apply
+    def bias_corrected(self, lr: float, t: int):
+        """(lr, eps, wd) for the kernel at optimizer step t (1-based), with bias correction folded in."""
+        bc1, bc2 = 1.0 - self.beta1 ** t, math.sqrt(1.0 - self.beta2 ** t)
+        return lr * bc2 / bc1, self.eps * bc2, self.weight_decay * bc1 / bc2
+
+    def construct(self, mult, lr, eps, wd):
+        done = self.hyper_map(ops.partial(_adamw, mult, lr, self.b1, self.b2, eps, wd),
+                              self.coefs, self.wd_on, self.accum, self.params, self.m, self.v)
+        inc = ops.assign(self.step, self.step + 1)
+        return ops.depend(mult, ops.depend(inc, done))
 
 
-def all_finite(grads) -> Tuple:
-    """Helper used by ApplyStep: whether every gradient tensor is finite."""
-    return ops.HyperMap()(_finite, grads)
+class GradNorm(nn.Cell):
+    """construct(inv_scale []) -> global L2 norm of the accumulators x inv_scale (unscaled first, so a
+    large loss scale does not overflow the squares)."""
+
+    def __init__(self, accum: ParameterTuple):
+        super().__init__(auto_prefix=False)
+        self.accum = accum
+        self.hyper_map = ops.HyperMap()
+
+    def construct(self, inv_scale):
+        return ops.sqrt(ops.addn(self.hyper_map(ops.partial(_sq, inv_scale), self.accum)))
+
+
+class ZeroAccum(nn.Cell):
+    """Clear the accumulators (after a skipped step)."""
+
+    def __init__(self, accum: ParameterTuple):
+        super().__init__(auto_prefix=False)
+        self.accum = accum
+        self.hyper_map = ops.HyperMap()
+
+    def construct(self):
+        return self.hyper_map(_zero, self.accum)

@@ -25,7 +25,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ..checkpoint import trainer_state as ts
 from ..config.base import to_dict
 from .callbacks import MetricsLog, ProgressBar, measure_matmul_peak, param_counts, plot_stage, summarize
 from .data import micro_batches, rank_slice
-from .distributed import DistInfo, HostAllReduce, setup
+from .distributed import DistInfo, HostAllReduce, gather_json, setup
 from .lr import WarmupCosine
 from .optim import select_trainable
 from .train_step import TrainStep
@@ -54,16 +54,26 @@ def default_collate(run_cfg):
 
 
 def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
-    """Rows for a stage from the data section (merged with the stage's `data` overrides)."""
+    """The data pipeline's per-rank loader for a stage: the run's `data` section merged with the stage's
+    `data` overrides, with seq_length / micro batch / data-parallel rank and size taken from the stage."""
+    import dataclasses
+
     from ..config.base import deep_merge, load
     from ..config.train import DataConfig
+    from ..data.dataset import DataLoader, PackedShardSource
+    from .data import LoaderSource
 
-    data_cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
-    try:
-        from ..data.dataset import rows_for_training  # type: ignore
-    except ImportError as e:
-        raise RuntimeError(f"no data loader available ({e}); pass data_factory= to run_training") from None
-    return rows_for_training(data_cfg, stage, run_cfg.seed)
+    raw = deep_merge(to_dict(run_cfg.data), stage.data)
+    cfg = load(DataConfig, raw, source=f"stage '{stage.name}' data")
+    cfg = dataclasses.replace(cfg, seq_length=stage.seq_length, micro_batch_size=stage.micro_batch_size,
+                              dp_size=dist.dp, dp_rank=dist.rank, global_batch_size=stage.global_batch_size)
+    loader = DataLoader.from_config(cfg, model_config=run_cfg.model)
+    rows = None
+    if isinstance(loader.source, PackedShardSource):
+        rows = len(loader.source.offsets) * dist.dp
+    elif stage.token_budget is None and stage.max_steps is None:  # online packing: count packs once
+        rows = sum(1 for _ in loader.source.epoch_packs(0)) * dist.dp
+    return LoaderSource(loader, rows)
 
 
 def build_model(run_cfg):
@@ -77,13 +87,13 @@ def build_model(run_cfg):
     return MindVLForConditionalGeneration(run_cfg.model)
 
 
-def prepare_model(model, run_cfg) -> None:
-    """Mixed precision and activation checkpointing switches."""
+def prepare_model(model, run_cfg):
+    """Activation checkpointing and mixed precision; returns the network the train step calls.
+
+    float16/bfloat16 use MindSpore AMP O2 (matmuls in low precision, norms and the loss in fp32,
+    fp32 master weights, which stay the model's parameters and names)."""
     import mindspore as ms
 
-    if run_cfg.context.precision in ("float16", "bfloat16"):
-        dt = ms.float16 if run_cfg.context.precision == "float16" else ms.bfloat16
-        ms.amp.auto_mixed_precision(model, "O2", dtype=dt)
     if run_cfg.recompute_config.recompute:
         n = 0
         for name, cell in model.cells_and_names():
@@ -92,6 +102,10 @@ def prepare_model(model, run_cfg) -> None:
                 cell.recompute()
                 n += 1
         log.info("recompute on %d layers/blocks", n)
+    if run_cfg.context.precision in ("float16", "bfloat16"):
+        dt = ms.float16 if run_cfg.context.precision == "float16" else ms.bfloat16
+        return ms.amp.auto_mixed_precision(model, "O2", dtype=dt)
+    return model
 
 
 def _restore(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
@@ -102,18 +116,17 @@ def _restore(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
     if missing:
         raise ValueError(f"checkpoint optimizer state lacks {missing[:5]} (different trainable set?)")
     for k, p in params.items():
-        p.set_data(Tensor(optim[k]))
+        p.set_data(Tensor(np.asarray(optim[k]).reshape(p.shape)))  # 0-d state is stored as [1]
 
 
 def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None,
                  data_factory: Optional[Callable] = None, collate: Optional[Callable] = None,
-                 progress: bool = True, stop_after: Optional[int] = None) -> Dict[str, Any]:
+                 progress: bool = True) -> Dict[str, Any]:
     """Run every stage of `run_cfg`; returns the run summary (also written to OUT/summary.json).
 
     model: a Cell taking INPUT_NAMES arrays (default: MindVL from run_cfg.model / init_from);
     data_factory(run_cfg, stage, stage_index, dist) -> a row source (see train/data.py);
-    collate(rows, stage) -> arrays dict (default: models.inputs.build_model_inputs);
-    stop_after: return after this many optimizer steps in this call (for tests of interruption).
+    collate(rows, stage) -> arrays dict (default: models.inputs.build_model_inputs).
     """
     from ..checkpoint.hf import load_into
 
@@ -123,7 +136,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     np.random.seed(run_cfg.seed % 2**32)
     random.seed(run_cfg.seed)
     model = model if model is not None else build_model(run_cfg)
-    prepare_model(model, run_cfg)
+    net = prepare_model(model, run_cfg)
     collate = collate or default_collate(run_cfg)
     data_factory = data_factory or default_data_factory
     names = list(getattr(model, "INPUT_NAMES"))
@@ -136,6 +149,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         load_into(model, tensors)
         start_stage, start_step = state["stage_index"], state["step"]
         metrics.truncate_after(start_stage, start_step - 1 if not state["stage_done"] else start_step)
+        ts.set_rng_state(state["rng"])
         if state["stage_done"]:
             start_stage, start_step, state = start_stage + 1, 0, None
         log.info("resumed from %s (stage %d, step %d)", ck, start_stage, start_step)
@@ -144,7 +158,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     ts.clean_partial(out_dir)
     peak = measure_matmul_peak()
     counts = param_counts(model)
-    stage_reports, steps_done, compile_time = [], 0, 0.0
+    stage_reports, compile_time = [], 0.0
     for si in range(start_stage, len(run_cfg.stages)):
         stage = run_cfg.stages[si]
         stage_dir = os.path.join(out_dir, stage.name)
@@ -152,26 +166,34 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         source = data_factory(run_cfg, stage, si, dist)
         total = stage.total_steps(getattr(source, "rows_per_epoch", None))
         accum = stage.accumulation(dist.dp)
-        per_rank = stage.global_batch_size // dist.dp
         sched = WarmupCosine(stage.max_lr, stage.min_lr, total, stage.warmup_ratio)
         params = select_trainable(model, stage.trainable_prefixes())
         ctx = run_cfg.context
-        engine = TrainStep(model, params, names, stage.loss, stage, dist.dp, allreduce, ctx.precision,
+        engine = TrainStep(net, params, names, stage.loss, stage, dist.dp, allreduce, ctx.precision,
                            ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window)
         step, nonfinite_run, skipped = 0, 0, 0
         if state is not None and si == state["stage_index"]:
             _restore(engine, optim)
-            source.load_state_dict(state["data"])
-            ts.set_rng_state(state["rng"])
+            data_state = state["data"]
+            if isinstance(data_state, dict) and f"rank{dist.rank}" in data_state:
+                data_state = data_state[f"rank{dist.rank}"]
+            source.load_state_dict(data_state)
             step, skipped = start_step, state.get("skipped", 0)
             nonfinite_run = state.get("nonfinite_run", 0)
         log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
                  stage.name, total, accum, stage.micro_batch_size, len(params))
         bar = ProgressBar(total, step, f"{stage.name}", enabled=progress and dist.is_main)
 
+        def data_states(src):
+            """Every rank's loader state (gathered to rank 0) for per-rank loaders; one state otherwise."""
+            own = src.state_dict()
+            if not hasattr(src, "next_micro_batches") or dist.world == 1:
+                return own
+            return gather_json(own, dist.world)
+
         def save(step_now: int, done: bool) -> str:
             st = {"stage_index": si, "stage": stage.name, "step": step_now, "total_steps": total,
-                  "stage_done": done, "data": source.state_dict(), "skipped": skipped,
+                  "stage_done": done, "data": data_states(source), "skipped": skipped,
                   "nonfinite_run": nonfinite_run, "seed": run_cfg.seed}
             path = os.path.join(stage_dir, f"checkpoint-{step_now:06d}")
             if dist.is_main:
@@ -182,8 +204,11 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         try:
             while step < total:
                 t0 = time.perf_counter()
-                local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.rank, dist.dp)
-                mbs = [collate(rows, stage) for rows in micro_batches(local, stage.micro_batch_size)]
+                if hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
+                    mbs = source.next_micro_batches(accum)
+                else:
+                    local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.rank, dist.dp)
+                    mbs = [collate(rows, stage) for rows in micro_batches(local, stage.micro_batch_size)]
                 lr = sched(step)
                 n_compiled = engine.compiles
                 res = engine.run(mbs, lr)
@@ -202,11 +227,13 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                        "tokens": res.tokens, "patches": res.patches, "supervised": res.supervised,
                        "step_time": dt, "tokens_per_s": res.tokens * dist.world / max(dt, 1e-9),
                        "skipped_total": skipped}
+                if res.expert_load is not None:  # MoE: balance of routed tokens (max/mean per layer)
+                    ld = res.expert_load
+                    rec["expert_max_over_mean"] = float((ld.max(-1) / np.maximum(ld.mean(-1), 1e-9)).max())
                 if step % stage.log_every == 0 or step == total - 1:
                     metrics.write(rec)
                 bar.update(rec)
                 step += 1
-                steps_done += 1
                 if nonfinite_run >= stage.max_nonfinite:
                     raise TrainingStopped(
                         f"stage '{stage.name}': {nonfinite_run} steps in a row had a non-finite loss or gradient "
@@ -215,9 +242,6 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                         f"then --resume {out_dir}")
                 if step < total and stage.save_every and step % stage.save_every == 0:
                     save(step, False)
-                if stop_after is not None and steps_done >= stop_after:
-                    bar.close()
-                    return {"stopped_after": steps_done, "stage": stage.name, "step": step}
         finally:
             bar.close()
         final = save(total, True)

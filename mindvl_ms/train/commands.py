@@ -1,0 +1,50 @@
+"""`mindvl train --config FILE [--set key=value ...] [--resume DIR] [--out DIR]`.
+
+Runs the stages of a run YAML (see configs/stage/ and `mindvl_ms/config/train.py`), writing
+checkpoints, metrics.jsonl, loss/LR plots and summary.json under --out. Under msrun
+(`scripts/msrun_train.sh N mindvl train ...`) every worker runs this same command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train one stage or a chain of stages from a YAML config",
+        description="Train MindVL from a run YAML: stages run in order (warm-up -> multitask -> SFT), each "
+                    "starting from the previous stage's weights. Writes OUT/<stage>/checkpoint-*, "
+                    "OUT/metrics.jsonl, OUT/<stage>/loss_lr.png and OUT/summary.json.",
+        epilog="examples:\n  mindvl train --config configs/stage/tiny-cpu.yaml --set 'data.sources=[{path: train.jsonl}]'\n"
+               "  mindvl train --config run.yaml --resume runs/x     # continue an interrupted run\n"
+               "  scripts/msrun_train.sh 2 mindvl train --config run.yaml   # 2 data-parallel workers",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="run YAML (may `_include_` model/stage/parallel YAMLs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set stages.0.max_lr=1e-4 --set seed=7 (repeatable)")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a run directory (its latest.json) or a checkpoint directory")
+    p.add_argument("--out", default="runs/train", help="output directory (default: runs/train)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and metrics only)")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from ..config.base import ConfigError
+    from . import TrainingStopped, load_run_config, run_training
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_run_config(args.config, args.set)
+        summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except TrainingStopped as e:
+        print(f"training stopped: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in summary.items() if k != "params"}, indent=2, default=str))
+    return 0
