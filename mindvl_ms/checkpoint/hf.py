@@ -169,14 +169,84 @@ def save_pretrained(model, path: str, format: str = "native", max_shard_bytes: O
 
 # -- conversions used by the CLI ------------------------------------------------------------------------
 
-def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None) -> Dict[str, int]:
-    """hf -> native (to='native') or native -> hf (to='hf'), tensors copied bit-exactly."""
-    d = read_config_json(src)
-    cfg = config_from_dir(src)
+def is_text_only(cfg_json: dict) -> bool:
+    """An LLM-only checkpoint (HF Qwen2/Qwen3/DeepSeek-V3, or a native text checkpoint)."""
+    if is_native(cfg_json):
+        return cfg_json.get("kind") == "text"
+    return "vision_config" not in cfg_json
+
+
+def _text_tensors_to_native(tensors: Dict[str, RawTensor], text) -> Dict[str, RawTensor]:
+    tensors = {normalize_hf_name(k): v for k, v in tensors.items()}
+    if text.model_type == "deepseek_v3":
+        from . import hf_deepseek
+
+        tensors = hf_deepseek.hf_to_native(tensors, text)
+    return tensors
+
+
+def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optional[int]) -> Dict[str, RawTensor]:
+    """Text-only LLM checkpoints: HF <-> native {"kind": "text"} (the HF config.json is kept verbatim)."""
+    from ..config import TextConfig
+
     tensors = read_tensors(src)
-    if not is_native(d):
-        tensors = hf_to_native(tensors, cfg)
-    write_checkpoint(dst, cfg, tensors, format=to, max_shard_bytes=max_shard_bytes)
+    if is_native(d):
+        text = load(TextConfig, d["config"], source=os.path.join(src, "config.json"))
+        hf_cfg = d.get("hf_config") or {}
+    else:
+        text = text_from_hf(d)
+        hf_cfg = d
+        tensors = _text_tensors_to_native(tensors, text)
+    with atomic_dir(dst) as tmp:
+        if to == "hf":
+            out = tensors
+            if text.model_type == "deepseek_v3":
+                from . import hf_deepseek
+
+                out = hf_deepseek.native_to_hf(tensors, text)
+            write_json(os.path.join(tmp, "config.json"), hf_cfg)
+            write_tensors(tmp, out, max_shard_bytes)
+        else:
+            write_json(os.path.join(tmp, "config.json"), {"format": NATIVE, "kind": "text",
+                                                          "config": dataclasses.asdict(text), "hf_config": hf_cfg})
+            write_tensors(tmp, tensors, max_shard_bytes)
+    return tensors
+
+
+def load_text_model(path: str):
+    """A text-only causal LM (TextForCausalLM or DeepseekV3ForCausalLM) from an HF or native text checkpoint."""
+    from ..config import TextConfig
+
+    d = read_config_json(path)
+    if is_native(d):
+        text = load(TextConfig, d["config"], source=os.path.join(path, "config.json"))
+        tensors = read_tensors(path)
+    else:
+        text = text_from_hf(d)
+        tensors = _text_tensors_to_native(read_tensors(path), text)
+    if text.model_type == "deepseek_v3":
+        from ..models.moe import DeepseekV3ForCausalLM as cls
+    else:
+        from ..models.text import TextForCausalLM as cls
+    model = cls(text)
+    load_into(model, tensors)
+    return model
+
+
+def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None) -> Dict[str, int]:
+    """hf -> native (to='native') or native -> hf (to='hf'), tensors copied bit-exactly. Works for MindVL
+    (Qwen2.5-VL layout) and for text-only Qwen2/Qwen3/DeepSeek-V3 checkpoints."""
+    d = read_config_json(src)
+    if is_native(d) == (to == "native"):
+        raise ValueError(f"{src} is already a {'native' if is_native(d) else 'Hugging Face'} checkpoint")
+    if is_text_only(d):
+        tensors = _convert_text(src, dst, to, d, max_shard_bytes)
+    else:
+        cfg = config_from_dir(src)
+        tensors = read_tensors(src)
+        if not is_native(d):
+            tensors = hf_to_native(tensors, cfg)
+        write_checkpoint(dst, cfg, tensors, format=to, max_shard_bytes=max_shard_bytes)
     return {"tensors": len(tensors), "parameters": int(sum(np.prod(t.shape) for t in tensors.values()))}
 
 
@@ -192,7 +262,12 @@ def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 
         vision = config_from_dir(vision_from).vision
     else:
         vision = vision_from_hf(vd.get("vision_config") or vd)
-    text = config_from_dir(llm_from).text if is_native(ld) else text_from_hf(ld)
+    if is_native(ld):
+        from ..config import TextConfig
+
+        text = load(TextConfig, ld["config"]) if ld.get("kind") == "text" else config_from_dir(llm_from).text
+    else:
+        text = text_from_hf(ld)
     vision.out_hidden_size = text.hidden_size
     cfg = MindVLConfig(vision=vision, text=text)
     for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):

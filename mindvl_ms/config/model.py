@@ -195,6 +195,10 @@ def text_from_hf(d: Dict[str, Any]) -> TextConfig:
     if kw.get("head_dim") is None and mt != "qwen3":
         kw["head_dim"] = None
     rs = d.get("rope_scaling") or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ConfigError(f"config.json: rope_scaling type '{kind}' is not supported (only default RoPE and "
+                          f"M-RoPE); loading these weights would silently use wrong positions")
     if "mrope_section" in rs:
         kw["mrope_section"] = list(rs["mrope_section"])
     elif "mrope_section" not in kw:
