@@ -1,6 +1,5 @@
 """Processor exactness against transformers' Qwen2VLImageProcessor (slow path) and the tokenizer's
 own chat encoding; labels on assistant tokens only. Run: pytest -q tests/test_data_processor.py"""
-import json
 import os
 
 import numpy as np

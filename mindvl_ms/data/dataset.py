@@ -166,6 +166,9 @@ class DataLoader:
         from .processor import MindVLProcessor
 
         proc = processor or MindVLProcessor(config=config)
+        if config.packing == "offline" and not config.packed_dir:
+            raise ValueError("data.packing is offline but data.packed_dir is empty: run `mindvl data pack IN.jsonl "
+                             "OUT_DIR` and set data.packed_dir: OUT_DIR, or set data.packing: online")
         src = (PackedShardSource(config.packed_dir, config) if config.packing == "offline"
                else OnlinePackSource(config, proc))
         return cls(src, proc, config, collate=collate, model_config=model_config)
@@ -210,7 +213,8 @@ class DataLoader:
         c = self.config
         return {"kind": self.source.kind, "epoch": self.epoch, "position": self.position,
                 "consumed_samples": self.consumed_samples, "seed": c.seed, "dp_rank": c.dp_rank,
-                "dp_size": c.dp_size, "micro_batch_size": c.micro_batch_size, "skipped": len(self.skipped)}
+                "dp_size": c.dp_size, "micro_batch_size": c.micro_batch_size, "skipped": len(self.skipped),
+                "dropped": dict(getattr(self.source, "dropped", {}))}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         c = self.config

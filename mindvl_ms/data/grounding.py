@@ -11,7 +11,7 @@ report's better choice) and "digits" (`0 0 8`, each digit its own word, for toke
 split numbers; the Qwen tokenizer already emits one token per digit). `parse_grounding` reads all
 three.
 
-Normalisation: n = clip(round(v / size * 999), 0, 999) and back v = n / 999 * size; since the
+Normalisation: n = clip(floor(v * 999 / size + 0.5), 0, 999) and back v = n / 999 * size; since the
 numbers are relative, the same label serves the original and the smart-resized image: pass the
 size of the image you want pixels for.
 
@@ -191,8 +191,8 @@ def has_grounding(text: str) -> bool:
 def to_norm(points, width: float, height: float) -> np.ndarray:
     """Pixel (x, y) points [..., 2] -> integers 0..999 relative to an image of width x height."""
     p = np.asarray(points, dtype=np.float64)
-    scale = np.array([999.0 / width, 999.0 / height])
-    return np.clip(np.round(p * scale), 0, 999).astype(np.int64)
+    n = np.floor(p * 999.0 / np.array([width, height], dtype=np.float64) + 0.5)  # round half up
+    return np.clip(n, 0, 999).astype(np.int64)
 
 
 def from_norm(points, width: float, height: float) -> np.ndarray:

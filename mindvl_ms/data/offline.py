@@ -153,23 +153,29 @@ def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int
 
 
 def _write_shards(path: str, out_dir: str, ranks, progress: bool) -> None:
-    """One JSONL shard per rank; samples copied verbatim except image paths (relative to out_dir)."""
-    need = {it.key for r in ranks for p in r for it in p.items}
+    """One JSONL shard per rank; samples copied verbatim except image paths (relative to out_dir).
+    Only byte offsets are held in memory; each sample is read back with a seek when its pack is written."""
+    from .dataset import _line_offsets  # one offset index, no JSON parsing
+
+    offsets = dict(_line_offsets(path))
     base, out_abs = os.path.dirname(os.path.abspath(path)), os.path.abspath(out_dir)
-    raw: Dict[int, Dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(tqdm(f, desc="shards", unit="line", disable=not progress), 1):
-            if n in need:
-                obj = json.loads(text)
-                if obj.get("images"):
-                    obj["images"] = [os.path.relpath(p if os.path.isabs(p) else os.path.join(base, p), out_abs)
-                                     for p in obj["images"]]
-                raw[n] = obj
-    for r, rp in enumerate(ranks):
-        tmp = os.path.join(out_dir, f"rank_{r:05d}.jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for p in rp:
-                f.write(json.dumps({"tokens": p.tokens, "image_tokens": p.image_tokens,
-                                    "lines": [it.key for it in p.items],
-                                    "samples": [raw[it.key] for it in p.items]}, ensure_ascii=False) + "\n")
-        os.replace(tmp, os.path.join(out_dir, f"rank_{r:05d}.jsonl"))
+    bar = tqdm(total=sum(len(p.items) for r in ranks for p in r), desc="shards", unit="sample", disable=not progress)
+    with open(path, "rb") as src:
+        for r, rp in enumerate(ranks):
+            tmp = os.path.join(out_dir, f"rank_{r:05d}.jsonl.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for p in rp:
+                    samples = []
+                    for it in p.items:
+                        src.seek(offsets[it.key])
+                        obj = json.loads(src.readline().decode("utf-8"))
+                        if obj.get("images"):
+                            obj["images"] = [os.path.relpath(q if os.path.isabs(q) else os.path.join(base, q), out_abs)
+                                             for q in obj["images"]]
+                        samples.append(obj)
+                    f.write(json.dumps({"tokens": p.tokens, "image_tokens": p.image_tokens,
+                                        "lines": [it.key for it in p.items], "samples": samples},
+                                       ensure_ascii=False) + "\n")
+                    bar.update(len(p.items))
+            os.replace(tmp, os.path.join(out_dir, f"rank_{r:05d}.jsonl"))
+    bar.close()

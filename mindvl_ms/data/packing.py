@@ -7,10 +7,11 @@ MindVL paper's control of visual tokens per pack).
 - `pack_bfd`: best-fit decreasing. Items sorted by their dominant share of a pack,
   max(tokens / seq_length, image_tokens / max_image_tokens), descending (sorting by tokens alone
   leaves image-heavy samples stranded one per pack when the visual budget binds); each goes into
-  the open pack with the least remaining token room that still fits both budgets, else a new pack. Remaining room
-  is an integer in 0..seq_length, so open packs sit in buckets by remaining room and the best-fit
-  search is a scan over a two-level occupancy bitmap (O(seq_length / 64 + 64) per item instead of
-  O(#packs)). Within a bucket at most `IMAGE_PROBE` packs are probed for visual room.
+  the open pack with the least remaining token room that still fits both budgets, else a new pack.
+  When the visual budget is below seq_length a second pass fits on visual room instead and the
+  pass with fewer packs is kept. Remaining room is an integer, so open packs sit in buckets by it;
+  buckets and blocks of 64 buckets carry their largest visual room, so the exact best-fit search
+  costs O(seq_length / 64 + 64) per item instead of O(#packs).
 - `pack_first_fit`: greedy first-fit in input order (the bench's baseline).
 - `assign_ranks`: every rank gets the same number of packs (ranks must step together); if the
   count does not divide, the fullest multi-sample packs are split. Packs are ordered by visual
@@ -25,11 +26,10 @@ MindVL paper's control of visual tokens per pack).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-IMAGE_PROBE = 32
 
 
 @dataclass
@@ -65,64 +65,86 @@ def split_oversized(items: Iterable[Item], seq_length: int, max_image_tokens: in
 
 
 class _Buckets:
-    """Open packs bucketed by remaining token room, with a two-level bitmap for 'first bucket >= r'."""
+    """Open packs bucketed by remaining token room. Each bucket also knows the largest remaining visual
+    room of its packs, and each block of 64 buckets the largest of those, so buckets (and whole
+    blocks) where no pack has enough visual room are skipped in O(1)."""
 
     def __init__(self, size: int):
-        self.lists: List[List[int]] = [[] for _ in range(size + 1)]
-        self.block = [0] * (size // 64 + 1)
+        self.pids: List[List[int]] = [[] for _ in range(size + 1)]
+        self.vroom: List[List[int]] = [[] for _ in range(size + 1)]  # visual room, parallel to pids
+        self.vmax = [-1] * (size + 1)
+        self.bmax = [-1] * (size // 64 + 1)
 
-    def add(self, room: int, pid: int) -> None:
-        self.lists[room].append(pid)
-        self.block[room >> 6] += 1
+    def add(self, room: int, pid: int, vroom: int) -> None:
+        self.pids[room].append(pid)
+        self.vroom[room].append(vroom)
+        if vroom > self.vmax[room]:
+            self.vmax[room] = vroom
+            b = room >> 6
+            self.bmax[b] = max(self.bmax[b], vroom)
 
-    def remove(self, room: int, idx: int) -> None:
-        lst = self.lists[room]
-        lst[idx] = lst[-1]
-        lst.pop()
-        self.block[room >> 6] -= 1
+    def pop(self, room: int, idx: int) -> int:
+        pids, vr = self.pids[room], self.vroom[room]
+        pid, gone = pids[idx], vr[idx]
+        pids[idx], vr[idx] = pids[-1], vr[-1]
+        pids.pop()
+        vr.pop()
+        if gone == self.vmax[room]:
+            self.vmax[room] = max(vr) if vr else -1
+            b = room >> 6
+            self.bmax[b] = max(self.vmax[b << 6:(b + 1) << 6])
+        return pid
 
-    def rooms_from(self, r: int) -> Iterator[int]:
-        """Non-empty rooms >= r, ascending."""
-        lists, block = self.lists, self.block
-        b = r >> 6
-        while b < len(block):
-            if block[b]:
-                for room in range(max(r, b << 6), min((b + 1) << 6, len(lists))):
-                    if lists[room]:
-                        yield room
-            b += 1
+    def find(self, tokens: int, vis: int) -> Optional[Tuple[int, int]]:
+        """(room, index) of a pack with the least token room >= tokens and visual room >= vis."""
+        vmax, bmax = self.vmax, self.bmax
+        for b in range(tokens >> 6, len(bmax)):
+            if bmax[b] < vis:
+                continue
+            for room in range(max(tokens, b << 6), min((b + 1) << 6, len(vmax))):
+                if vmax[room] >= vis:
+                    vr = self.vroom[room]
+                    if vis == 0:
+                        return room, len(vr) - 1
+                    return room, next(i for i, x in enumerate(vr) if x >= vis)
+        return None
 
 
-def pack_bfd(items: Sequence[Item], seq_length: int, max_image_tokens: int) -> List[Pack]:
-    """Best-fit decreasing under a token and a visual-token budget (items must each fit alone)."""
+def _bfd(items: Sequence[Item], seq_length: int, max_image_tokens: int, by_visual: bool) -> List[Pack]:
+    """One BFD pass; buckets keyed by token room, or by visual room when `by_visual`."""
+    cap_a, cap_b = (max_image_tokens, seq_length) if by_visual else (seq_length, max_image_tokens)
+    size = (lambda it: (it.image_tokens, it.tokens)) if by_visual else (lambda it: (it.tokens, it.image_tokens))
     packs: List[Pack] = []
-    buckets = _Buckets(seq_length)
-    vis = float(max(max_image_tokens, 1))
-    order = sorted(range(len(items)), key=lambda i: (-max(items[i].tokens / seq_length, items[i].image_tokens / vis),
+    buckets = _Buckets(cap_a)
+    order = sorted(range(len(items)), key=lambda i: (-max(items[i].tokens / seq_length,
+                                                          items[i].image_tokens / max(max_image_tokens, 1)),
                                                      -items[i].tokens, i))
     for i in order:
         it = items[i]
         if it.tokens > seq_length or it.image_tokens > max_image_tokens:
             raise ValueError(f"item {it.key!r} does not fit an empty pack; filter with split_oversized first")
-        chosen = None
-        for room in buckets.rooms_from(it.tokens):
-            lst = buckets.lists[room]
-            for j in range(min(len(lst), IMAGE_PROBE)):
-                p = packs[lst[j]]
-                if p.image_tokens + it.image_tokens <= max_image_tokens:
-                    chosen = (room, j, lst[j])
-                    break
-            if chosen:
-                break
-        if chosen is None:
+        found = buckets.find(*size(it))
+        if found is None:
             pid = len(packs)
             packs.append(Pack())
         else:
-            room, j, pid = chosen
-            buckets.remove(room, j)
-        packs[pid].add(it)
-        buckets.add(seq_length - packs[pid].tokens, pid)
+            pid = buckets.pop(*found)
+        p = packs[pid]
+        p.add(it)
+        used_a, used_b = size(Item(None, p.tokens, p.image_tokens))
+        buckets.add(cap_a - used_a, pid, cap_b - used_b)
     return packs
+
+
+def pack_bfd(items: Sequence[Item], seq_length: int, max_image_tokens: int) -> List[Pack]:
+    """Best-fit decreasing under a token and a visual-token budget (items must each fit alone).
+    Best fit is measured on token room and, in a second pass, on visual room (the binding budget
+    when images dominate); the pass with fewer packs wins (ties: token room)."""
+    by_tokens = _bfd(items, seq_length, max_image_tokens, by_visual=False)
+    if max_image_tokens >= seq_length or not any(it.image_tokens for it in items):
+        return by_tokens  # the visual budget can never bind first
+    by_visual = _bfd(items, seq_length, max_image_tokens, by_visual=True)
+    return by_visual if len(by_visual) < len(by_tokens) else by_tokens
 
 
 def pack_first_fit(items: Sequence[Item], seq_length: int, max_image_tokens: int) -> List[Pack]:
@@ -151,7 +173,7 @@ def _split_to_multiple(packs: List[Pack], multiple: int) -> List[Pack]:
         i = max(cand, key=lambda k: (packs[k].tokens, -k))
         p = packs.pop(i)
         a, b = Pack(), Pack()
-        for n, it in enumerate(sorted(p.items, key=lambda x: -x.tokens)):
+        for it in sorted(p.items, key=lambda x: -x.tokens):
             (a if a.tokens <= b.tokens else b).add(it)
         packs += [a, b]
         need -= 1

@@ -1,0 +1,160 @@
+"""`mindvl data validate`: schema, image and grounding checks with a per-line report.
+
+Checks per line (reason keys in the report):
+  blank line, invalid json, schema            the line cannot be a sample (see schema.py)
+  image count mismatch                        `<image>` placeholders != number of images
+  raw vision token                            the text already contains <|image_pad|>/<|vision_start|>/...
+  missing image, corrupt image                file absent, or PIL cannot decode it
+  blank image                                 every pixel has the same value
+  below minimum resolution                    a side shorter than data.image.min_side
+  extreme aspect ratio                        long/short side above data.image.max_aspect_ratio
+  image size mismatch                         `image_sizes` metadata differs from the file (the packer
+                                              would count the wrong number of tokens)
+  grounding                                   unbalanced tags, non-integer or out-of-range (0..999)
+                                              coordinates, wrong point count for point/box/quad
+Images are checked once per path (many lines share images) and, with `decode=False`, only their
+headers are read. Work is spread over processes with a tqdm bar. `--drop-bad` writes the lines
+without errors to a new file and the report lists every dropped line with its reasons.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple
+
+from PIL import Image
+from tqdm import tqdm
+
+from ..config.data import ImageConfig
+from .grounding import grounding_errors
+from .schema import SampleError, count_placeholders, parse_line
+
+RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def check_image(path: str, cfg: ImageConfig, decode: bool = True) -> Tuple[Optional[Tuple[int, int]], List[Tuple[str, str]]]:
+    """((width, height) or None, [(reason, detail)]) for one image file."""
+    if not os.path.isfile(path):
+        return None, [("missing image", path)]
+    try:
+        with Image.open(path) as im:
+            size = im.size
+            if decode:
+                im.load()
+                lo_hi = im.convert("RGB").getextrema()
+    except Exception as e:  # PIL raises many types for broken files
+        return None, [("corrupt image", f"{path}: {e}")]
+    w, h = size
+    errs = []
+    if decode and all(lo == hi for lo, hi in lo_hi):
+        errs.append(("blank image", f"{path}: every pixel is {lo_hi[0][0]}"))
+    if min(w, h) < cfg.min_side:
+        errs.append(("below minimum resolution", f"{path}: {w}x{h}, shortest side must be >= {cfg.min_side}"))
+    if max(w, h) / max(min(w, h), 1) > cfg.max_aspect_ratio:
+        errs.append(("extreme aspect ratio", f"{path}: {w}x{h}, ratio above {cfg.max_aspect_ratio:g}"))
+    return size, errs
+
+
+def check_line(text: str, source: str, line: int, cfg: ImageConfig, decode: bool, cache: Dict) -> List[Tuple[str, str]]:
+    """All problems of one raw JSONL line as (reason, detail)."""
+    s = parse_line(text, source, line)
+    if isinstance(s, SampleError):
+        return [(s.reason, s.detail)]
+    errs = []
+    n_ph = count_placeholders(s)
+    if n_ph != len(s.images):
+        errs.append(("image count mismatch", f"{n_ph} <image> placeholders for {len(s.images)} images"))
+    for i, m in enumerate(s.messages):
+        raw = [t for t in RAW_TOKENS if t in m["content"]]
+        if raw:
+            errs.append(("raw vision token", f"messages[{i}] contains {raw[0]}; use <image> placeholders"))
+        for g in grounding_errors(m["content"]):
+            errs.append(("grounding", f"messages[{i}]: {g}"))
+    for k, p in enumerate(s.images):
+        if p not in cache:
+            cache[p] = check_image(p, cfg, decode)
+        size, img_errs = cache[p]
+        errs += img_errs
+        if size is not None and s.image_sizes is not None and tuple(s.image_sizes[k]) != tuple(size):
+            errs.append(("image size mismatch", f"image_sizes[{k}]={list(s.image_sizes[k])} but {p} is "
+                                                f"{size[0]}x{size[1]}"))
+    return errs
+
+
+_CFG: Dict[str, Any] = {}
+
+
+def _init(cfg: ImageConfig, decode: bool) -> None:
+    _CFG.update(cfg=cfg, decode=decode, cache={})
+
+
+def _chunk(args) -> List[Tuple[int, List[Tuple[str, str]]]]:
+    source, lines = args
+    return [(n, check_line(t, source, n, _CFG["cfg"], _CFG["decode"], _CFG["cache"])) for n, t in lines]
+
+
+def validate_file(path: str, cfg: Optional[ImageConfig] = None, decode: bool = True, workers: int = 0,
+                  drop_bad: Optional[str] = None, progress: bool = True, chunk: int = 500) -> Dict[str, Any]:
+    """Check every line of `path`; returns {"file", "num_lines", "num_ok", "counts", "errors": [...]}."""
+    cfg = cfg or ImageConfig()
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        lines = list(enumerate(f, 1))
+    chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
+    workers = workers or os.cpu_count() or 1
+    results: List[Tuple[int, List[Tuple[str, str]]]] = []
+    bar = tqdm(total=len(lines), desc="validate", unit="line", disable=not progress)
+    if workers > 1 and len(chunks) > 1:
+        with mp.get_context("fork").Pool(workers, initializer=_init, initargs=(cfg, decode)) as pool:
+            for res in pool.imap(_chunk, chunks):
+                results += res
+                bar.update(len(res))
+    else:
+        _init(cfg, decode)
+        for c in chunks:
+            res = _chunk(c)
+            results += res
+            bar.update(len(res))
+    bar.close()
+    errors = [{"line": n, "reason": r, "detail": d} for n, errs in results for r, d in errs]
+    bad = sorted({n for n, errs in results if errs})
+    report = {"file": path, "num_lines": len(lines), "num_ok": len(lines) - len(bad), "num_bad": len(bad),
+              "counts": dict(Counter(e["reason"] for e in errors)), "errors": errors}
+    if drop_bad:
+        bad_set = set(bad)
+        base_in, base_out = os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.abspath(drop_bad))
+        with open(drop_bad, "w", encoding="utf-8") as f:
+            for n, text in lines:
+                if n not in bad_set:
+                    f.write(_rebase(text, base_in, base_out) if base_in != base_out else text.rstrip("\n") + "\n")
+        report["dropped_lines"] = bad
+        report["clean_file"] = drop_bad
+    return report
+
+
+def _rebase(text: str, base_in: str, base_out: str) -> str:
+    """Rewrite relative image paths so the clean file in another directory still finds the images."""
+    obj = json.loads(text)
+    if obj.get("images"):
+        obj["images"] = [p if os.path.isabs(p) else os.path.relpath(os.path.join(base_in, p), base_out)
+                         for p in obj["images"]]
+    return json.dumps(obj, ensure_ascii=False) + "\n"
+
+
+def format_report(report: Dict[str, Any], max_list: int = 50) -> str:
+    """Human-readable report: totals, counts per reason, then errors with line numbers."""
+    out = [f"{report['file']}: {report['num_lines']} lines, {report['num_ok']} ok, {report['num_bad']} with errors"]
+    for reason, n in sorted(report["counts"].items(), key=lambda kv: -kv[1]):
+        out.append(f"  {n:8d}  {reason}")
+    for e in report["errors"][:max_list]:
+        out.append(f"{report['file']}:{e['line']}: {e['reason']}: {e['detail']}")
+    if len(report["errors"]) > max_list:
+        out.append(f"... {len(report['errors']) - max_list} more (see --report for all)")
+    if "clean_file" in report:
+        out.append(f"wrote {report['num_ok']} clean lines to {report['clean_file']}; dropped lines: "
+                   f"{', '.join(map(str, report['dropped_lines'][:max_list]))}"
+                   + (" ..." if len(report["dropped_lines"]) > max_list else ""))
+    return "\n".join(out)
