@@ -1,0 +1,48 @@
+"""Logits processing for sampling against transformers' own processors (repetition penalty, temperature,
+top-k, top-p), on random logits. Run: pytest tests/test_infer_sampling.py
+"""
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from mindvl_ms.infer.sampling import SamplingConfig, choose, process_logits
+
+
+@pytest.mark.parametrize("penalty,temp,k,p", [(1.0, 1.0, 0, 1.0), (1.3, 0.7, 5, 1.0), (1.0, 1.5, 0, 0.8),
+                                              (0.9, 0.5, 20, 0.6)])
+def test_process_logits_matches_transformers(penalty, temp, k, p):
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((3, 50)) * 3).astype(np.float32)
+    hist = [rng.integers(0, 50, n) for n in (4, 9, 1)]
+    cfg = SamplingConfig(do_sample=True, temperature=temp, top_k=k, top_p=p, repetition_penalty=penalty)
+    ours = process_logits(logits, hist, cfg)
+    ids = torch.tensor(np.stack([np.resize(h, 9) for h in hist]))  # pad by repeating: same token sets
+    scores = torch.tensor(logits)
+    procs = [RepetitionPenaltyLogitsProcessor(penalty)] if penalty != 1.0 else []
+    procs += [TemperatureLogitsWarper(temp)] if temp != 1.0 else []
+    procs += [TopKLogitsWarper(k)] if k else []
+    procs += [TopPLogitsWarper(p)] if p < 1.0 else []
+    for proc in procs:
+        scores = proc(ids, scores)
+    ref = scores.numpy()
+    assert np.array_equal(np.isinf(ours), np.isinf(ref))
+    finite = ~np.isinf(ref)
+    np.testing.assert_allclose(ours[finite], ref[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_sampling_frequencies_follow_the_filtered_distribution():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
+    cfg = SamplingConfig(do_sample=True, top_k=2)
+    rng = np.random.default_rng(0)
+    draws = np.array([choose(logits, [np.array([], np.int64)], cfg, rng)[0] for _ in range(4000)])
+    assert set(draws.tolist()) == {0, 1}
+    assert abs((draws == 0).mean() - 0.5 / 0.8) < 0.03
+
+
+def test_invalid_options_are_errors():
+    for bad in (dict(temperature=0), dict(top_p=0), dict(top_k=-1), dict(max_new_tokens=0),
+                dict(repetition_penalty=0)):
+        with pytest.raises(ValueError):
+            SamplingConfig(**bad).validate()
