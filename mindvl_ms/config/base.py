@@ -1,8 +1,8 @@
 """Typed YAML configs: dataclasses whose fields carry a one-line doc, loaded with validation.
 
 Design:
-- Every config is a dataclass; every field is declared with `F(default, "doc")` so `--help`
-  style listings (`describe`) and the YAML docs come from one place.
+- Every config is a dataclass; every field is declared with `F(default, "doc")` so the YAML
+  reference (`config/reference.py` -> docs/CONFIG.md) comes from the code.
 - `load(cls, data, source)` converts a nested dict into the dataclass tree. An unknown key is an
   error naming the file, the dotted key and the closest valid key; a value of the wrong type is
   an error naming the expected type. After loading, each dataclass's `validate()` (if defined)
@@ -174,25 +174,3 @@ def set_dotted(data: Dict[str, Any], dotted: str, value: Any) -> None:
 def to_dict(obj: Any) -> Any:
     """Dataclass tree -> plain dict (for JSON/YAML dumps)."""
     return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
-
-
-def describe(cls: type, prefix: str = "") -> List[str]:
-    """One line per field: dotted name, type, default and doc (used for docs and `mindvl config`)."""
-    lines = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        name = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.append(f"{name}:  # {f.metadata.get('doc', '')}")
-            lines.extend(describe(tp, prefix=name + "."))
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = "<required>"
-        tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
-        lines.append(f"{name} ({tname}, default {default!r}): {f.metadata.get('doc', '')}")
-    return lines

@@ -12,7 +12,7 @@ Design:
   LR, epochs or token budget, loss. Batch arithmetic is checked when the data-parallel size is known
   (`StageConfig.accumulation(dp)`), everything else in `validate()`.
 
-Load with `load_run_config(path, overrides)`; `describe(RunConfig)` lists every field with its doc.
+Load with `load_run_config(path, overrides)`; docs/CONFIG.md lists every field with its doc.
 """
 from __future__ import annotations
 
