@@ -1,0 +1,62 @@
+"""`mindvl demo [--out DIR] [--quick]`: the tiny three-stage MindVL example, end to end on CPU.
+
+MindSpore is imported inside the handler so `mindvl --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DESCRIPTION = """\
+Train a tiny MindVL from scratch (real Qwen3 tokenizer, 2-block ViT, 2-layer Qwen3 decoder) and show
+that it learns:
+  1. data      easy-VQA questions/images (the easy_vqa package), plus generated OCR images (words and
+               numbers rendered with DejaVu Sans) and grounding images (coloured shapes; answers as
+               <|box_start|>(x1,y1),(x2,y2)<|box_end|>, coordinates 0..999); train and held-out splits
+  2. warm-up   projector only
+  3. multitask all parameters, all tasks
+  4. SFT       two variants at different sequence lengths, each from the multitask checkpoint
+  5. merge     uniform weight averaging of the SFT variants
+  6. evaluate  greedy generation on the held-out splits: easy-VQA exact match (vs the majority-answer
+               baseline), OCR exact match and grounding Acc@IoU0.5 (vs chance: the best image-blind
+               constant answer); merged vs individual SFT scores; a small test-time resolution search
+               on the OCR split
+Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
+OUT/report.json. The full run takes under 30 minutes on 2 CPU cores, --quick about 2-3 minutes."""
+
+EPILOG = """\
+examples:
+  mindvl demo                       # full run into runs/demo
+  mindvl demo --quick --out /tmp/d  # the CI-sized run
+  mindvl demo --set stages.1.max_lr=2e-3 --set seed=1   # change the recipe (configs/demo/full.yaml)"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("demo", help="tiny MindVL: warm-up -> multitask -> SFT -> merge -> evaluate on CPU",
+                              description=DESCRIPTION, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--quick", action="store_true",
+                   help="small data and few steps (configs/demo/quick.yaml): checks the pipeline, does not "
+                        "train long enough to beat the baselines reliably")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="demo YAML (default: configs/demo/full.yaml, or quick.yaml with --quick)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a run-config value, e.g. --set stages.1.epochs=2 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from ..config.base import ConfigError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .run import run_demo
+
+    try:
+        run_demo(args.out, quick=args.quick, config=args.config, overrides=args.set, progress=not args.no_progress)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0

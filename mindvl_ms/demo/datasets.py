@@ -1,0 +1,299 @@
+"""Demo data: easy-VQA, generated OCR and generated grounding, written as JSONL + PNG files.
+
+Three tasks, each with a train split and a held-out split, all deterministic from one seed:
+- `vqa`: questions and images of the `easy_vqa` package (MIT; 64x64 shapes, 13 answers). The train
+  split samples the package's train questions, the held-out split its test questions (different
+  images), so nothing held out is ever seen in training. Images are copied next to the JSONL.
+- `ocr`: a short word or a number rendered with the DejaVu Sans font bundled with matplotlib
+  (random size, colour and position on a light 224x56 canvas); the answer is the text.
+- `grounding`: one or two coloured shapes (circle, square, triangle) on a 112x112 canvas; the
+  question names one of them by colour and shape and the answer is its box in the openPangu-VL
+  syntax, `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`, coordinates normalised to integers 0..999.
+
+Every line follows the DESIGN.md data format; `meta` carries the task, the metric used to score it
+(`exact_match` or `grounding`) and, for grounding, the pixel box. Held-out lines also carry the
+top-level `task` and `metric` fields of the `mindvl eval` benchmark format. The writer also reports each
+task's blind baseline on the held-out split: the accuracy of always answering the most frequent
+training answer (easy-VQA's majority-answer baseline; for OCR and grounding, where every answer is
+nearly unique, this is the chance level of a model that ignores the image; for grounding the
+constant guess is the mean training box, scored with Acc@IoU0.5).
+
+Usage:
+    from mindvl_ms.demo.datasets import write_demo_data
+    info = write_demo_data("runs/demo/data", seed=0, sizes={"vqa": (2000, 200), ...})
+    info["files"]["train"]["vqa"], info["files"]["heldout"]["ocr"], info["baselines"]["vqa"]
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from ..data.grounding import box_iou, format_box, to_norm
+
+TASKS = ("vqa", "ocr", "grounding")
+METRIC = {"vqa": "exact_match", "ocr": "exact_match", "grounding": "grounding"}
+OCR_WORDS = ["CAT", "DOG", "SUN", "MAP", "RED", "BOX", "CAR", "TREE", "BIRD", "FISH", "STAR", "MOON", "BLUE",
+             "GOLD", "LION", "BEAR", "WOLF", "ROSE", "RAIN", "SNOW", "FIRE", "WIND", "SHIP", "LAMP", "DOOR",
+             "BOOK", "MILK", "CAKE", "KING", "FROG"]
+OCR_SIZE = (224, 56)    # (width, height)
+GROUND_SIZE = (112, 112)
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 70, 220), "yellow": (230, 200, 20),
+           "purple": (140, 50, 170), "black": (20, 20, 20)}
+SHAPES = ("circle", "square", "triangle")
+DEFAULT_SIZES = {"vqa": (2000, 200), "ocr": (1000, 100), "grounding": (1000, 100)}  # (train, held-out)
+
+
+def font_path() -> str:
+    """DejaVu Sans from matplotlib's bundled fonts (no system font needed)."""
+    import matplotlib
+
+    path = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", "DejaVuSans.ttf")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"bundled font not found: {path} (is matplotlib installed completely?)")
+    return path
+
+
+def sample_line(sid: str, image: str, size: Tuple[int, int], question: str, answer: str, task: str,
+                **meta) -> dict:
+    """One JSONL object in the DESIGN.md format (image path relative to the JSONL file)."""
+    return {"id": sid, "images": [image], "image_sizes": [[int(size[0]), int(size[1])]],
+            "messages": [{"role": "user", "content": f"<image>\n{question}"},
+                         {"role": "assistant", "content": answer}],
+            "meta": {"task": task, "metric": METRIC[task], **meta}}
+
+
+# ------------------------------------------------------------------------------------------ easy-VQA
+
+def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator) -> Dict[str, List[dict]]:
+    """Sampled easy-VQA questions; the images used are copied to out_dir/images/vqa/."""
+    import easy_vqa
+
+    splits = {"train": (easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths(), n_train),
+              "heldout": (easy_vqa.get_test_questions(), easy_vqa.get_test_image_paths(), n_heldout)}
+    img_dir = os.path.join(out_dir, "images", "vqa")
+    os.makedirs(img_dir, exist_ok=True)
+    out: Dict[str, List[dict]] = {}
+    for split, ((questions, answers, image_ids), paths, n) in splits.items():
+        if n > len(questions):
+            raise ValueError(f"easy-VQA {split}: asked for {n} questions, the package has {len(questions)}")
+        lines = []
+        for i in sorted(rng.choice(len(questions), size=n, replace=False).tolist()):
+            img_id = int(image_ids[i])
+            src = paths[img_id]
+            rel = f"images/vqa/{split}_{img_id}.png"
+            dst = os.path.join(out_dir, rel)
+            if not os.path.isfile(dst):
+                shutil.copyfile(src, dst)
+            with Image.open(dst) as im:
+                size = im.size
+            lines.append(sample_line(f"vqa-{split}-{i}", rel, size, questions[i], answers[i], "vqa"))
+        out[split] = lines
+    return out
+
+
+# ------------------------------------------------------------------------------------------ OCR
+
+def ocr_text(rng: np.random.Generator) -> str:
+    """Half the time a word from OCR_WORDS, else a number 10..999."""
+    if rng.random() < 0.5:
+        return OCR_WORDS[int(rng.integers(len(OCR_WORDS)))]
+    return str(int(rng.integers(10, 1000)))
+
+
+def render_ocr(text: str, rng: np.random.Generator, font_file: str, margin: int = 2) -> Image.Image:
+    """`text` in a random dark colour, size 30..40 px (smaller if needed to fit), at a random position
+    at least `margin` pixels from every border, on a random light background."""
+    w, h = OCR_SIZE
+    bg = tuple(int(v) for v in rng.integers(200, 256, size=3))
+    fg = tuple(int(v) for v in rng.integers(0, 90, size=3))
+    im = Image.new("RGB", (w, h), bg)
+    draw = ImageDraw.Draw(im)
+    size = int(rng.integers(30, 41))
+    while True:
+        font = ImageFont.truetype(font_file, size)
+        x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
+        tw, th = x1 - x0, y1 - y0
+        if tw + 2 * margin <= w and th + 2 * margin <= h:
+            break
+        size -= 2
+        if size < 8:
+            raise ValueError(f"OCR text {text!r} does not fit a {w}x{h} image")
+    x = int(rng.integers(margin, w - tw - margin + 1)) - x0
+    y = int(rng.integers(margin, h - th - margin + 1)) - y0
+    draw.text((x, y), text, fill=fg, font=font)
+    return im
+
+
+def ocr_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator) -> Dict[str, List[dict]]:
+    font_file = font_path()
+    img_dir = os.path.join(out_dir, "images", "ocr")
+    os.makedirs(img_dir, exist_ok=True)
+    out: Dict[str, List[dict]] = {}
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        lines = []
+        for i in range(n):
+            text = ocr_text(rng)
+            rel = f"images/ocr/{split}_{i:05d}.png"
+            render_ocr(text, rng, font_file).save(os.path.join(out_dir, rel))
+            lines.append(sample_line(f"ocr-{split}-{i}", rel, OCR_SIZE, "What is written in the image?", text, "ocr"))
+        out[split] = lines
+    return out
+
+
+# ------------------------------------------------------------------------------------------ grounding
+
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, box: Tuple[int, int, int, int], colour) -> None:
+    x1, y1, x2, y2 = box  # pixel box, (x2, y2) exclusive
+    if kind == "circle":
+        draw.ellipse((x1, y1, x2 - 1, y2 - 1), fill=colour)
+    elif kind == "square":
+        draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=colour)
+    else:
+        draw.polygon([((x1 + x2 - 1) / 2, y1), (x1, y2 - 1), (x2 - 1, y2 - 1)], fill=colour)
+
+
+def _place(rng: np.random.Generator, taken: List[Tuple[int, int, int, int]], w: int, h: int):
+    """A random box (side 28..64 px) not overlapping the ones in `taken` (None after 50 tries)."""
+    for _ in range(50):
+        side = int(rng.integers(28, 65))
+        x1, y1 = int(rng.integers(0, w - side + 1)), int(rng.integers(0, h - side + 1))
+        box = (x1, y1, x1 + side, y1 + side)
+        if all(box_iou(box, t) == 0.0 for t in taken):
+            return box
+    return None
+
+
+def grounding_image(rng: np.random.Generator) -> Tuple[Image.Image, str, str, Tuple[int, int, int, int]]:
+    """(image, target name e.g. 'red circle', answer, pixel box of the target)."""
+    w, h = GROUND_SIZE
+    im = Image.new("RGB", (w, h), (245, 245, 245))
+    draw = ImageDraw.Draw(im)
+    n = int(rng.integers(1, 3))
+    colours = rng.choice(list(COLOURS), size=n, replace=False)
+    objs, taken = [], []
+    for c in colours:
+        box = _place(rng, taken, w, h)
+        if box is None:
+            break
+        kind = SHAPES[int(rng.integers(len(SHAPES)))]
+        _draw_shape(draw, kind, box, COLOURS[str(c)])
+        objs.append((f"{c} {kind}", box))
+        taken.append(box)
+    name, box = objs[int(rng.integers(len(objs)))]
+    (nx1, ny1), (nx2, ny2) = to_norm([box[:2], box[2:]], w, h).tolist()
+    return im, name, format_box(nx1, ny1, nx2, ny2), box
+
+
+def grounding_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator) -> Dict[str, List[dict]]:
+    img_dir = os.path.join(out_dir, "images", "grounding")
+    os.makedirs(img_dir, exist_ok=True)
+    out: Dict[str, List[dict]] = {}
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        lines = []
+        for i in range(n):
+            im, name, answer, box = grounding_image(rng)
+            rel = f"images/grounding/{split}_{i:05d}.png"
+            im.save(os.path.join(out_dir, rel))
+            lines.append(sample_line(f"grounding-{split}-{i}", rel, GROUND_SIZE, f"Where is the {name}?", answer,
+                                     "grounding", box_pixels=list(box)))
+        out[split] = lines
+    return out
+
+
+# ------------------------------------------------------------------------------------------ baselines
+
+def answer_of(line: dict) -> str:
+    return next(m["content"] for m in line["messages"] if m["role"] == "assistant")
+
+
+def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) -> Dict[str, object]:
+    """Held-out score of the best image-blind constant answer learned from the train split."""
+    from ..eval.metrics import parse_box, score_sample
+
+    if task == "grounding":
+        boxes = np.array([parse_box(answer_of(s)) for s in train], dtype=np.float64)
+        guess = format_box(*[int(round(v)) for v in boxes.mean(axis=0)])
+        kind = "mean training box"
+    else:
+        guess = Counter(answer_of(s) for s in train).most_common(1)[0][0]
+        kind = "majority answer"
+    hits = [score_sample(METRIC[task], guess, {"answers": [answer_of(s)]}) for s in heldout]
+    out = {"kind": kind, "answer": guess, "score": float(np.mean(hits)) if hits else 0.0,
+           "distinct_train_answers": len({answer_of(s) for s in train})}
+    if task == "vqa":
+        out["question_prior"] = question_prior(train, heldout, guess)
+    return out
+
+
+VQA_WORDS = ("red", "green", "blue", "yellow", "gray", "black", "teal", "brown", "circle", "rectangle", "triangle")
+
+
+def question_template(line: dict) -> str:
+    """The user question with colour and shape words masked (what an image-blind model can key on)."""
+    text = line["messages"][0]["content"].split("\n", 1)[-1]
+    for w in VQA_WORDS:
+        text = text.replace(w, "_")
+    return text
+
+
+def question_prior(train: Sequence[dict], heldout: Sequence[dict], fallback: str) -> float:
+    """Held-out accuracy of answering each question template with its most frequent training answer
+    (a stronger image-blind baseline than the global majority answer)."""
+    by: Dict[str, Counter] = {}
+    for s in train:
+        by.setdefault(question_template(s), Counter())[answer_of(s)] += 1
+    hits = [(by[t].most_common(1)[0][0] if t in by else fallback) == answer_of(s)
+            for s in heldout for t in [question_template(s)]]
+    return float(np.mean(hits)) if hits else 0.0
+
+
+# ------------------------------------------------------------------------------------------ writer
+
+def write_jsonl(path: str, lines: Sequence[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for obj in lines:
+            f.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple[int, int]]] = None,
+                    progress: bool = True) -> Dict[str, object]:
+    """Write train_<task>.jsonl / heldout_<task>.jsonl + images under out_dir; returns files and baselines.
+
+    sizes: {task: (n_train, n_heldout)} (default DEFAULT_SIZES). Same seed and sizes -> identical files.
+    Also writes out_dir/info.json with the same content as the return value.
+    """
+    from tqdm import tqdm
+
+    sizes = dict(DEFAULT_SIZES, **(sizes or {}))
+    unknown = set(sizes) - set(TASKS)
+    if unknown:
+        raise ValueError(f"unknown demo task(s) {sorted(unknown)}: expected {', '.join(TASKS)}")
+    for task, (n_tr, n_ho) in sizes.items():
+        if n_tr < 1 or n_ho < 1:
+            raise ValueError(f"task {task}: need at least one train and one held-out sample, got {n_tr}, {n_ho}")
+    os.makedirs(out_dir, exist_ok=True)
+    makers = {"vqa": easy_vqa_lines, "ocr": ocr_lines, "grounding": grounding_lines}
+    info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS},
+                               "files": {"train": {}, "heldout": {}}, "baselines": {}}
+    for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
+        rng = np.random.default_rng([seed, k])  # one stream per task: changing one size leaves the others
+        split_lines = makers[task](out_dir, *sizes[task], rng)
+        for obj in split_lines["heldout"]:  # evaluation fields read by mindvl_ms.eval.runner
+            obj["task"], obj["metric"] = task, METRIC[task]
+        for split in ("train", "heldout"):
+            path = os.path.join(out_dir, f"{split}_{task}.jsonl")
+            write_jsonl(path, split_lines[split])
+            info["files"][split][task] = path  # type: ignore[index]
+        baseline = blind_baseline(task, split_lines["train"], split_lines["heldout"])
+        info["baselines"][task] = baseline  # type: ignore[index]
+    with open(os.path.join(out_dir, "info.json"), "w", encoding="utf-8") as f:
+        json.dump(info, f, indent=2)
+    return info

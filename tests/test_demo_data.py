@@ -1,0 +1,162 @@
+"""Demo data (mindvl_ms/demo/datasets.py): checked against the easy_vqa package, the pixels of the
+generated images, and baselines recomputed by hand. Runs in seconds (no MindSpore).
+
+    python -m pytest -q tests/test_demo_data.py
+"""
+import hashlib
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mindvl_ms.data.grounding import parse_grounding
+from mindvl_ms.data.schema import parse_sample
+from mindvl_ms.demo.datasets import COLOURS, OCR_WORDS, write_demo_data
+from mindvl_ms.eval.runner import load_benchmark
+
+SIZES = {"vqa": (40, 12), "ocr": (30, 10), "grounding": (40, 12)}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("demo_data"))
+    return d, write_demo_data(d, seed=3, sizes=SIZES, progress=False)
+
+
+def _lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(x) for x in f]
+
+
+def _answer(obj):
+    return [m["content"] for m in obj["messages"] if m["role"] == "assistant"][-1]
+
+
+def _digest(root):
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(root)):
+        for fn in sorted(files):
+            if fn == "info.json":
+                continue
+            p = os.path.join(dirpath, fn)
+            h.update(os.path.relpath(p, root).encode())
+            with open(p, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def test_deterministic_from_seed(data, tmp_path):
+    d, _ = data
+    again = str(tmp_path / "again")
+    write_demo_data(again, seed=3, sizes=SIZES, progress=False)
+    assert _digest(again) == _digest(d)
+    other = str(tmp_path / "other")
+    write_demo_data(other, seed=4, sizes=SIZES, progress=False)
+    assert _digest(other) != _digest(d)
+
+
+def test_sizes_and_formats(data):
+    d, info = data
+    for task, (n_tr, n_ho) in SIZES.items():
+        train, held = info["files"]["train"][task], info["files"]["heldout"][task]
+        assert len(_lines(train)) == n_tr and len(_lines(held)) == n_ho
+        for n, obj in enumerate(_lines(train), 1):  # the training schema accepts every line
+            s = parse_sample(obj, train, n)
+            assert len(s.images) == 1 and os.path.isfile(s.images[0])
+            with Image.open(s.images[0]) as im:
+                assert list(im.size) == obj["image_sizes"][0]
+        items = load_benchmark(held)  # the evaluation runner accepts every held-out line
+        assert {it.task for it in items} == {task}
+        assert {it.metric for it in items} == {"grounding" if task == "grounding" else "exact_match"}
+
+
+def test_vqa_matches_easy_vqa_package(data):
+    import easy_vqa
+
+    d, info = data
+    for split, qs, paths in (("train", easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths()),
+                             ("heldout", easy_vqa.get_test_questions(), easy_vqa.get_test_image_paths())):
+        for obj in _lines(info["files"][split]["vqa"]):
+            i = int(obj["id"].rsplit("-", 1)[1])
+            question, answer, image_id = qs[0][i], qs[1][i], qs[2][i]
+            assert obj["messages"][0]["content"] == "<image>\n" + question
+            assert _answer(obj) == answer
+            with open(os.path.join(d, obj["images"][0]), "rb") as a, open(paths[image_id], "rb") as b:
+                assert a.read() == b.read()
+            assert obj["images"][0].startswith(f"images/vqa/{split}_")  # held-out images are test-split images
+
+
+def test_grounding_box_bounds_the_named_shape(data):
+    d, info = data
+    for split in ("train", "heldout"):
+        for obj in _lines(info["files"][split]["grounding"]):
+            colour = obj["messages"][0]["content"].split("Where is the ")[1].split()[0]
+            rgb = np.asarray(Image.open(os.path.join(d, obj["images"][0])).convert("RGB")).astype(int)
+            ys, xs = np.nonzero((np.abs(rgb - np.array(COLOURS[colour])).sum(-1) == 0))
+            assert xs.size > 50, obj["id"]
+            h, w = rgb.shape[:2]
+            ink = np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], float)  # exclusive max, pixels
+            (shape,) = parse_grounding(_answer(obj), strict=True)[0].shapes
+            box = np.array(shape.box, float) / 999.0 * np.array([w, h, w, h])
+            assert np.abs(box - ink).max() <= 1.0, (obj["id"], box, ink)
+            assert np.array_equal(obj["meta"]["box_pixels"], ink.astype(int))
+
+
+def test_ocr_text_is_inside_the_image(data):
+    d, info = data
+    allowed = set(OCR_WORDS) | {str(n) for n in range(10, 1000)}
+    for split in ("train", "heldout"):
+        for obj in _lines(info["files"][split]["ocr"]):
+            assert _answer(obj) in allowed
+            g = np.asarray(Image.open(os.path.join(d, obj["images"][0])).convert("L")).astype(int)
+            bg = np.median(g)
+            ink = np.abs(g - bg) > 60
+            assert ink.sum() > 40, obj["id"]          # text was drawn
+            edge = np.concatenate([ink[0], ink[-1], ink[:, 0], ink[:, -1]])
+            assert not edge.any(), obj["id"]          # and not cut off by the border
+
+
+def test_blind_baselines_recomputed(data):
+    d, info = data
+    for task in ("vqa", "ocr"):
+        train = [_answer(o) for o in _lines(info["files"]["train"][task])]
+        held = [_answer(o) for o in _lines(info["files"]["heldout"][task])]
+        counts = Counter(train)
+        top = max(counts.values())
+        b = info["baselines"][task]
+        assert counts[b["answer"]] == top
+        assert b["score"] == pytest.approx(sum(a.strip().lower() == b["answer"].lower() for a in held) / len(held))
+    # question prior: hand-rolled per-template majority on the same files
+    tr, ho = _lines(info["files"]["train"]["vqa"]), _lines(info["files"]["heldout"]["vqa"])
+    words = ["red", "green", "blue", "yellow", "gray", "black", "teal", "brown", "circle", "rectangle", "triangle"]
+
+    def key(o):
+        t = o["messages"][0]["content"][len("<image>\n"):]
+        for w in words:
+            t = t.replace(w, "_")
+        return t
+    per = {}
+    for o in tr:
+        per.setdefault(key(o), Counter())[_answer(o)] += 1
+    top = Counter(_answer(o) for o in tr).most_common(1)[0][0]
+    want = np.mean([(per[key(o)].most_common(1)[0][0] if key(o) in per else top) == _answer(o) for o in ho])
+    assert info["baselines"]["vqa"]["question_prior"] == pytest.approx(want)
+    boxes = np.array([parse_grounding(_answer(o))[0].shapes[0].box
+                      for o in _lines(info["files"]["train"]["grounding"])], float)
+    mean = np.round(boxes.mean(0))
+    held = np.array([parse_grounding(_answer(o))[0].shapes[0].box
+                     for o in _lines(info["files"]["heldout"]["grounding"])], float)
+    lt, rb = np.maximum(held[:, :2], mean[:2]), np.minimum(held[:, 2:], mean[2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), 1)
+    union = np.prod(held[:, 2:] - held[:, :2], 1) + np.prod(mean[2:] - mean[:2]) - inter
+    assert info["baselines"]["grounding"]["score"] == pytest.approx(np.mean(inter / union >= 0.5))
+
+
+def test_bad_sizes_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown demo task"):
+        write_demo_data(str(tmp_path), sizes={"caption": (1, 1)}, progress=False)
+    with pytest.raises(ValueError, match="at least one"):
+        write_demo_data(str(tmp_path), sizes={"ocr": (0, 1)}, progress=False)
