@@ -109,19 +109,10 @@ class _CachedDecoder(nn.Cell):
         self.n_layers = self.cfg.num_hidden_layers
 
     def _attention(self, attn, x, cos, sin, ck, cv, write_pos, bias):
-        b, l, _ = x.shape
-        q = attn.q_proj(x).reshape(b, l, attn.h, attn.hd)
-        k = attn.k_proj(x).reshape(b, l, attn.kv, attn.hd)
-        v = attn.v_proj(x).reshape(b, l, attn.kv, attn.hd).transpose(0, 2, 1, 3)  # [B, KV, L, hd]
-        if attn.use_qk_norm:
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
-        q = attn.rotary(q.transpose(0, 2, 1, 3), cos, sin)  # [B, H, L, hd]
-        k = attn.rotary(k.transpose(0, 2, 1, 3), cos, sin)  # [B, KV, L, hd]
+        q, k, v = attn.project_qkv(x, cos, sin)  # [B, H, L, hd], [B, KV, L, hd] x2
         ck = _write(ck, k, write_pos)  # [B, KV, S, hd]
         cv = _write(cv, v, write_pos)
-        out = attn.core(q, ck.astype(q.dtype), cv.astype(q.dtype), bias)  # [B, H, L, hd]
-        return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, l, attn.h * attn.hd)), ck, cv
+        return attn.attend(q, ck, cv, bias), ck, cv
 
     def _decode(self, embeds, position_ids, write_pos, kv_valid, cache_k, cache_v):
         cos, sin = self.model.rotary_emb(position_ids)  # [B, 1, L, hd]

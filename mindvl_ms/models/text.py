@@ -79,6 +79,11 @@ class TextAttention(nn.Cell):
         self.core = CoreAttention(self.h, self.kv, self.hd)
 
     def construct(self, x, cos, sin, bias):  # x [B, L, D]
+        q, k, v = self.project_qkv(x, cos, sin)
+        return self.attend(q, k, v, bias)
+
+    def project_qkv(self, x, cos, sin):
+        """x [B, L, D] -> q [B, H, L, hd], k/v [B, KV, L, hd] (QK-norm and RoPE applied)."""
         b, l, _ = x.shape
         q = self.q_proj(x).reshape(b, l, self.h, self.hd)
         k = self.k_proj(x).reshape(b, l, self.kv, self.hd)
@@ -88,7 +93,12 @@ class TextAttention(nn.Cell):
             k = self.k_norm(k)
         q = self.rotary(q.transpose(0, 2, 1, 3), cos, sin)  # [B, H, L, hd]
         k = self.rotary(k.transpose(0, 2, 1, 3), cos, sin)
-        out = self.core(q, k, v, bias)  # [B, H, L, hd]
+        return q, k, v
+
+    def attend(self, q, k, v, bias):
+        """Attention over (possibly cached) keys/values and the output projection -> [B, L, D]."""
+        b, l = q.shape[0], q.shape[2]
+        out = self.core(q, k.astype(q.dtype), v.astype(q.dtype), bias)  # [B, H, L, hd]
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, l, self.h * self.hd))
 
 
