@@ -70,12 +70,10 @@ def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
         checks.append(("moe n_routed_experts", t.moe.n_routed_experts, ep))
         if ep * mp > world:
             problems.append(f"expert_parallel ({ep}) x model_parallel ({mp}) exceeds the {world} ranks")
-        try:  # the MoE module's own rules, when it provides them
-            from ..models.moe_parallel import validate_moe_parallel  # type: ignore
+        from ..models.moe_parallel import validate_moe_parallel
 
+        try:  # the MoE module's own rules (experts / EP / TP divisibility)
             validate_moe_parallel(t, sizes, device_num=world)
-        except ImportError:
-            pass
         except (ValueError, ConfigError) as e:
             problems.append(str(e))
     elif ep != 1:
