@@ -160,3 +160,21 @@ def test_bad_sizes_are_refused(tmp_path):
         write_demo_data(str(tmp_path), sizes={"caption": (1, 1)}, progress=False)
     with pytest.raises(ValueError, match="at least one"):
         write_demo_data(str(tmp_path), sizes={"ocr": (0, 1)}, progress=False)
+
+
+def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
+    """A user YAML outside configs/demo that `_include_`s full.yaml finds the model YAML the shipped
+    file names (relative to configs/demo/), and a missing one is reported by name."""
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.demo.run import config_path, load_demo_config
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"_include_: {config_path(False)}\nstages:\n  - {{name: warmup, max_steps: 3}}\n")
+    cfg, demo = load_demo_config(str(mine), str(tmp_path / "data"))
+    assert cfg.model.text.vocab_size == 151936 and cfg.model.vision.depth == 2
+    assert [s.max_steps for s in cfg.stages] == [3]
+    assert cfg.data.sources[0].path == str(tmp_path / "data" / "train_vqa.jsonl")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"_include_: {config_path(False)}\ndemo: {{model: nowhere.yaml}}\n")
+    with pytest.raises(ConfigError, match="nowhere.yaml"):
+        load_demo_config(str(bad), str(tmp_path / "data"))

@@ -84,3 +84,28 @@ def test_kept_logits_and_loss_match_the_full_model(batch):
         return float(np.mean(lse - x[np.arange(len(x)), targets[sel]]))
 
     assert ce_mean(got, comp["targets"]) == pytest.approx(ce_mean(ref, full["targets"]), rel=1e-5)
+
+
+@pytest.mark.parametrize("lambdas", [(0.0, 1.0), (1.0, 1.0)])
+def test_balanced_loss_same_on_the_compact_layout(batch, lambdas):
+    """The openPangu-VL balanced loss (per-token and per-sample terms) reads only supervised positions,
+    their sample ids and token order, so the compact layout gives the full layout's value."""
+    from mindvl_ms.train.loss import TrainLoss
+
+    cfg, full = batch
+    comp = compact_targets(full)
+    rng = np.random.default_rng(0)
+    b, l = full["targets"].shape
+    v = cfg.text.vocab_size
+    logits_full = rng.standard_normal((b, l, v)).astype(np.float32)
+    logits_comp = logits_full.reshape(b * l, v)[comp["logit_index"]].reshape(b, -1, v)
+    loss = TrainLoss("balanced", *lambdas)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        n_samples = Tensor(float(len(np.unique(full["segment_ids"][full["targets"] != -100]))), ms.float32)
+        vals = [float(loss(Tensor(lg), Tensor(d["targets"]), Tensor(d["segment_ids"]), Tensor(d["token_index"]),
+                           Tensor(-1.0, ms.float32), n_samples).asnumpy())
+                for lg, d in ((logits_full, full), (logits_comp, comp))]
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    assert vals[0] > 0 and vals[1] == pytest.approx(vals[0], rel=1e-5)

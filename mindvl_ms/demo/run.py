@@ -63,7 +63,12 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
         raise ConfigError(f"{path}: missing the `demo:` section (model, data_sizes, eval settings)")
     model_yaml = demo.get("model")
     if model_yaml and "model" not in raw:
-        raw["model"] = read_yaml(os.path.join(os.path.dirname(path), model_yaml))
+        # relative to the given YAML, else to configs/demo/ (a YAML that `_include_`s full.yaml from elsewhere)
+        tried = [os.path.join(d, model_yaml) for d in (os.path.dirname(os.path.abspath(path)), CONFIG_DIR)]
+        found = [t for t in tried if os.path.isfile(t)]
+        if not found:
+            raise ConfigError(f"{path}: demo.model {model_yaml!r} not found (looked for {' and '.join(tried)})")
+        raw["model"] = read_yaml(found[0])
 
     def resolve(d: Dict[str, Any]) -> None:
         for s in d.get("sources", []) or []:
@@ -222,8 +227,6 @@ def train_all(run_cfg, out_dir: str, progress: bool = True) -> Dict[str, Any]:
     if not pre or len(sft) < 2:
         raise ValueError("the demo recipe needs pre-SFT stages and at least two `sft*` stages to merge, got "
                          f"{[s.name for s in run_cfg.stages]}")
-    if any(s.loss.type != "token_mean" for s in run_cfg.stages):
-        raise ValueError("the demo trains with loss.type token_mean (supervised-logits layout)")
     cfg = copy.deepcopy(run_cfg)
     cfg.stages = pre
     res = in_child(run_stages, cfg, os.path.join(out_dir, "train"), None, progress)
@@ -257,7 +260,7 @@ def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
 
 
 def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any],
-                 out_dir: str) -> Dict[str, Dict[str, float]]:
+                 out_dir: str, progress: bool = True) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {task: primary score}} on every held-out split."""
     from ..eval.runner import evaluate
 
@@ -270,18 +273,20 @@ def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo:
             res = evaluate(ckpt, path, os.path.join(out_dir, name, task), backend=backend,
                            min_pixels=img.min_pixels, max_pixels=img.max_pixels,
                            batch_size=int(demo.get("eval_batch_size", 16)),
-                           max_new_tokens=int(demo.get("max_new_tokens", 24)))
+                           max_new_tokens=int(demo.get("max_new_tokens", 24)), progress=progress)
             scores[name][task] = res["tasks"][task]["primary"]
     return scores
 
 
-def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_dir: str) -> Dict[str, Any]:
+def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_dir: str,
+                      progress: bool = True) -> Dict[str, Any]:
     from ..eval.resolution_search import search
 
     grid = demo.get("resolution_grid") or {"min": [4, 16], "max": [8, 16, 32]}
     res = search([ckpt], [data], out_dir, backend_factory=lambda c: eval_backend(c, data_cfg, int(
         demo.get("max_new_tokens", 24))), min_grid=grid["min"], max_grid=grid["max"],
-        batch_size=int(demo.get("eval_batch_size", 16)), max_new_tokens=int(demo.get("max_new_tokens", 24)))
+        batch_size=int(demo.get("eval_batch_size", 16)), max_new_tokens=int(demo.get("max_new_tokens", 24)),
+        progress=progress)
     best = res["best"][ckpt]["average"]
     return {"settings": len(res["rows"]), "best_min_pixels": best["min_pixels"],
             "best_max_pixels": best["max_pixels"], "best_score": best["score"],
@@ -289,15 +294,16 @@ def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_
             "table": os.path.join(out_dir, "resolution_table.md"), "plot": res.get("plot")}
 
 
-def evaluate_phase(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any], out_dir: str):
+def evaluate_phase(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any], out_dir: str,
+                   progress: bool = True):
     """Held-out scores of every checkpoint, then the resolution search on the OCR split of `merged`."""
     import mindspore as ms
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    scores = evaluate_all(ckpts, heldout, data_cfg, demo, os.path.join(out_dir, "eval"))
+    scores = evaluate_all(ckpts, heldout, data_cfg, demo, os.path.join(out_dir, "eval"), progress)
     search = resolution_search(ckpts["merged"], heldout["ocr"], data_cfg, demo,
-                               os.path.join(out_dir, "resolution_search"))
+                               os.path.join(out_dir, "resolution_search"), progress)
     return scores, search
 
 
@@ -326,7 +332,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     record = merge(list(trained["sft_checkpoints"].values()), merged, method="linear", overwrite=True,
                    progress=progress)
     ckpts = dict(trained["sft_checkpoints"] if demo.get("eval_variants", True) else {}, merged=merged)
-    scores, search = in_child(evaluate_phase, ckpts, info["files"]["heldout"], run_cfg.data, demo, out_dir)
+    scores, search = in_child(evaluate_phase, ckpts, info["files"]["heldout"], run_cfg.data, demo, out_dir,
+                              progress)
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(out_dir), "quick": quick,
               "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"],

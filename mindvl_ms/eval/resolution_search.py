@@ -48,7 +48,7 @@ def _name(ckpt: str) -> str:
 def search(ckpts: Sequence[str], data: Sequence[str], out_dir: str,
            backend_factory: Optional[Callable[[str], object]] = None, min_grid: Sequence[int] = MIN_GRID,
            max_grid: Sequence[int] = MAX_GRID, batch_size: int = 8, max_new_tokens: int = 128,
-           limit: Optional[int] = None, save: bool = False, plot: bool = True) -> dict:
+           limit: Optional[int] = None, save: bool = False, plot: bool = True, progress: bool = True) -> dict:
     """Evaluate every checkpoint at every grid setting; write the table, plot and JSON; returns the JSON."""
     settings = grid(min_grid, max_grid)
     items = [it for path in data for it in load_benchmark(path, limit)]
@@ -57,7 +57,7 @@ def search(ckpts: Sequence[str], data: Sequence[str], out_dir: str,
     for ckpt in ckpts:
         backend, vcache, pcache, sizes = factory(ckpt), VisionCache(), {}, Sizes()
         stats = {"generated": 0, "reused": 0}
-        bar = tqdm(settings, desc=f"search {_name(ckpt)}", unit="setting")
+        bar = tqdm(settings, desc=f"search {_name(ckpt)}", unit="setting", disable=not progress)
         for lo, hi in bar:
             bar.set_postfix_str(f"min={lo // UNIT} max={hi // UNIT} generated={stats['generated']}")
             preds, _, st = predict(items, backend, lo, hi, batch_size, max_new_tokens, vcache, sizes, pcache,

@@ -305,12 +305,12 @@ def load_backend(ckpt: str, max_new_tokens: int = 128):
 
 def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pixels: Optional[int] = None,
              max_pixels: Optional[int] = None, batch_size: int = 8, max_new_tokens: int = 128,
-             limit: Optional[int] = None) -> dict:
+             limit: Optional[int] = None, progress: bool = True) -> dict:
     """Run one benchmark file; writes out_dir/predictions.jsonl and out_dir/scores.json; returns the scores."""
     items = load_benchmark(data, limit)
     lo, hi, src = resolve_pixels(ckpt, min_pixels, max_pixels)
     backend = backend if backend is not None else load_backend(ckpt, max_new_tokens)
-    preds, hws, stats = predict(items, backend, lo, hi, batch_size, max_new_tokens)
+    preds, hws, stats = predict(items, backend, lo, hi, batch_size, max_new_tokens, progress=progress)
     per, tasks = score(items, preds)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "predictions.jsonl"), "w", encoding="utf-8") as f:

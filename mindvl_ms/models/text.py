@@ -148,11 +148,22 @@ class TextModel(nn.Cell):
         return self.norm(x), ops.zeros((), ms.float32), ops.zeros((1, 1), ms.float32)
 
 
+_MATMUL_NT = ops.MatMul(transpose_b=True)
+
+
 def lm_logits(h, embedding_weight, lm_head):
-    """Hidden [B, L, D] -> float32 logits [B, L, V] through `lm_head`, or the embedding table when tied."""
+    """Hidden [B, L, D] -> float32 logits [B, L, V] through `lm_head`, or the embedding table when tied.
+
+    The tied head is one 2-D MatMul on [B*L, D] x [V, D]^T: a batched matmul against the shared table
+    would differentiate through a broadcast of the [V, D] table to every batch row and a sum back
+    (measured: ~250 ms of a 1.2 s tiny-model micro-step on CPU with the 151,936-row vocabulary)."""
+    d = h.shape[-1]
+    flat = h.reshape(-1, d)                                           # [B*L, D]
     if lm_head is None:
-        return ops.matmul(h, embedding_weight.astype(h.dtype).T).astype(ms.float32)
-    return lm_head(h).astype(ms.float32)
+        out = _MATMUL_NT(flat, embedding_weight.astype(h.dtype))      # [B*L, V]
+    else:
+        out = lm_head(flat)
+    return out.reshape(h.shape[:-1] + (-1,)).astype(ms.float32)       # [B, L, V]
 
 
 class TextForCausalLM(nn.Cell):

@@ -80,11 +80,15 @@ def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v):
 
 
 _sq = ops.MultitypeFuncGraph("sq")
+_REDUCE_SUM = ops.ReduceSum()
 
 
 @_sq.register("Tensor", "Tensor")
 def _sq_one(s, g):
-    return ops.square(g.astype(ms.float32) * s).sum()
+    sq = ops.square(g.astype(ms.float32) * s)
+    if sq.ndim >= 2:  # rows first: a single full reduction of the [V, D] embedding runs ~8x slower on CPU
+        sq = _REDUCE_SUM(sq, -1)
+    return _REDUCE_SUM(sq)
 
 
 _zero = ops.MultitypeFuncGraph("zero")
