@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import List, Optional
 
@@ -39,6 +40,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    # MindSpore's C++ log defaults to warnings, which at graph compile are many lines of expander notes;
+    # the CLI shows errors only unless the user sets GLOG_v (2 = warnings, 1 = info) themselves.
+    os.environ.setdefault("GLOG_v", "3")
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, ValueError) as e:  # user errors: one clear line, no traceback

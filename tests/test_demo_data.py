@@ -14,7 +14,7 @@ from PIL import Image
 
 from mindvl_ms.data.grounding import parse_grounding
 from mindvl_ms.data.schema import parse_sample
-from mindvl_ms.demo.datasets import COLOURS, OCR_WORDS, write_demo_data
+from mindvl_ms.demo.datasets import COLOURS, OCR_CELL, OCR_WORDS, write_demo_data
 from mindvl_ms.eval.runner import load_benchmark
 
 SIZES = {"vqa": (40, 12), "ocr": (30, 10), "grounding": (40, 12)}
@@ -105,18 +105,26 @@ def test_grounding_box_bounds_the_named_shape(data):
             assert np.array_equal(obj["meta"]["box_pixels"], ink.astype(int))
 
 
-def test_ocr_text_is_inside_the_image(data):
+def test_ocr_letters_fill_one_token_column_each(data):
     d, info = data
-    allowed = set(OCR_WORDS) | {str(n) for n in range(10, 1000)}
+    starts = set()
     for split in ("train", "heldout"):
         for obj in _lines(info["files"][split]["ocr"]):
-            assert _answer(obj) in allowed
+            text = _answer(obj)
+            assert text in OCR_WORDS
             g = np.asarray(Image.open(os.path.join(d, obj["images"][0])).convert("L")).astype(int)
-            bg = np.median(g)
-            ink = np.abs(g - bg) > 60
-            assert ink.sum() > 40, obj["id"]          # text was drawn
+            assert g.shape == (56, 224)
+            ink = np.abs(g - np.median(g)) > 60
             edge = np.concatenate([ink[0], ink[-1], ink[:, 0], ink[:, -1]])
-            assert not edge.any(), obj["id"]          # and not cut off by the border
+            assert not edge.any(), obj["id"]          # not cut off by the border
+            per_col = ink.reshape(56, 224 // OCR_CELL, OCR_CELL).sum(axis=(0, 2))  # ink per token column
+            used = np.flatnonzero(per_col > 40)
+            assert len(used) == len(text) and np.array_equal(used, np.arange(used[0], used[0] + len(text))), \
+                (obj["id"], per_col)                  # one letter per column, consecutive columns ...
+            assert per_col.sum() == per_col[used].sum(), obj["id"]  # ... and no ink anywhere else
+            assert not ink[:, ::OCR_CELL].any(), obj["id"]  # no glyph crosses a column boundary
+            starts.add(int(used[0]))
+    assert len(starts) > 2                            # the start column varies
 
 
 def test_blind_baselines_recomputed(data):
@@ -164,14 +172,17 @@ def test_bad_sizes_are_refused(tmp_path):
 
 def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
     """A user YAML outside configs/demo that `_include_`s full.yaml finds the model YAML the shipped
-    file names (relative to configs/demo/), and a missing one is reported by name."""
+    file names (relative to configs/demo/), `model:` sections override its fields, and a missing one is
+    reported by name."""
     from mindvl_ms.config.base import ConfigError
     from mindvl_ms.demo.run import config_path, load_demo_config
 
     mine = tmp_path / "mine.yaml"
-    mine.write_text(f"_include_: {config_path(False)}\nstages:\n  - {{name: warmup, max_steps: 3}}\n")
+    mine.write_text(f"_include_: {config_path(False)}\nstages:\n  - {{name: warmup, max_steps: 3}}\n"
+                    "model: {text: {num_hidden_layers: 3}}\n")
     cfg, demo = load_demo_config(str(mine), str(tmp_path / "data"))
-    assert cfg.model.text.vocab_size == 151936 and cfg.model.vision.depth == 2
+    assert cfg.model.text.vocab_size == 151936 and cfg.model.vision.depth == 2  # from demo.model
+    assert cfg.model.text.num_hidden_layers == 3                                # this file's model: section
     assert [s.max_steps for s in cfg.stages] == [3]
     assert cfg.data.sources[0].path == str(tmp_path / "data" / "train_vqa.jsonl")
     bad = tmp_path / "bad.yaml"

@@ -11,8 +11,8 @@ import sys
 DESCRIPTION = """\
 Train a tiny MindVL from scratch (real Qwen3 tokenizer, 2-block ViT, 2-layer Qwen3 decoder) and score
 it against image-blind baselines:
-  1. data      easy-VQA questions/images (the easy_vqa package), plus generated OCR images (words and
-               numbers rendered with DejaVu Sans) and grounding images (coloured shapes; answers as
+  1. data      easy-VQA questions/images (the easy_vqa package), plus generated OCR images (words
+               rendered with DejaVu Sans Mono) and grounding images (coloured shapes; answers as
                <|box_start|>(x1,y1),(x2,y2)<|box_end|>, coordinates 0..999); train and held-out splits
   2. warm-up   projector only
   3. multitask all parameters, all tasks
@@ -23,7 +23,7 @@ it against image-blind baselines:
                constant answer); merged vs individual SFT scores; a small test-time resolution search
                on the OCR split
 Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
-OUT/report.json. A full run took about 22 minutes on 2 CPU cores, --quick about 2-3 minutes."""
+OUT/report.json. A full run took about 17 minutes on 2 CPU cores, --quick about 2-3 minutes."""
 
 EPILOG = """\
 examples:

@@ -4,8 +4,9 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
 - `vqa`: questions and images of the `easy_vqa` package (MIT; 64x64 shapes, 13 answers). The train
   split samples the package's train questions, the held-out split its test questions (different
   images), so nothing held out is ever seen in training. Images are copied next to the JSONL.
-- `ocr`: a short word or a number rendered with the DejaVu Sans font bundled with matplotlib
-  (random size, colour and position on a light 224x56 canvas); the answer is the text.
+- `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
+  one character per 28-px visual-token column from a random start column, random dark colour on a
+  random light 224x56 canvas (see `render_ocr`); the answer is the word.
 - `grounding`: one or two coloured shapes (circle, square, triangle) on a 112x112 canvas; the
   question names one of them by colour and shape and the answer is its box in the openPangu-VL
   syntax, `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`, coordinates normalised to integers 0..999.
@@ -38,10 +39,12 @@ from ..data.grounding import box_iou, format_box, to_norm
 
 TASKS = ("vqa", "ocr", "grounding")
 METRIC = {"vqa": "exact_match", "ocr": "exact_match", "grounding": "grounding"}
-OCR_WORDS = ["CAT", "DOG", "SUN", "MAP", "RED", "BOX", "CAR", "TREE", "BIRD", "FISH", "STAR", "MOON", "BLUE",
-             "GOLD", "LION", "BEAR", "WOLF", "ROSE", "RAIN", "SNOW", "FIRE", "WIND", "SHIP", "LAMP", "DOOR",
-             "BOOK", "MILK", "CAKE", "KING", "FROG"]
-OCR_SIZE = (224, 56)    # (width, height)
+OCR_WORDS = ["CAT", "DOG", "SUN", "MAP", "BOX", "CAR", "TREE", "BIRD", "FISH", "STAR", "MOON", "LION", "BEAR",
+             "WOLF", "ROSE", "RAIN", "SNOW", "FIRE", "SHIP", "LAMP"]
+OCR_SIZE = (224, 56)    # (width, height): 8 x 2 visual tokens at the demo's 12,544-pixel budget
+OCR_CELL = 28           # px per character: one visual token column
+OCR_FONT_SIZE = 40      # DejaVu Sans Mono Bold: every capital's ink is narrower than OCR_CELL
+OCR_JITTER = 3          # px of random vertical offset
 GROUND_SIZE = (112, 112)
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 70, 220), "yellow": (230, 200, 20),
            "purple": (140, 50, 170), "black": (20, 20, 20)}
@@ -49,11 +52,11 @@ SHAPES = ("circle", "square", "triangle")
 DEFAULT_SIZES = {"vqa": (2000, 200), "ocr": (1000, 100), "grounding": (1000, 100)}  # (train, held-out)
 
 
-def font_path() -> str:
-    """DejaVu Sans from matplotlib's bundled fonts (no system font needed)."""
+def font_path(name: str = "DejaVuSansMono-Bold.ttf") -> str:
+    """A DejaVu font from matplotlib's bundled fonts (no system font needed)."""
     import matplotlib
 
-    path = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", "DejaVuSans.ttf")
+    path = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"bundled font not found: {path} (is matplotlib installed completely?)")
     return path
@@ -100,33 +103,35 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
 # ------------------------------------------------------------------------------------------ OCR
 
 def ocr_text(rng: np.random.Generator) -> str:
-    """Half the time a word from OCR_WORDS, else a number 10..999."""
-    if rng.random() < 0.5:
-        return OCR_WORDS[int(rng.integers(len(OCR_WORDS)))]
-    return str(int(rng.integers(10, 1000)))
+    """A word from OCR_WORDS."""
+    return OCR_WORDS[int(rng.integers(len(OCR_WORDS)))]
 
 
-def render_ocr(text: str, rng: np.random.Generator, font_file: str, margin: int = 2) -> Image.Image:
-    """`text` in a random dark colour, size 30..40 px (smaller if needed to fit), at a random position
-    at least `margin` pixels from every border, on a random light background."""
+def render_ocr(text: str, rng: np.random.Generator, font_file: str) -> Image.Image:
+    """`text` in a random dark colour on a random light background, one character per 28-px column
+    (the width of one visual token: two 14-px patches merged 2x2), starting at a random column;
+    each glyph is centred in its column, the line vertically centred +-OCR_JITTER px.
+
+    With each glyph inside one visual token, the tiny from-scratch ViT reads a letter from one token
+    and the LLM reads the word from the letters it finds (the Qwen2.5-VL M-RoPE gives the few columns'
+    positions almost the same rotary angle at this model's size, so reading by content is what it
+    learns within the demo's budget).
+    """
     w, h = OCR_SIZE
+    cols = w // OCR_CELL
+    if len(text) > cols:
+        raise ValueError(f"OCR text {text!r} has more than {cols} characters")
     bg = tuple(int(v) for v in rng.integers(200, 256, size=3))
     fg = tuple(int(v) for v in rng.integers(0, 90, size=3))
     im = Image.new("RGB", (w, h), bg)
     draw = ImageDraw.Draw(im)
-    size = int(rng.integers(30, 41))
-    while True:
-        font = ImageFont.truetype(font_file, size)
-        x0, y0, x1, y1 = draw.textbbox((0, 0), text, font=font)
-        tw, th = x1 - x0, y1 - y0
-        if tw + 2 * margin <= w and th + 2 * margin <= h:
-            break
-        size -= 2
-        if size < 8:
-            raise ValueError(f"OCR text {text!r} does not fit a {w}x{h} image")
-    x = int(rng.integers(margin, w - tw - margin + 1)) - x0
-    y = int(rng.integers(margin, h - th - margin + 1)) - y0
-    draw.text((x, y), text, fill=fg, font=font)
+    font = ImageFont.truetype(font_file, OCR_FONT_SIZE)
+    _, top, _, bottom = draw.textbbox((0, 0), text, font=font)
+    y = (h - (bottom - top)) // 2 + int(rng.integers(-OCR_JITTER, OCR_JITTER + 1)) - top
+    c0 = int(rng.integers(0, cols - len(text) + 1))
+    for k, ch in enumerate(text):
+        x0, _, x1, _ = draw.textbbox((0, 0), ch, font=font)
+        draw.text(((c0 + k) * OCR_CELL + (OCR_CELL - (x1 - x0)) // 2 - x0, y), ch, fill=fg, font=font)
     return im
 
 

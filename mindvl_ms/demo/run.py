@@ -54,7 +54,7 @@ def config_path(quick: bool) -> str:
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None):
     """(RunConfig, demo section) from a demo YAML; data sources are resolved against data_dir."""
-    from ..config.base import ConfigError, read_yaml
+    from ..config.base import ConfigError, deep_merge, read_yaml
     from ..config.train import load_run_config
 
     raw = read_yaml(path)
@@ -62,13 +62,13 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     if not isinstance(demo, dict):
         raise ConfigError(f"{path}: missing the `demo:` section (model, data_sizes, eval settings)")
     model_yaml = demo.get("model")
-    if model_yaml and "model" not in raw:
+    if model_yaml:  # a `model:` section in the demo YAML overrides fields of demo.model
         # relative to the given YAML, else to configs/demo/ (a YAML that `_include_`s full.yaml from elsewhere)
         tried = [os.path.join(d, model_yaml) for d in (os.path.dirname(os.path.abspath(path)), CONFIG_DIR)]
         found = [t for t in tried if os.path.isfile(t)]
         if not found:
             raise ConfigError(f"{path}: demo.model {model_yaml!r} not found (looked for {' and '.join(tried)})")
-        raw["model"] = read_yaml(found[0])
+        raw["model"] = deep_merge(read_yaml(found[0]), raw.get("model") or {})
 
     def resolve(d: Dict[str, Any]) -> None:
         for s in d.get("sources", []) or []:
