@@ -52,11 +52,11 @@ SHAPES = ("circle", "square", "triangle")
 DEFAULT_SIZES = {"vqa": (2000, 200), "ocr": (1000, 100), "grounding": (1000, 100)}  # (train, held-out)
 
 
-def font_path(name: str = "DejaVuSansMono-Bold.ttf") -> str:
-    """A DejaVu font from matplotlib's bundled fonts (no system font needed)."""
+def font_path() -> str:
+    """DejaVu Sans Mono Bold from matplotlib's bundled fonts (no system font needed)."""
     import matplotlib
 
-    path = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", name)
+    path = os.path.join(os.path.dirname(matplotlib.__file__), "mpl-data", "fonts", "ttf", "DejaVuSansMono-Bold.ttf")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"bundled font not found: {path} (is matplotlib installed completely?)")
     return path

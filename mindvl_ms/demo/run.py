@@ -6,7 +6,8 @@
 Design:
 - One YAML (configs/demo/full.yaml, or quick.yaml for `--quick`) is a normal training run config
   (`mindvl_ms.config.train.RunConfig`) plus a `demo:` section (data sizes, model YAML, evaluation
-  settings) that this module pops before loading the rest.
+  settings) that this module pops before loading the rest; a top-level `model:` section overrides
+  fields of the model YAML (deep merge).
 - Each phase (pre-SFT stages, each SFT variant, evaluation) runs in its own spawned process
   (`in_child`): MindSpore keeps a process's memory pool and graphs, and the phases together would
   not fit in memory next to each other.
