@@ -103,6 +103,9 @@ def test_grounding_box_bounds_the_named_shape(data):
             box = np.array(shape.box, float) / 999.0 * np.array([w, h, w, h])
             assert np.abs(box - ink).max() <= 1.0, (obj["id"], box, ink)
             assert np.array_equal(obj["meta"]["box_pixels"], ink.astype(int))
+            # one shape: every non-background pixel has the named colour
+            colours = {tuple(c) for c in rgb.reshape(-1, 3)} - {(245, 245, 245)}
+            assert colours == {tuple(COLOURS[colour])}, (obj["id"], colours)
 
 
 def test_ocr_letters_fill_one_token_column_each(data):

@@ -32,6 +32,8 @@ class VisionConfig:
     rms_norm_eps: float = F(1e-6, "epsilon of the RMSNorms in the vision tower")
     tokens_per_second: int = F(2, "temporal position scale for video (kept for HF compatibility)")
     initializer_range: float = F(0.02, "std of the normal init")
+    abs_pos_grid: int = F(0, "learned row and column embeddings added to the patch embeddings for patch rows/cols "
+                             "0..abs_pos_grid-1 (later ones clip to the last); 0 = none, as Qwen2.5-ViT")
 
     @property
     def head_dim(self) -> int:
@@ -52,6 +54,8 @@ class VisionConfig:
             raise ConfigError(f"vision hidden_act '{self.hidden_act}': expected silu, gelu, gelu_pytorch_tanh or quick_gelu")
         if self.mlp_type not in ("gated", "plain"):
             raise ConfigError(f"vision mlp_type '{self.mlp_type}': expected 'gated' or 'plain'")
+        if self.abs_pos_grid < 0:
+            raise ConfigError(f"vision abs_pos_grid {self.abs_pos_grid}: expected 0 (none) or a positive grid side")
 
 
 @dataclass
@@ -112,6 +116,8 @@ class TextConfig:
     rms_norm_eps: float = F(1e-6, "RMSNorm epsilon")
     rope_theta: float = F(1000000.0, "RoPE base")
     mrope_section: List[int] = F([16, 24, 24], "M-RoPE split of head_dim/2 rotary pairs over (t, h, w)")
+    mrope_interleaved: bool = F(False, "M-RoPE pair layout: false chunked t|h|w (Qwen2.5-VL), true thw-interleaved "
+                                       "(Qwen3-VL), which gives h and w high frequencies too")
     attention_bias: bool = F(False, "bias on q/k/v projections (Qwen2: true, Qwen3: false)")
     use_qk_norm: bool = F(True, "RMSNorm on each head of q and k before RoPE (Qwen3)")
     tie_word_embeddings: bool = F(False, "lm_head shares the embedding matrix")
@@ -138,6 +144,14 @@ class TextConfig:
                               f"expected rotary dim / 2 = {rot}")
         if len(self.mrope_section) != 3:
             raise ConfigError(f"mrope_section needs 3 entries (t, h, w), got {self.mrope_section}")
+        if self.mrope_interleaved:
+            t, h, w = self.mrope_section
+            if 3 * h - 2 >= rot or 3 * w - 1 >= rot or min(h, w) < 0:
+                top = (rot + 1) // 3
+                raise ConfigError(
+                    f"mrope_section {self.mrope_section} does not fit the interleaved M-RoPE layout over {rot} "
+                    f"pairs: h takes pairs 1, 4, 7, ... and w pairs 2, 5, 8, ..., so h and w can have at most "
+                    f"{top} and {rot // 3} pairs (e.g. [{rot - 2 * (rot // 3)}, {rot // 3}, {rot // 3}])")
 
 
 @dataclass
@@ -207,6 +221,7 @@ def text_from_hf(d: Dict[str, Any]) -> TextConfig:
         # a plain 1D-RoPE LLM: any split works since text positions are equal on t/h/w;
         # this gives Qwen2.5-VL's [16, 24, 24] for 64 rotary pairs
         kw["mrope_section"] = [rot - 2 * (rot * 3 // 8), rot * 3 // 8, rot * 3 // 8]
+    kw["mrope_interleaved"] = bool(rs.get("mrope_interleaved", kw.get("mrope_interleaved", False)))
     return load(TextConfig, kw, source="config.json")
 
 
@@ -250,14 +265,24 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     moe = t.pop("moe")
     mt = t.pop("model_type")
     mrope = t.pop("mrope_section")
+    interleaved = t.pop("mrope_interleaved")
     t.pop("use_qk_norm")
     text = dict(t)
     text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": mrope}
+    if interleaved:
+        if mt == "qwen2":
+            raise ConfigError("text.mrope_interleaved: transformers' Qwen2.5-VL always reads M-RoPE chunked, so "
+                              "this model cannot be written as a Qwen2.5-VL config.json (use model_type qwen3)")
+        text["rope_scaling"]["mrope_interleaved"] = True  # the key Qwen3-VL's config.json uses
     if mt == "deepseek_v3":
         text.update({k: v for k, v in moe.items() if k not in ("bias_update_speed", "seq_aux_loss_coef", "mtp_loss_scale")})
     text["model_type"] = {"qwen2": "qwen2_5_vl_text", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}[mt]
+    if cfg.vision.abs_pos_grid:
+        raise ConfigError("vision.abs_pos_grid: transformers' Qwen2.5-VL vision tower has no absolute position "
+                          "embedding, so this model cannot be written in its layout (save it in native format)")
     vision = dataclasses.asdict(cfg.vision)
     vision.pop("mlp_type")
+    vision.pop("abs_pos_grid")
     vision["model_type"] = "qwen2_5_vl"
     out = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],

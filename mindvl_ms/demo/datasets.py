@@ -7,9 +7,11 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
 - `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
   one character per 28-px visual-token column from a random start column, random dark colour on a
   random light 224x56 canvas (see `render_ocr`); the answer is the word.
-- `grounding`: one or two coloured shapes (circle, square, triangle) on a 112x112 canvas; the
-  question names one of them by colour and shape and the answer is its box in the openPangu-VL
-  syntax, `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`, coordinates normalised to integers 0..999.
+- `grounding`: one coloured shape (circle, square, triangle; side 28..64 px, anywhere) on a 112x112
+  canvas; the question names it by colour and shape and the answer is its box in the openPangu-VL
+  syntax, `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`, coordinates normalised to integers 0..999. One
+  shape, not a choice among several: the task is where, not which. With a second (distractor) shape,
+  the tiny demo model needed about three times the grounding steps to localise (measured).
 
 Every line follows the DESIGN.md data format; `meta` carries the task, the metric used to score it
 (`exact_match` or `grounding`) and, for grounding, the pixel box. Held-out lines also carry the
@@ -46,6 +48,7 @@ OCR_CELL = 28           # px per character: one visual token column
 OCR_FONT_SIZE = 40      # DejaVu Sans Mono Bold: every capital's ink is narrower than OCR_CELL
 OCR_JITTER = 3          # px of random vertical offset
 GROUND_SIZE = (112, 112)
+GROUND_SHAPES = 1       # shapes per grounding image
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (30, 70, 220), "yellow": (230, 200, 20),
            "purple": (140, 50, 170), "black": (20, 20, 20)}
 SHAPES = ("circle", "square", "triangle")
@@ -174,13 +177,14 @@ def _place(rng: np.random.Generator, taken: List[Tuple[int, int, int, int]], w: 
     return None
 
 
-def grounding_image(rng: np.random.Generator) -> Tuple[Image.Image, str, str, Tuple[int, int, int, int]]:
-    """(image, target name e.g. 'red circle', answer, pixel box of the target)."""
+def grounding_image(rng: np.random.Generator, n_shapes: int = GROUND_SHAPES
+                    ) -> Tuple[Image.Image, str, str, Tuple[int, int, int, int]]:
+    """(image, target name e.g. 'red circle', answer, pixel box of the target); the target is one of
+    `n_shapes` non-overlapping shapes of different colours."""
     w, h = GROUND_SIZE
     im = Image.new("RGB", (w, h), (245, 245, 245))
     draw = ImageDraw.Draw(im)
-    n = int(rng.integers(1, 3))
-    colours = rng.choice(list(COLOURS), size=n, replace=False)
+    colours = rng.choice(list(COLOURS), size=n_shapes, replace=False)
     objs, taken = [], []
     for c in colours:
         box = _place(rng, taken, w, h)

@@ -8,11 +8,12 @@ Projections (HF `DeepseekV3Attention` names, weights [out, in]):
 
 M-RoPE with decoupled RoPE (the design choice): only the qk_rope_head_dim dims carry position, so the
 three M-RoPE components (temporal, height, width) split those dims' rope_dim/2 frequency pairs by
-`mrope_section` (sum = qk_rope_head_dim / 2), exactly as Qwen2.5-VL splits its head_dim/2 pairs. The nope
+`mrope_section` (sum = qk_rope_head_dim / 2), exactly as Qwen2.5-VL splits its head_dim/2 pairs (or
+Qwen3-VL's thw-interleaved assignment with `mrope_interleaved`, see text.mrope_pair_axis). The nope
 dims and the compressed latent stay position-free, so MLA's latent caching is unchanged. For text tokens
 t = h = w, every pair sees the same position and this reduces to DeepSeek-V3's 1D RoPE bit for bit.
 
-Interleaved layout: DeepSeek-V3 weights pair rope dims as (0,1), (2,3), ... (`rope_interleave`, the HF
+Interleaved dims (unrelated to the M-RoPE layout above): DeepSeek-V3 weights pair rope dims as (0,1), (2,3), ... (`rope_interleave`, the HF
 default). Like HF's `apply_rotary_pos_emb_interleave`, the rope dims of q and k are reordered to
 (0,2,4,...,1,3,5,...) and then rotated in the rotate-half layout; q.k is invariant to the common reorder.
 Frequency pair j therefore rotates dims (2j, 2j+1) of the checkpoint's layout.
@@ -27,6 +28,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.common.initializer import Normal
 
 from ..ops import ApplyRotary, CoreAttention, RMSNorm
+from .text import mrope_pair_axis
 
 
 def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> nn.Dense:
@@ -37,12 +39,12 @@ def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> nn.Dense:
 class MRotaryEmbedding(nn.Cell):
     """position_ids int32 [3, B, L] -> cos, sin float32 [B, 1, L, rope_dim] (rotate-half layout)."""
 
-    def __init__(self, rope_dim: int, theta: float, mrope_section):
+    def __init__(self, rope_dim: int, theta: float, mrope_section, interleaved: bool = False):
         super().__init__()
         half = rope_dim // 2
         inv = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.int64).astype(np.float32) / rope_dim))
         self.inv_freq = Tensor(inv.astype(np.float32))  # [half]
-        owner = np.repeat(np.arange(3), mrope_section)  # which of t/h/w drives frequency pair j
+        owner = mrope_pair_axis(mrope_section, interleaved)  # which of t/h/w drives frequency pair j
         sel = np.zeros((3, half), np.float32)
         sel[owner, np.arange(half)] = 1.0
         self.select = Tensor(sel)  # [3, half]

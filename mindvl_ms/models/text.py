@@ -5,8 +5,10 @@ Module names follow transformers' Qwen2/Qwen3 (`embed_tokens`, `layers.{i}.self_
 `mlp.gate_proj`, `input_layernorm`, `norm`) so checkpoints convert by name.
 
 M-RoPE: position_ids int32[3, B, L] hold (t, h, w) positions; rotary pair d uses axis a(d) given by
-`mrope_section` (first t pairs from t, next from h, then w; the same split repeated for the second half
-of head_dim as in Qwen2.5-VL). For text tokens the three positions are equal, so this is plain 1D RoPE.
+`mrope_section` and `mrope_interleaved` (see `mrope_pair_axis`: chunked t|h|w as in Qwen2.5-VL, or
+interleaved thw thw ... as in Qwen3-VL and openPangu-VL's 3D interleaved RoPE; the same assignment is
+repeated for the second half of head_dim). For text tokens the three positions are equal, so either
+layout is plain 1D RoPE.
 Attention is causal within a segment (segment_ids int32[B, L], 0 = padding), which makes packed rows
 behave like separate samples.
 
@@ -24,9 +26,27 @@ from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
 from .vision import dense
 
 
-def mrope_axis_mask(mrope_section, rot_dim: int) -> np.ndarray:
+def mrope_pair_axis(mrope_section, interleaved: bool = False) -> np.ndarray:
+    """int64[sum(mrope_section)]: the position axis (0 t, 1 h, 2 w) that drives each rotary frequency pair.
+
+    Chunked (Qwen2.5-VL): the first sec_t pairs read t, the next sec_h read h, the last sec_w read w, so
+    h and w get only the lowest frequencies. Interleaved (Qwen3-VL's `apply_interleaved_mrope`): pair j
+    reads h if j % 3 == 1 and j < 3 * sec_h, w if j % 3 == 2 and j < 3 * sec_w, t otherwise, so every
+    axis spans high to low frequencies. TextConfig.validate checks that the section fits this layout.
+    """
+    sec = [int(n) for n in mrope_section]
+    if not interleaved:
+        return np.repeat(np.arange(3), sec)
+    j = np.arange(sum(sec))
+    axis = np.zeros(j.size, np.int64)
+    axis[(j % 3 == 1) & (j < 3 * sec[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * sec[2])] = 2
+    return axis
+
+
+def mrope_axis_mask(mrope_section, rot_dim: int, interleaved: bool = False) -> np.ndarray:
     """float32[3, rot_dim]: one-hot of the position axis (t, h, w) each rotary dim reads."""
-    axis = np.concatenate([np.full(n, i % 3) for i, n in enumerate(list(mrope_section) * 2)])
+    axis = np.tile(mrope_pair_axis(mrope_section, interleaved), 2)
     assert axis.size == rot_dim, (mrope_section, rot_dim)
     return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
 
@@ -34,11 +54,11 @@ def mrope_axis_mask(mrope_section, rot_dim: int) -> np.ndarray:
 class MRotaryEmbedding(nn.Cell):
     """position_ids [3, B, L] -> cos, sin float32[B, 1, L, rot_dim] (M-RoPE, rotate-half layout)."""
 
-    def __init__(self, rot_dim: int, theta: float, mrope_section):
+    def __init__(self, rot_dim: int, theta: float, mrope_section, interleaved: bool = False):
         super().__init__()
         inv = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / rot_dim))
         self.inv_freq = Tensor(np.concatenate([inv, inv]).astype(np.float32))  # [rot]
-        self.axis_mask = Tensor(mrope_axis_mask(mrope_section, rot_dim))  # [3, rot]
+        self.axis_mask = Tensor(mrope_axis_mask(mrope_section, rot_dim, interleaved))  # [3, rot]
 
     def construct(self, position_ids):
         pos = position_ids.astype(ms.float32)  # [3, B, L]
@@ -134,7 +154,7 @@ class TextModel(nn.Cell):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
         self.layers = nn.CellList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(cfg.head_dim_, cfg.rope_theta, cfg.mrope_section)
+        self.rotary_emb = MRotaryEmbedding(cfg.head_dim_, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
 
     def embed(self, input_ids):  # [B, L] -> [B, L, D]
         return self.embed_tokens(input_ids)

@@ -2,7 +2,8 @@
 
 Reads top to bottom: patch embedding (a MatMul equal to HF's Conv3d with stride = kernel, the MindVL
 paper's Conv3d replacement; the converter reshapes the Conv3d weight [E, C, T, P, P] to [E, C*T*P*P]),
-2D rotary embedding, MLP, attention, block, patch merger, the encoder.
+optional learned absolute positions (off by default, as in Qwen2.5-ViT; the demo's from-scratch model
+uses them), 2D rotary embedding, MLP, attention, block, patch merger, the encoder.
 
 All images of a batch are one packed sequence of N patches. Everything that depends on image sizes is
 computed host-side (`mindvl_ms.models.inputs.vision_metadata`) and passed in:
@@ -53,6 +54,25 @@ class VisionPatchEmbed(nn.Cell):
 
     def construct(self, pixel_values):
         return self.proj(pixel_values.astype(self.proj.weight.dtype))
+
+
+class VisionAbsPosEmbed(nn.Cell):
+    """(row, col) [N, 2] -> learned row + column embeddings [N, E] (Pix2Struct-style absolute positions).
+
+    Optional (`abs_pos_grid` > 0): Qwen2.5-ViT has only relative 2D RoPE, so nothing in the model says where a
+    visual token is; a small LLM trained from scratch then cannot map a region to box coordinates. Rows and
+    columns past the grid share its last entry. Init std = the patch embedding's output scale.
+    """
+
+    def __init__(self, grid: int, dim: int, std: float):
+        super().__init__()
+        self.row = Parameter(initializer(Normal(std), (grid, dim), ms.float32), name="row")
+        self.col = Parameter(initializer(Normal(std), (grid, dim), ms.float32), name="col")
+        self.last = grid - 1
+
+    def construct(self, pos_ids):  # [N, 2] (row, col)
+        pos = ops.minimum(pos_ids, self.last)
+        return ops.gather(self.row, pos[:, 0], 0) + ops.gather(self.col, pos[:, 1], 0)  # [N, E]
 
 
 class VisionRotaryEmbedding(nn.Cell):
@@ -158,6 +178,10 @@ class VisionTransformer(nn.Cell):
         self.unit = cfg.spatial_merge_size ** 2
         self.full = tuple(i in cfg.fullatt_block_indexes for i in range(cfg.depth))
         self.patch_embed = VisionPatchEmbed(cfg)
+        k = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        self.abs_pos = cfg.abs_pos_grid > 0
+        if self.abs_pos:
+            self.pos_embed = VisionAbsPosEmbed(cfg.abs_pos_grid, cfg.hidden_size, cfg.initializer_range * k ** 0.5)
         self.rotary_pos_emb = VisionRotaryEmbedding(cfg.head_dim)
         self.blocks = nn.CellList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
@@ -167,7 +191,9 @@ class VisionTransformer(nn.Cell):
         x = self.patch_embed(pixel_values)  # [N, E] in image order
         e = x.shape[-1]
         x = ops.gather(x.reshape(-1, self.unit, e), window_index, 0).reshape(-1, e)  # window order
-        cos, sin = self.rotary_pos_emb(vision_pos_ids)  # pos ids are given in window order
+        if self.abs_pos:
+            x = x + self.pos_embed(vision_pos_ids).astype(x.dtype)  # pos ids are given in window order
+        cos, sin = self.rotary_pos_emb(vision_pos_ids)
         win_bias = segment_bias(window_segment_ids[None], window_segment_ids[None], False)  # [1, 1, N, N]
         full_bias = segment_bias(full_segment_ids[None], full_segment_ids[None], False)
         for i, blk in enumerate(self.blocks):
