@@ -23,7 +23,7 @@ it against image-blind baselines:
                constant answer); merged vs individual SFT scores; a small test-time resolution search
                on the OCR split
 Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
-OUT/report.json. A full run took about 17 minutes on 2 CPU cores, --quick about 2-3 minutes."""
+OUT/report.json. A full run took 21-24 minutes on 2 CPU cores, --quick about 2-3 minutes."""
 
 EPILOG = """\
 examples:
