@@ -13,10 +13,10 @@ Qwen3-VL's thw-interleaved assignment with `mrope_interleaved`, see text.mrope_p
 dims and the compressed latent stay position-free, so MLA's latent caching is unchanged. For text tokens
 t = h = w, every pair sees the same position and this reduces to DeepSeek-V3's 1D RoPE bit for bit.
 
-Interleaved dims (unrelated to the M-RoPE layout above): DeepSeek-V3 weights pair rope dims as (0,1), (2,3), ... (`rope_interleave`, the HF
-default). Like HF's `apply_rotary_pos_emb_interleave`, the rope dims of q and k are reordered to
-(0,2,4,...,1,3,5,...) and then rotated in the rotate-half layout; q.k is invariant to the common reorder.
-Frequency pair j therefore rotates dims (2j, 2j+1) of the checkpoint's layout.
+Interleaved dims (unrelated to the M-RoPE layout above): DeepSeek-V3 weights pair rope dims as (0,1),
+(2,3), ... (`rope_interleave`, the HF default). Like HF's `apply_rotary_pos_emb_interleave`, the rope
+dims of q and k are reordered to (0,2,4,...,1,3,5,...) and then rotated in the rotate-half layout; q.k
+is invariant to the common reorder. Frequency pair j therefore rotates dims (2j, 2j+1) of the checkpoint's layout.
 
 Not implemented: YaRN rope scaling (DeepSeek-V3's long-context extension, its mscale on the softmax scale);
 positions use plain RoPE with `rope_theta`.

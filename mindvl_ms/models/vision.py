@@ -60,8 +60,9 @@ class VisionAbsPosEmbed(nn.Cell):
     """(row, col) [N, 2] -> learned row + column embeddings [N, E] (Pix2Struct-style absolute positions).
 
     Optional (`abs_pos_grid` > 0): Qwen2.5-ViT has only relative 2D RoPE, so nothing in the model says where a
-    visual token is; a small LLM trained from scratch then cannot map a region to box coordinates. Rows and
-    columns past the grid share its last entry. Init std = the patch embedding's output scale.
+    visual token is; the demo's small model trained from scratch did not learn to map a shape to box
+    coordinates without it. Rows and columns past the grid share its last entry. Init std = the patch
+    embedding's output scale at init.
     """
 
     def __init__(self, grid: int, dim: int, std: float):
@@ -178,9 +179,9 @@ class VisionTransformer(nn.Cell):
         self.unit = cfg.spatial_merge_size ** 2
         self.full = tuple(i in cfg.fullatt_block_indexes for i in range(cfg.depth))
         self.patch_embed = VisionPatchEmbed(cfg)
-        k = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
         self.abs_pos = cfg.abs_pos_grid > 0
         if self.abs_pos:
+            k = self.patch_embed.proj.in_channels  # C*T*P*P
             self.pos_embed = VisionAbsPosEmbed(cfg.abs_pos_grid, cfg.hidden_size, cfg.initializer_range * k ** 0.5)
         self.rotary_pos_emb = VisionRotaryEmbedding(cfg.head_dim)
         self.blocks = nn.CellList([VisionBlock(cfg) for _ in range(cfg.depth)])
