@@ -261,6 +261,9 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     """MindVLConfig -> a Qwen2.5-VL style config.json (readable by transformers when text is qwen2)."""
     import dataclasses
 
+    if cfg.vision.abs_pos_grid:
+        raise ConfigError("vision.abs_pos_grid: transformers' Qwen2.5-VL vision tower has no absolute position "
+                          "embedding, so this model cannot be written in its layout (save it in native format)")
     t = dataclasses.asdict(cfg.text)
     moe = t.pop("moe")
     mt = t.pop("model_type")
@@ -277,9 +280,6 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     if mt == "deepseek_v3":
         text.update({k: v for k, v in moe.items() if k not in ("bias_update_speed", "seq_aux_loss_coef", "mtp_loss_scale")})
     text["model_type"] = {"qwen2": "qwen2_5_vl_text", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}[mt]
-    if cfg.vision.abs_pos_grid:
-        raise ConfigError("vision.abs_pos_grid: transformers' Qwen2.5-VL vision tower has no absolute position "
-                          "embedding, so this model cannot be written in its layout (save it in native format)")
     vision = dataclasses.asdict(cfg.vision)
     vision.pop("mlp_type")
     vision.pop("abs_pos_grid")

@@ -117,9 +117,8 @@ def render_ocr(text: str, rng: np.random.Generator, font_file: str) -> Image.Ima
     each glyph is centred in its column, the line vertically centred +-OCR_JITTER px.
 
     With each glyph inside one visual token, the tiny from-scratch ViT reads a letter from one token
-    and the LLM reads the word from the letters it finds (the Qwen2.5-VL M-RoPE gives the few columns'
-    positions almost the same rotary angle at this model's size, so reading by content is what it
-    learns within the demo's budget).
+    and the LLM can name the word from the set of letters it finds, wherever the word starts (the
+    earlier free placement of words and numbers stayed at 0% within the demo's budget).
     """
     w, h = OCR_SIZE
     cols = w // OCR_CELL
