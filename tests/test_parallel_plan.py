@@ -180,3 +180,16 @@ def test_shipped_ascend_run_configs_fit(path, capsys):
     limit = parse_memory(cfg.context.max_device_memory)
     plans = plan_run(cfg)
     assert not check(cfg, plans, limit) and max(p.total for p in plans) < limit
+
+
+def test_dryrun_script_simulates_one_rank_per_pipeline_stage():
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    cmd = [os.path.join(ROOT, "scripts", "dryrun.sh"), "--list", os.path.join(RUN, "mindvl-671b-512npu.yaml"),
+           "--set", "stages.0.max_steps=1", "--out", "x y"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [line.split()[2] for line in out] == [f"RANK_ID={64 * s}" for s in range(8)]
+    assert all(line.startswith("MS_SIMULATION_LEVEL=1 RANK_SIZE=512 ") for line in out)
+    assert all(line.endswith(r"--set stages.0.max_steps=1 --out x\ y") for line in out)  # "$@" passed through
