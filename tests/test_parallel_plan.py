@@ -193,3 +193,32 @@ def test_dryrun_script_simulates_one_rank_per_pipeline_stage():
     assert [line.split()[2] for line in out] == [f"RANK_ID={64 * s}" for s in range(8)]
     assert all(line.startswith("MS_SIMULATION_LEVEL=1 RANK_SIZE=512 ") for line in out)
     assert all(line.endswith(r"--set stages.0.max_steps=1 --out x\ y") for line in out)  # "$@" passed through
+
+
+def test_hand_computed_activations_and_dp_reduce_8b():
+    """MindVL-8B, s 8192, b 1, TP 4 with SP, full recompute: 36 stored layer inputs 2sbh/t plus one layer
+    recomputed: outside TP 8sbh/t, inside (2(q+k) + 2v + 2v + 2(q+k) QK-norm + 6f) sb/t with q 4096,
+    k = v 1024, f 12288, and FlashAttention's softmax statistics 64 a s b / t."""
+    cfg = load_run_config(os.path.join(RUN, "mindvl-8b-64npu.yaml"), ["parallel.enable_parallel_optimizer=false"])
+    d = {x.training_stage: x for x in plan_run(cfg)}["sft"]
+    s, h, t = 8192, 4096, 4
+    stored = 36 * 2 * s * h / t
+    work = 8 * s * h / t + (2 * 5120 + 2048 + 2048 + 2 * 5120 + 6 * 12288) * s / t + 64 * 32 * s / t
+    assert d.memory["activations"] == pytest.approx(stored + work, rel=1e-12)
+    # DP gradient all-reduce of fp32 gradients: TP-split weights over dp = 16 copies, replicated ones over 64
+    split = 36 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288) // 4
+    total = d.memory["weights"] / 4
+    assert d.comm["DP gradient reduce"] == pytest.approx(2 * 15 / 16 * 4 * split + 2 * 63 / 64 * 4 * (total - split))
+    # TP: per layer and micro-batch 2 collectives forward, 2 backward, 2 in the recomputed forward,
+    # each moving 2(t-1)/t of 2sbh bytes; sft: 512 rows / 16 ranks = 32 micro-batches
+    assert d.comm["TP all-gather/reduce-scatter"] == pytest.approx(36 * 32 * 6 * 2 * 3 / 4 * 2 * s * h)
+
+
+def test_frozen_vit_keeps_one_block():
+    cfg = load_run_config(os.path.join(RUN, "mindvl-8b-64npu.yaml"))
+    d = {x.training_stage: x for x in plan_run(cfg)}
+    vit = LayerShape(h=1280, heads=16, q=1280, k=1280, v=1280, ffn=3456)
+    one = sum(layer_activation_terms(vit, 2048 * 4 // 4, 1).values())  # 2048 merged tokens x 4 patches / TP 4
+    assert d["warmup"].memory["ViT activations"] == one  # only the projector trains
+    full = sum(layer_activation_terms(vit, 2048, 1, recompute="full").values())
+    assert d["multitask"].memory["ViT activations"] == pytest.approx(32 * full + one)  # 32 blocks + one recomputed

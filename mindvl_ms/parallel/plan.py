@@ -44,7 +44,8 @@ Pipeline: stage i holds layers `layers // p + offset[i]`; embedding, ViT and pro
 lm_head and MTP on the last. Under 1F1B, stage i holds min(p - i, micro_batch_num) micro-batches in flight.
 ViT (stage 0): the same terms with the ViT shapes over P = b * data.max_image_tokens * merge^2 patches; with
 the ViT data-parallel inside the TP group (`--vit-parallel dp`, balanced encoder DP) each rank encodes P/t
-patches, with `tp` the ViT's linears are split by t. Logits (last stage): the LM head runs in chunks of
+patches, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
+backward: one block's activations at a time. Logits (last stage): the LM head runs in chunks of
 `--logits-chunk` tokens: fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
 vocab-parallel: `vocab_emb_dp: false`).
 
@@ -132,8 +133,11 @@ def llm_layer_shape(text, moe_layer: bool) -> LayerShape:
         a = text.num_attention_heads
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         latent = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
-        kw = dict(experts=m.n_routed_experts, topk=m.num_experts_per_tok, expert_ffn=m.moe_intermediate_size,
-                  shared_ffn=m.moe_intermediate_size * m.n_shared_experts) if moe_layer else dict(ffn=text.intermediate_size)
+        if moe_layer:
+            kw = dict(experts=m.n_routed_experts, topk=m.num_experts_per_tok, expert_ffn=m.moe_intermediate_size,
+                      shared_ffn=m.moe_intermediate_size * m.n_shared_experts)
+        else:
+            kw = dict(ffn=text.intermediate_size)
         return LayerShape(h=text.hidden_size, heads=a, q=a * qk, k=a * qk, v=a * m.v_head_dim, latent=latent, **kw)
     hd = text.head_dim_
     return LayerShape(h=text.hidden_size, heads=text.num_attention_heads, q=text.num_attention_heads * hd,
@@ -287,73 +291,83 @@ def recompute_mode(run_cfg) -> str:
     return "full" if r.recompute else ("selective" if r.select_recompute else "none")
 
 
+def _parameter_memory(dev: DevicePlan, groups: List[ParamGroup], layout: Layout, prefixes: List[str],
+                      po: bool) -> float:
+    """Fill weights / gradients / optimizer states of `dev`; returns the DP gradient-reduce bytes."""
+    w = gr = opt = dp_bytes = 0.0
+    for g in groups:
+        e, copies = g.count / g.split, layout.stage_size / g.split
+        train = any(g.prefix.startswith(x) for x in prefixes)
+        n = copies if (po and train) else 1
+        gw = 4 * e / n + (2 * e if n > 1 else 0)
+        gg = (4 * e / n + 4 * e) if train else 0.0
+        go = 8 * e / n if train else 0.0
+        w, gr, opt = w + gw, gr + gg, opt + go
+        dev.detail[g.name] = dev.detail.get(g.name, 0.0) + gw + gg + go
+        if train:
+            dp_bytes += 2 * (copies - 1) / copies * 4 * e
+    dev.memory.update({"weights": w, "gradients": gr, "optimizer states": opt})
+    return dp_bytes
+
+
+def _stack_activations(shapes: List[LayerShape], s: int, b: int, t: int, sp: bool, rc: str, inflight: int) -> float:
+    """Stored activations of a stack of layers for `inflight` micro-batches (+ one recomputed layer)."""
+    act = sum(sum(layer_activation_terms(x, s, b, t, sp, rc).values()) for x in shapes) * inflight
+    if rc == "full":
+        act += max(sum(layer_activation_terms(x, s, b, t, sp, "none").values()) for x in shapes)
+    return act
+
+
 def plan_run(run_cfg, logits_chunk: int = 4096, vit_parallel: str = "dp") -> List[DevicePlan]:
     """A DevicePlan per (training stage, pipeline stage)."""
     if vit_parallel not in ("dp", "tp"):
         raise ConfigError(f"vit_parallel '{vit_parallel}': expected dp or tp")
     layout = Layout.from_run_config(run_cfg)
     model, text = run_cfg.model, run_cfg.model.text
-    t, pp, dp, ep = layout.tp, layout.pp, layout.dp, layout.ep
-    po = run_cfg.parallel.enable_parallel_optimizer
+    t, pp, ep = layout.tp, layout.pp, layout.ep
     rc = recompute_mode(run_cfg)
     sp = layout.seq_parallel and t > 1
     layers = stage_layers(text.num_hidden_layers, pp, run_cfg.parallel_config.offset)
     groups = param_groups(model, layout, vit_parallel)
-    moe = text.model_type == "deepseek_v3"
+    is_moe = [text.model_type == "deepseek_v3" and i >= text.moe.first_k_dense_replace
+              for i in range(text.num_hidden_layers)]
+    head_split = t if (not layout.vocab_emb_dp and text.vocab_size % t == 0) else 1
     plans = []
     for st in run_cfg.stages:
-        prefixes = st.trainable_prefixes()
-        s, b = st.seq_length, st.micro_batch_size
-        m = st.accumulation(dp)
+        s, b, m = st.seq_length, st.micro_batch_size, st.accumulation(layout.dp)
         image_tokens = dict(st.data).get("max_image_tokens", run_cfg.data.max_image_tokens)
         for p in range(pp):
             dev = DevicePlan(st.name, p, range(p * layout.stage_size, (p + 1) * layout.stage_size))
             mine = [g for g in groups if (g.place == "layer" and g.layer in layers[p]) or
                     (g.place == "first" and p == 0) or (g.place == "last" and p == pp - 1)]
-            w = gr = opt = grad_elems = dp_bytes = 0.0
-            for g in mine:
-                e, copies = g.count / g.split, layout.stage_size / g.split
-                train = any(g.prefix.startswith(x) for x in prefixes)
-                n = copies if (po and train) else 1
-                gw = 4 * e / n + (2 * e if n > 1 else 0)
-                gg = (4 * e / n + 4 * e) if train else 0.0
-                go = 8 * e / n if train else 0.0
-                w, gr, opt = w + gw, gr + gg, opt + go
-                dev.detail[g.name] = dev.detail.get(g.name, 0.0) + gw + gg + go
-                if train:
-                    grad_elems += e
-                    dp_bytes += 2 * (copies - 1) / copies * 4 * e
+            dp_bytes = _parameter_memory(dev, mine, layout, st.trainable_prefixes(),
+                                         run_cfg.parallel.enable_parallel_optimizer)
             inflight = min(pp - p, layout.micro_batch_num) if pp > 1 else 1
-            act, work = 0.0, 0.0
-            for i in layers[p]:
-                shape = llm_layer_shape(text, moe and i >= text.moe.first_k_dense_replace)
-                act += sum(layer_activation_terms(shape, s, b, t, sp, rc).values()) * inflight
-                if rc == "full":
-                    work = max(work, sum(layer_activation_terms(shape, s, b, t, sp, "none").values()))
-            dev.memory = {"weights": w, "gradients": gr, "optimizer states": opt, "activations": act + work}
+            shapes = [llm_layer_shape(text, is_moe[i]) for i in layers[p]]
+            dev.memory["activations"] = _stack_activations(shapes, s, b, t, sp, rc, inflight)
             if p == 0:
                 patches = b * image_tokens * model.vision.spatial_merge_size ** 2
-                vshape = vit_layer_shape(model.vision)
                 vs, vt = (math.ceil(patches / t), 1) if vit_parallel == "dp" else (patches, t)
-                vact = sum(layer_activation_terms(vshape, vs, 1, vt, False, rc).values()) * model.vision.depth
-                if rc == "full":
-                    vact += sum(layer_activation_terms(vshape, vs, 1, vt, False, "none").values())
-                dev.memory["ViT activations"] = vact * inflight
+                vshape = vit_layer_shape(model.vision)
+                if any("visual.blocks.".startswith(x) for x in st.trainable_prefixes()):
+                    dev.memory["ViT activations"] = _stack_activations(
+                        [vshape] * model.vision.depth, vs, 1, vt, False, rc, inflight)
+                else:  # frozen ViT: nothing kept for backward, one block's forward at a time
+                    dev.memory["ViT activations"] = sum(layer_activation_terms(vshape, vs, 1, vt, False).values())
             if p == pp - 1:
-                head_split = t if (not layout.vocab_emb_dp and text.vocab_size % t == 0) else 1
                 dev.memory["logits chunk"] = 8.0 * min(logits_chunk, s * b) * text.vocab_size / head_split
-            x = 2.0 * s * b * text.hidden_size
-            passes = 3 if rc == "full" else 2
+            x = 2.0 * s * b * text.hidden_size  # one full-sequence activation, bytes
+            passes = 3 if rc == "full" else 2  # forward, backward (+ the recomputed forward)
             if t > 1:
                 kind = "TP all-gather/reduce-scatter" if sp else "TP all-reduce"
                 dev.comm[kind] = len(layers[p]) * m * passes * 2 * 2 * (t - 1) / t * x
-            n_moe = sum(1 for i in layers[p] if moe and i >= text.moe.first_k_dense_replace)
+            n_moe = sum(is_moe[i] for i in layers[p])
             if ep > 1 and n_moe:
-                k = text.moe.num_experts_per_tok
-                dev.comm["EP all-to-all"] = n_moe * m * passes * 2 * (2.0 * s * b / t * k * text.hidden_size) * (ep - 1) / ep
+                routed = 2.0 * s * b / t * text.moe.num_experts_per_tok * text.hidden_size
+                dev.comm["EP all-to-all"] = n_moe * m * passes * 2 * routed * (ep - 1) / ep
             if pp > 1:
                 dev.comm["PP send/recv"] = m * (x / (t if sp else 1)) * ((p < pp - 1) + (p > 0))
-            if dp > 1 or t > 1:
+            if layout.stage_size > 1:
                 dev.comm["DP gradient reduce"] = dp_bytes
             plans.append(dev)
     return plans
