@@ -115,3 +115,15 @@ def test_two_msrun_workers_gather_what_one_process_encodes(tmp_path):
     err = float(np.abs(got["gathered"] - got["single"]).max())
     print(f"max |gathered - single process| = {err:.2e}")
     np.testing.assert_allclose(got["gathered"], got["single"], rtol=1e-5, atol=1e-6)
+
+
+def test_rank_inputs_pad_with_a_zero_image():
+    from mindvl_ms.parallel.vit_balance import rank_vision_inputs
+
+    grid = np.array([[1, 4, 4], [1, 8, 6]])  # 16 + 48 patches, 4 + 12 merged tokens
+    pix = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    got = rank_vision_inputs(pix, grid, [1], TINY, pad_to=15)
+    assert np.array_equal(got["pixel_values"][:48], pix[16:]) and not got["pixel_values"][48:].any()
+    assert got["pixel_values"].shape == (60, 3) and len(got["window_index"]) == 15  # 12 + 3 padding tokens
+    with pytest.raises(ValueError, match="more than pad_to=10"):
+        rank_vision_inputs(pix, grid, [1], TINY, pad_to=10)

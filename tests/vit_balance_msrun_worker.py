@@ -1,8 +1,9 @@
 """Worker for tests/test_vit_balance.py: the tiny ViT encodes a skewed micro-batch of images.
 
 Under msrun (2 ranks standing in for one tensor-parallel group) each rank encodes the images `balance`
-gives it, the merged tokens are all-gathered and put back in image order; the same process also encodes
-all images alone. Rank 0 writes both to OUT_DIR/features.npz.
+gives it (padded by a zero image to the largest rank's token count) through `BalancedVisualEncoder`, which
+all-gathers the merged tokens and puts them back in image order; the same process also encodes all images
+alone. Rank 0 writes both to OUT_DIR/features.npz.
 
     python tests/vit_balance_msrun_worker.py OUT_DIR
 """
@@ -17,7 +18,7 @@ from mindspore import Tensor  # noqa: E402
 
 from mindvl_ms.config import load_model_config  # noqa: E402
 from mindvl_ms.models.vision import VisionTransformer  # noqa: E402
-from mindvl_ms.parallel.vit_balance import (balance, gather_index, gather_visual_tokens_cell,  # noqa: E402
+from mindvl_ms.parallel.vit_balance import (balance, balanced_visual_encoder, gather_index,  # noqa: E402
                                             image_costs, rank_tokens, rank_vision_inputs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,11 +46,10 @@ def main(out: str) -> None:
     rank, ranks = get_rank(), get_group_size()
     assignment = balance(image_costs(GRID, vision), ranks)
     pad_to = max(rank_tokens(GRID, assignment, vision.spatial_merge_size))
-    local = encode(vit, rank_vision_inputs(pixels, GRID, assignment[rank], vision))  # [m_r, D]
-    padded = np.zeros((pad_to, local.shape[1]), np.float32)
-    padded[:len(local)] = local
+    local = rank_vision_inputs(pixels, GRID, assignment[rank], vision, pad_to)  # padded to pad_to tokens
     index = gather_index(GRID, assignment, vision.spatial_merge_size, pad_to)
-    gathered = gather_visual_tokens_cell()(Tensor(padded), Tensor(index)).asnumpy()  # [M, D]
+    encoder = balanced_visual_encoder(vit)
+    gathered = encoder(*[Tensor(local[k]) for k in NAMES], Tensor(index)).asnumpy()  # [M, D]
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         np.savez(os.path.join(out, "features.npz"), single=single, gathered=gathered,

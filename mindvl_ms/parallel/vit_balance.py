@@ -23,8 +23,9 @@ Design:
   load reaches the best makespan cut) that returns the optimum unless it exceeds `node_limit` nodes, in
   which case the best split found so far (never worse than the local search) is kept. Each rank encodes its
   images in image order.
-- In the graph: `GatherVisualTokens` all-gathers each rank's merged tokens, padded to a static `pad_to`
-  rows ([pad_to, D] -> [t * pad_to, D]), and gathers `gather_index` ([M]) to get [M, D] in image order.
+- In the graph: `BalancedVisualEncoder` runs the unchanged ViT on the rank's images, padded on the host by a
+  zero image to a static `pad_to` merged tokens, all-gathers ([pad_to, D] -> [t * pad_to, D]) and gathers
+  `gather_index` ([M]) to get [M, D] in image order: what the model's embedding gather expects from the ViT.
 """
 from __future__ import annotations
 
@@ -160,8 +161,13 @@ def balance(costs: Sequence[float], ranks: int, max_rounds: int = 1000, exact_ma
     return [sorted(a) for a in bins]
 
 
-def rank_vision_inputs(pixel_values: np.ndarray, grid_thw, images: Sequence[int], vision) -> Dict[str, np.ndarray]:
-    """The pixel rows of `images` (in that order) and their ViT metadata, as `build_model_inputs` makes them."""
+def rank_vision_inputs(pixel_values: np.ndarray, grid_thw, images: Sequence[int], vision,
+                       pad_to: int = None) -> Dict[str, np.ndarray]:
+    """The pixel rows of `images` (in that order) and their ViT metadata, as `build_model_inputs` makes them.
+
+    With `pad_to`, a zero padding image of the missing merged tokens (grid [1, m, m * missing]) is appended so
+    the rank's ViT output has exactly `pad_to` rows (equal shapes for the all-gather); its rows are never
+    gathered by `gather_index`."""
     from ..data.rope_index import vision_metadata
 
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
@@ -170,9 +176,18 @@ def rank_vision_inputs(pixel_values: np.ndarray, grid_thw, images: Sequence[int]
         raise ValueError(f"pixel_values has {len(pixel_values)} rows, image_grid_thw needs {starts[-1]}")
     if not len(images):
         raise ValueError("a rank with no image: give the TP group fewer ranks than images, or a dummy image")
-    rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in images])
-    meta = vision_metadata(grid[list(images)], vision.window_size, vision.patch_size, vision.spatial_merge_size)
-    return {"pixel_values": np.asarray(pixel_values, np.float32)[rows], **meta}
+    pixels = np.asarray(pixel_values, np.float32)[np.concatenate([np.arange(starts[i], starts[i + 1]) for i in images])]
+    grid = grid[list(images)]
+    m = vision.spatial_merge_size
+    if pad_to is not None:
+        missing = pad_to - int(grid.prod(1).sum()) // (m * m)
+        if missing < 0:
+            raise ValueError(f"these images hold {pad_to - missing} merged tokens, more than pad_to={pad_to}")
+        if missing:
+            grid = np.concatenate([grid, [[1, m, m * missing]]])
+            pixels = np.concatenate([pixels, np.zeros((m * m * missing, pixels.shape[1]), np.float32)])
+    meta = vision_metadata(grid, vision.window_size, vision.patch_size, m)
+    return {"pixel_values": pixels, **meta}
 
 
 def gather_index(grid_thw, assignment: Sequence[Sequence[int]], spatial_merge_size: int, pad_to: int) -> np.ndarray:
@@ -200,16 +215,24 @@ def rank_tokens(grid_thw, assignment: Sequence[Sequence[int]], spatial_merge_siz
     return [int(tokens[list(a)].sum()) for a in assignment]
 
 
-def gather_visual_tokens_cell(group: str = None):
-    """`GatherVisualTokens`: local [pad_to, D] + index [M] -> [M, D] all-gathered in image order."""
+def balanced_visual_encoder(visual, group: str = None):
+    """`BalancedVisualEncoder`: this rank's ViT inputs (padded to `pad_to` merged tokens by
+    `rank_vision_inputs`) -> [M, D] merged tokens of the whole micro-batch in image order.
+
+    visual: the `VisionTransformer` cell (unchanged; the same weights on every rank of the group).
+    group: the communication group of the TP ranks (None: the world group)."""
     from mindspore import nn, ops
 
-    class GatherVisualTokens(nn.Cell):
+    class BalancedVisualEncoder(nn.Cell):
         def __init__(self):
             super().__init__()
+            self.visual = visual
             self.all_gather = ops.AllGather(group) if group else ops.AllGather()
 
-        def construct(self, local, index):  # local [pad_to, D], index int32 [M]
-            return ops.gather(self.all_gather(local), index, 0)  # [t * pad_to, D] -> [M, D]
+        def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
+                      full_segment_ids, gather_index):
+            local = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
+                                full_segment_ids)  # [pad_to, D], this rank's images in order, then padding
+            return ops.gather(self.all_gather(local), gather_index, 0)  # [t * pad_to, D] -> [M, D]
 
-    return GatherVisualTokens()
+    return BalancedVisualEncoder()
