@@ -222,3 +222,18 @@ def test_frozen_vit_keeps_one_block():
     assert d["warmup"].memory["ViT activations"] == one  # only the projector trains
     full = sum(layer_activation_terms(vit, 2048, 1, recompute="full").values())
     assert d["multitask"].memory["ViT activations"] == pytest.approx(32 * full + one)  # 32 blocks + one recomputed
+
+
+def test_hand_computed_expert_shards_671b():
+    """EP 64 over a stage's 64 devices: 4 of 256 experts (3 x 7168 x 2048 each) per device and layer, one copy
+    of each, so the parallel optimizer has nothing to shard them over: 4 + 8 + 8 bytes per element."""
+    cfg = load_run_config(os.path.join(RUN, "mindvl-671b-512npu.yaml"))
+    stage1 = [p for p in plan_run(cfg) if p.training_stage == "sft"][1]  # layers 7..14, all MoE
+    assert stage1.detail["routed experts"] == 20 * 8 * 4 * 3 * 7168 * 2048
+    # the MLA attention of those layers: q_b, kv_b, o and the shared expert split by TP 8 over dp 8 copies;
+    # q_a, kv_a, their norms, the layer norms and the router replicated over 64 copies
+    split = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168 + 3 * 7168 * 2048
+    rep = 7168 * 576 + 512 + 7168 * 1536 + 1536 + 2 * 7168 + 256 * 7168 + 256
+    e = 8 * (split / 8), 8 * rep
+    want = sum(4 * x / n + 2 * x + 4 * x / n + 4 * x + 8 * x / n for x, n in zip(e, (8, 64)))
+    assert stage1.detail["decoder layers"] == pytest.approx(want)
