@@ -107,7 +107,7 @@ def setup(run_cfg) -> DistInfo:
             f"(got mode {par.parallel_mode}, mp {sizes.model_parallel}, pp {sizes.pipeline_stage}, "
             f"ep {sizes.expert_parallel}); tensor/pipeline/expert parallel need Ascend")
     info = DistInfo()
-    if launched_by_msrun():
+    if launched_by_msrun() or os.environ.get("MS_SIMULATION_LEVEL"):  # dry run: init() mocks the cluster
         from mindspore.communication import get_group_size, get_rank, init
 
         init()
