@@ -17,7 +17,7 @@ from mindspore import Tensor, nn, ops
 
 from ..config import MindVLConfig
 from .inputs import INPUT_NAMES, patch_dim
-from .text import TextModel, lm_logits
+from .text import TextModel, TiedHead, lm_logits
 from .vision import VisionTransformer, dense
 
 
@@ -40,6 +40,7 @@ class MindVLForConditionalGeneration(nn.Cell):
         t = config.text
         self.tied = t.tie_word_embeddings
         self.lm_head = None if self.tied else dense(t.hidden_size, t.vocab_size, False, t.initializer_range)
+        self.tied_head = TiedHead() if self.tied else None
 
     def construct(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
                   reverse_index, window_segment_ids, full_segment_ids, embed_index):
@@ -62,7 +63,7 @@ class MindVLForConditionalGeneration(nn.Cell):
 
     def logits(self, hidden):
         """[..., D] -> float32 [..., V] through lm_head (or the tied embedding table)."""
-        return lm_logits(hidden, self.model.embed_tokens.weight, self.lm_head)
+        return lm_logits(hidden, self.model.embed_tokens.weight, self.lm_head, self.tied_head)
 
     # -- graph set-up helpers ------------------------------------------------------------------
     def dynamic_inputs(self):

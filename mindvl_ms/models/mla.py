@@ -83,7 +83,8 @@ class MLAttention(nn.Cell):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.rms_norm_eps)
         self.kv_b_proj = dense(self.kv_rank, self.num_heads * (self.nope + self.v_dim), std)
         self.o_proj = dense(self.num_heads * self.v_dim, d, std, cfg.attention_bias)
-        self.rotary = ApplyRotary()
+        self.rotary = ApplyRotary()     # q's rope dims [B, H, L, rope]
+        self.rotary_k = ApplyRotary()   # the shared rope key [B, 1, L, rope] (its own ops: no head split)
         self.core = CoreAttention(self.num_heads, self.num_heads, qk, scale=qk ** -0.5)
 
     def _deinterleave(self, x):  # [..., rope] pairs (2j, 2j+1) -> [evens, odds]
@@ -108,7 +109,7 @@ class MLAttention(nn.Cell):
         k_pass, v = kv[..., :self.nope], kv[..., self.nope:]
         k_rot = k_rot.reshape(b, 1, l, self.rope)  # one rope key for all heads
         q_rot = self.rotary(self._deinterleave(q_rot), cos, sin)
-        k_rot = self.rotary(self._deinterleave(k_rot), cos, sin)
+        k_rot = self.rotary_k(self._deinterleave(k_rot), cos, sin)
         k_rot = ops.broadcast_to(k_rot, (b, self.num_heads, l, self.rope))
         q = ops.cat((q_pass, q_rot), -1)  # [B, H, L, qk]
         k = ops.cat((k_pass, k_rot), -1)  # [B, H, L, qk]

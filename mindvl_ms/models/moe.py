@@ -51,9 +51,10 @@ class Embedding(nn.Cell):
     def __init__(self, vocab: int, dim: int, std: float):
         super().__init__()
         self.weight = Parameter(initializer(Normal(std), (vocab, dim), ms.float32), name="weight")
+        self.gather = ops.Gather()
 
     def construct(self, ids):  # int32 [B, L] -> [B, L, D]
-        return ops.gather(self.weight, ids, 0)
+        return self.gather(self.weight, ids, 0)
 
 
 class DeepseekV3MLP(nn.Cell):
@@ -155,16 +156,17 @@ class DeepseekV3DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.num_experts = cfg.moe.n_routed_experts
+        self.add = ops.Add()  # the two residual adds
 
     def construct(self, x, cos, sin, bias, valid):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, bias))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             h, load, aux = self.mlp(h, valid)
         else:
             h = self.mlp(h)
             load, aux = ops.zeros((self.num_experts,), ms.float32), ops.zeros((), ms.float32)
-        return x + h, load, aux
+        return self.add(x, h), load, aux
 
 
 class MTPLayer(DeepseekV3DecoderLayer):

@@ -22,26 +22,12 @@ from mindspore.common.initializer import Normal, initializer
 
 from ..config import VisionConfig
 from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from ..ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
 
 
 def dense(d_in: int, d_out: int, bias: bool, std: float) -> nn.Dense:
     """nn.Dense (weight [out, in], as torch Linear) with a normal init and zero bias."""
     return nn.Dense(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
-
-
-def activation(name: str) -> nn.Cell:
-    if name == "gelu":
-        return nn.GELU(approximate=False)
-    if name == "gelu_pytorch_tanh":
-        return nn.GELU(approximate=True)
-    if name == "quick_gelu":
-        return QuickGELU()
-    return nn.SiLU()
-
-
-class QuickGELU(nn.Cell):
-    def construct(self, x):
-        return x * ops.sigmoid(1.702 * x)
 
 
 class VisionPatchEmbed(nn.Cell):
@@ -109,13 +95,14 @@ class VisionMLP(nn.Cell):
             self.fc1 = dense(cfg.hidden_size, cfg.intermediate_size, True, std)
             self.fc2 = dense(cfg.intermediate_size, cfg.hidden_size, True, std)
         self.act = activation(cfg.hidden_act)
+        self.mul = ops.Mul()  # act(gate) * up (gated, non-SiLU)
 
     def construct(self, x):
         if not self.gated:
             return self.fc2(self.act(self.fc1(x)))
         if self.swiglu:
             return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.mul(self.act(self.gate_proj(x)), self.up_proj(x)))
 
 
 class VisionAttention(nn.Cell):
@@ -150,10 +137,11 @@ class VisionBlock(nn.Cell):
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
+        self.add = ops.Add()  # the two residual adds
 
     def construct(self, x, cos, sin, bias):
-        x = x + self.attn(self.norm1(x), cos, sin, bias)
-        return x + self.mlp(self.norm2(x))
+        x = self.add(x, self.attn(self.norm1(x), cos, sin, bias))
+        return self.add(x, self.mlp(self.norm2(x)))
 
 
 class PatchMerger(nn.Cell):
