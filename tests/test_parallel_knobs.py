@@ -195,12 +195,15 @@ def test_rank_coords_reach_the_loader_and_grad_reduce_flag(monkeypatch):
                   parallel_config={"data_parallel": 16, "model_parallel": 4})
     info = D.fill_coords(D.DistInfo(rank=23, world=64), cfg)
     assert (info.dp, info.dp_rank, info.tp_rank, info.pp_rank) == (16, 5, 3, 0)
-    assert info.semi_auto and not info.explicit_grad_reduce
+    assert info.semi_auto and info.compiler_reduces and not info.explicit_grad_reduce
     kw = D.auto_parallel_settings(cfg, 64)
     assert kw["parallel_mode"] == "semi_auto_parallel" and kw["gradients_mean"] is False
+    cfg.parallel.gradients_mean = True
+    assert D.auto_parallel_settings(cfg, 64)["gradients_mean"] is True
+    cfg.parallel.gradients_mean = False
     cpu = run_cfg(parallel_config={"data_parallel": 2})
     info = D.fill_coords(D.DistInfo(rank=1, world=2), cpu)
-    assert (info.dp_rank, info.explicit_grad_reduce, info.semi_auto) == (1, True, False)
+    assert (info.dp_rank, info.explicit_grad_reduce, info.compiler_reduces) == (1, True, False)
     assert D.fill_coords(D.DistInfo(), run_cfg()).explicit_grad_reduce is False
 
     # the data loader of rank 23 reads data-parallel shard 5 of 16 (not 23)

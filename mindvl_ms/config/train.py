@@ -185,6 +185,8 @@ class ParallelConfig:
     """`parallel:` section, names as in `mindspore.set_auto_parallel_context` / MindFormers."""
 
     parallel_mode: int = F(0, "0 data_parallel, 1 semi_auto_parallel, 2 auto_parallel, 3 hybrid_parallel")
+    gradients_mean: bool = F(False, "average (true) or sum gradients across ranks; the loss is already "
+                                    "normalised by global counts, so false gives the single-process result")
     full_batch: bool = F(False, "every rank reads the whole batch (semi-auto parallel)")
     enable_parallel_optimizer: bool = F(False, "shard optimizer states over data-parallel ranks (Ascend)")
     search_mode: str = F("sharding_propagation", "auto_parallel search mode")

@@ -10,9 +10,9 @@
   (`DistInfo.explicit_grad_reduce`). The loss is normalised by global counts, so the sum equals the
   single-process gradient of the same global batch. Under semi-auto / auto parallel
   (`DistInfo.semi_auto`) the compiler inserts the gradient reduction for the global-semantics graph,
-  so `explicit_grad_reduce` is false and the step must not add its own. MindSpore's `gradients_mean`
-  is always false: with the loss normalised by global counts, a mean would divide the gradient by the
-  number of ranks (no config knob: either value but false is wrong here).
+  so `explicit_grad_reduce` is false (`compiler_reduces` true) and the step must not add its own.
+  `parallel.gradients_mean` goes to the auto-parallel context (false: the loss is normalised by global
+  counts, so the summed gradient is the single-process one).
 - On Ascend the `parallel:` / `parallel_config:` sections go to `set_auto_parallel_context`
   (parallel mode, device_num, pipeline stages, parallel optimizer, search mode), and
   `context.jit_level` to `set_context(jit_config=...)`. On CPU anything beyond data parallel is refused
@@ -53,6 +53,11 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def compiler_reduces(self) -> bool:
+        """MindSpore inserts the gradient reduction (semi/auto parallel on more than one rank)."""
+        return self.semi_auto and self.world > 1
+
 
 def context_settings(ctx) -> dict:
     """`ms.set_context` keywords of the `context:` section (besides mode and device)."""
@@ -68,7 +73,7 @@ def auto_parallel_settings(run_cfg, world: int) -> dict:
     """`ms.set_auto_parallel_context` keywords for an Ascend run of `world` ranks."""
     sizes, par = run_cfg.parallel_config, run_cfg.parallel
     modes = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
-    kw = dict(parallel_mode=modes[par.parallel_mode], device_num=world, gradients_mean=False,
+    kw = dict(parallel_mode=modes[par.parallel_mode], device_num=world, gradients_mean=par.gradients_mean,
               full_batch=par.full_batch, enable_parallel_optimizer=par.enable_parallel_optimizer)
     if par.parallel_mode == 2:
         kw["search_mode"] = par.search_mode
