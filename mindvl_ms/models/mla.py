@@ -84,7 +84,7 @@ class MLAttention(nn.Cell):
         self.kv_b_proj = dense(self.kv_rank, self.num_heads * (self.nope + self.v_dim), std)
         self.o_proj = dense(self.num_heads * self.v_dim, d, std, cfg.attention_bias)
         self.rotary = ApplyRotary()
-        self.core = CoreAttention(self.num_heads, self.num_heads, qk, scale=qk ** -0.5)
+        self.core = CoreAttention(self.num_heads, self.num_heads, qk, scale=qk ** -0.5, v_head_dim=self.v_dim)
 
     def _deinterleave(self, x):  # [..., rope] pairs (2j, 2j+1) -> [evens, odds]
         if not self.interleave:

@@ -128,7 +128,7 @@ class VisionAttention(nn.Cell):
         self.qkv = dense(cfg.hidden_size, cfg.hidden_size * 3, True, cfg.initializer_range)
         self.proj = dense(cfg.hidden_size, cfg.hidden_size, True, cfg.initializer_range)
         self.rotary = ApplyRotary()
-        self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim)
+        self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
 
     def construct(self, x, cos, sin, bias):  # x [N, E], cos/sin [N, hd], bias [1, 1, N, N]
         qkv = self.qkv(x).reshape(-1, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
