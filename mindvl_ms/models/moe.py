@@ -95,8 +95,13 @@ class RoutedExperts(nn.Cell):
         self.gmm = GroupedMatmul()
         self.cumsum = Cumsum(0)
         self.swiglu = SwiGLU()
+        # Set by mindvl_ms.parallel.moe.shard_moe under expert parallel: a cell taking
+        # (x, idx, weights, gate_proj, up_proj, down_proj) that dispatches tokens across the EP group.
+        self.parallel_experts = None
 
     def construct(self, x, idx, weights):
+        if self.parallel_experts is not None:
+            return self.parallel_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)
         if self.dispatch == "dense":
             e, d, inter = self.gate_proj.shape
             w_gate = self.gate_proj.swapaxes(0, 1).reshape(d, e * inter)  # [D, E*I]: one wide matmul
