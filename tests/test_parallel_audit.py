@@ -145,8 +145,9 @@ def test_671b_moe_llm_strategies():
     n = _audit_llm(m, 16, 4, True, 1)
     dense_layers = cfg.text.moe.first_k_dense_replace
     mtp = cfg.text.moe.num_nextn_predict_layers
-    # MLA: q_a, q_b, kv_a, kv_b, o per layer; dense MLP: 3; MTP eh_proj; lm_head
-    assert n == 5 * (n_layers + mtp) + 3 * dense_layers + mtp + 1
+    # MLA: q_a, q_b, kv_a, kv_b, o per layer; dense MLP: 3; shared experts (MoE layers and MTP): 3;
+    # MTP eh_proj; lm_head
+    assert n == 5 * (n_layers + mtp) + 3 * dense_layers + 3 * (n_layers - dense_layers + mtp) + mtp + 1
     attn = m.model.layers[10].self_attn
     assert strategy_of(attn.rotary.rope)[0] == (16, 4, 1, 1)
     assert strategy_of(attn.rotary_k.rope)[0] == (16, 1, 1, 1)   # the one shared rope key: no head split

@@ -144,6 +144,7 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
                 report.delegated_missing.append(name)
             else:
                 fn(cell, layout)
+                _shard_shared_expert_glu(cell, axes, report, name)
             continue
         if isinstance(cell, nn.Dense):
             role = S.linear_role(name, S.VISION_LINEAR_RULES if vision else S.LLM_LINEAR_RULES)
@@ -202,6 +203,19 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
     if group > 0:
         report.comm_fusion = set_gradient_fusion(model, group)
     return report
+
+
+def _shard_shared_expert_glu(moe_cell, axes, report: ParallelReport, prefix: str) -> None:
+    """The shared experts' SwiGLU (a dense FFN on [B, L, I]) when shard_moe left it without a strategy."""
+    shared = getattr(moe_cell, "shared_experts", None)
+    glu = getattr(shared, "swiglu", None) if shared is not None else None
+    if glu is None or glu.silu.attrs.get("in_strategy") is not None:
+        return
+    s = S.resolve(S.FFN, axes)
+    if s[-1] > 1:
+        glu.fused = False
+    _shard_prims(glu, S.glu_strategies(s))
+    report.cells[f"{prefix}.shared_experts.swiglu"] = "glu"
 
 
 def set_gradient_fusion(model: nn.Cell, group: int) -> Dict[str, int]:
