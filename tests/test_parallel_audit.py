@@ -71,10 +71,16 @@ def _audit_llm(model, dp, tp, sp, vocab_tp):
     return n
 
 
+MOE_INTERNALS = r"\.mlp\.(experts|gate)(\.|$)"  # router and routed experts (parallel/moe.py's Morph)
+
+
 def _census(tag, model, prefix=""):
     c = primitive_census(model, prefix)
     w, wo = sum(c["with"].values()), sum(c["without"].values())
     print(f"\n[audit] {tag}: {w} primitives with a strategy, {wo} without; without by type {dict(c['without'])}")
+    rest = primitive_census(model, prefix, exclude=MOE_INTERNALS)
+    print(f"[audit] {tag} outside the router/routed experts: {sum(rest['with'].values())} with, "
+          f"{sum(rest['without'].values())} without")
     return w, wo, c
 
 
@@ -155,7 +161,8 @@ def test_671b_moe_llm_strategies():
     assert sorted(set(rep.delegated.values())) == ["attention", "moe"]
     for name, (full, split, shard) in parameter_shards(m).items():
         assert shard is not None and math.prod(shard) * math.prod(split) == math.prod(full), name
-    _census("671B-A37B LLM dp16 tp4 pp16 ep64 sp", m, "model.")
+    _, _, c = _census("671B-A37B LLM dp16 tp4 pp16 ep64 sp", m, "model.")
+    assert sum(primitive_census(m, "model.", exclude=MOE_INTERNALS)["without"].values()) == 0
 
 
 def test_tiny_models_every_primitive_audited():

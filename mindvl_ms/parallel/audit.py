@@ -11,6 +11,7 @@ shapes derived from the strategies.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Dict, Optional, Tuple
 
@@ -40,11 +41,12 @@ def iter_primitives(model: nn.Cell):
                 yield name, attr, prim
 
 
-def primitive_census(model: nn.Cell, prefix: str = "") -> Dict[str, Counter]:
-    """{"with": Counter(type -> n), "without": Counter(type -> n)} over cells whose name starts with prefix."""
+def primitive_census(model: nn.Cell, prefix: str = "", exclude: str = None) -> Dict[str, Counter]:
+    """{"with": Counter(type -> n), "without": Counter(type -> n)} over cells whose name starts with prefix
+    (and does not match the regex `exclude`)."""
     out = {"with": Counter(), "without": Counter()}
     for name, _, prim in iter_primitives(model):
-        if not name.startswith(prefix) or prim.name in NO_STRATEGY:
+        if not name.startswith(prefix) or prim.name in NO_STRATEGY or (exclude and re.search(exclude, name)):
             continue
         out["with" if strategy_of(prim) is not None else "without"][prim.name] += 1
     return out
