@@ -135,6 +135,7 @@ def test_select_recompute():
     assert counts["select_primitives"] > 0 and not m.model.layers[0]._has_config_recompute
     attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
     assert attn.rotary.mul_cos.attrs.get("recompute") is True
+    assert attn.core.softmax.attrs.get("recompute") is True and attn.core.fa.attrs.get("recompute") is True
     assert mlp.glu.silu.attrs.get("recompute") is True and mlp.glu.mul.attrs.get("recompute") is True
     assert "recompute" not in attn.q_proj.matmul.attrs and "recompute" not in mlp.down_proj.matmul.attrs
     m2 = abstract()

@@ -97,7 +97,7 @@ def _decoder_types():
 
 
 def _from_config(config):
-    """(layout, vision_parallel, offset, gradient_aggregation_group, vocab hint) from a RunConfig or Layout."""
+    """(layout, vision_parallel, offset, gradient_aggregation_group) from a RunConfig or a Layout (group 0: unset)."""
     if isinstance(config, Layout):
         return config, "dp", (), 0
     s = config.parallel_config
