@@ -224,3 +224,13 @@ def test_rank_coords_reach_the_loader_and_grad_reduce_flag(monkeypatch):
     info = D.fill_coords(D.DistInfo(rank=23, world=64), cfg)
     trainer.default_data_factory(cfg, cfg.stages[0], 0, info)
     assert seen == {"dp_rank": 5, "dp_size": 16}
+
+
+def test_trainer_applies_parallelize_only_under_semi_auto():
+    from mindvl_ms.train.trainer import prepare_model
+
+    cfg = run_cfg(parallel_config={"data_parallel": 2, "model_parallel": 2})
+    for semi, want in ((True, ((2, 1), (2, 1))), (False, None)):
+        m = abstract()
+        prepare_model(m, cfg, D.DistInfo(world=4, semi_auto=semi))
+        assert strategy_of(m.model.layers[0].self_attn.q_proj.matmul) == want
