@@ -111,7 +111,8 @@ class TextConfig:
     num_attention_heads: int = F(32, "query heads")
     num_key_value_heads: int = F(8, "key/value heads (GQA); must divide num_attention_heads")
     head_dim: Optional[int] = F(128, "per-head dim (null: hidden_size / num_attention_heads)")
-    hidden_act: str = F("silu", "FFN activation (SwiGLU with silu)")
+    hidden_act: str = F("silu", "FFN activation of the gated MLP, down(act(gate(x)) * up(x)): silu (SwiGLU), gelu, "
+                                "gelu_pytorch_tanh or quick_gelu; deepseek_v3 needs silu")
     max_position_embeddings: int = F(40960, "longest position the model is meant for")
     rms_norm_eps: float = F(1e-6, "RMSNorm epsilon")
     rope_theta: float = F(1000000.0, "RoPE base")
@@ -131,6 +132,11 @@ class TextConfig:
     def validate(self) -> None:
         if self.model_type not in ("qwen3", "qwen2", "deepseek_v3"):
             raise ConfigError(f"text model_type '{self.model_type}': expected qwen3, qwen2 or deepseek_v3")
+        if self.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu"):
+            raise ConfigError(f"text hidden_act '{self.hidden_act}': expected silu, gelu, gelu_pytorch_tanh or "
+                              f"quick_gelu")
+        if self.model_type == "deepseek_v3" and self.hidden_act != "silu":
+            raise ConfigError(f"text hidden_act '{self.hidden_act}': deepseek_v3 experts are SwiGLU, use silu")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"text hidden_size {self.hidden_size} not divisible by num_attention_heads {self.num_attention_heads}")

@@ -165,7 +165,7 @@ class ContextConfig:
     loss_scale_factor: float = F(2.0, "loss scale is divided by this on overflow, multiplied after a window")
     loss_scale_window: int = F(1000, "good steps before the loss scale grows")
     max_device_memory: str = F("", "Ascend: e.g. '58GB' (empty: MindSpore default)")
-    jit_level: str = F("O0", "graph compile level passed to jit_config on Ascend (O0/O1/O2)")
+    jit_level: str = F("O0", "graph compile level: set_context(jit_config={'jit_level': ...}) on Ascend (O0/O1/O2)")
 
     def validate(self) -> None:
         if self.mode not in (0, 1):
@@ -176,6 +176,8 @@ class ContextConfig:
             raise ConfigError(f"context.precision '{self.precision}': expected float32, float16 or bfloat16")
         if self.loss_scale_value <= 0 or self.loss_scale_factor <= 1 or self.loss_scale_window < 1:
             raise ConfigError("context: loss_scale_value > 0, loss_scale_factor > 1, loss_scale_window >= 1 required")
+        if self.jit_level not in ("O0", "O1", "O2"):
+            raise ConfigError(f"context.jit_level '{self.jit_level}': expected O0, O1 or O2")
 
 
 @dataclass
@@ -205,15 +207,22 @@ class ParallelSizes:
     expert_parallel: int = F(1, "expert-parallel size (MoE)")
     micro_batch_num: int = F(1, "pipeline micro-batches")
     use_seq_parallel: bool = F(False, "sequence parallel inside tensor-parallel groups")
-    vocab_emb_dp: bool = F(True, "data-parallel (not sharded) embedding")
-    gradient_aggregation_group: int = F(4, "gradient fusion group size")
+    vocab_emb_dp: bool = F(True, "data-parallel (not sharded) embedding and LM head; false splits the vocab "
+                                 "over the tensor-parallel group (when it divides)")
+    vision_parallel: str = F("dp", "ViT and projector under tensor parallel: dp (weights whole, rows split) or "
+                                   "tp (column/row split like the LLM)")
+    gradient_aggregation_group: int = F(4, "consecutive decoder layers whose gradients are reduced together "
+                                           "(Parameter.comm_fusion = layer // group + 1; semi-auto parallel)")
     offset: List[int] = F([], "extra decoder layers per pipeline stage when layers % pipeline_stage != 0 "
                               "(MindFormers `offset`; stage i gets layers // pp + offset[i])")
 
     def validate(self) -> None:
-        for k in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num"):
+        for k in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num",
+                  "gradient_aggregation_group"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"parallel_config.{k} must be >= 1, got {getattr(self, k)}")
+        if self.vision_parallel not in ("dp", "tp"):
+            raise ConfigError(f"parallel_config.vision_parallel '{self.vision_parallel}': expected dp or tp")
 
 
 @dataclass
@@ -221,10 +230,12 @@ class RecomputeConfig:
     """`recompute_config:` section (activation checkpointing), MindFormers names."""
 
     recompute: bool = F(False, "recompute every decoder layer / vision block in the backward pass")
-    select_recompute: bool = F(False, "recompute only attention/activation ops (Ascend)")
-    parallel_optimizer_comm_recompute: bool = F(False, "recompute parallel-optimizer all-gathers")
-    mp_comm_recompute: bool = F(True, "recompute model-parallel communication")
-    recompute_slice_activation: bool = F(False, "slice saved activations across model-parallel ranks")
+    select_recompute: bool = F(False, "when recompute is off: recompute only the attention-core, rotary and "
+                                      "gated-activation primitives of each layer/block")
+    mp_comm_recompute: bool = F(True, "with recompute: also recompute the model-parallel communication of the "
+                                      "recomputed layers (primitives marked recompute_comm_op)")
+    recompute_slice_activation: bool = F(False, "with recompute: slice the activations a recomputed layer keeps "
+                                                "over the model-parallel group (primitives marked slice_activation)")
 
 
 @dataclass

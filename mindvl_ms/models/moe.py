@@ -51,9 +51,10 @@ class Embedding(nn.Cell):
     def __init__(self, vocab: int, dim: int, std: float):
         super().__init__()
         self.weight = Parameter(initializer(Normal(std), (vocab, dim), ms.float32), name="weight")
+        self.gather = ops.Gather()
 
     def construct(self, ids):  # int32 [B, L] -> [B, L, D]
-        return ops.gather(self.weight, ids, 0)
+        return self.gather(self.weight, ids, 0)
 
 
 class DeepseekV3MLP(nn.Cell):
@@ -94,8 +95,13 @@ class RoutedExperts(nn.Cell):
         self.gmm = GroupedMatmul()
         self.cumsum = Cumsum(0)
         self.swiglu = SwiGLU()
+        # Set by mindvl_ms.parallel.moe.shard_moe under expert parallel: a cell taking
+        # (x, idx, weights, gate_proj, up_proj, down_proj) that dispatches tokens across the EP group.
+        self.parallel_experts = None
 
     def construct(self, x, idx, weights):
+        if self.parallel_experts is not None:
+            return self.parallel_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)
         if self.dispatch == "dense":
             e, d, inter = self.gate_proj.shape
             w_gate = self.gate_proj.swapaxes(0, 1).reshape(d, e * inter)  # [D, E*I]: one wide matmul
@@ -155,16 +161,17 @@ class DeepseekV3DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.num_experts = cfg.moe.n_routed_experts
+        self.add = ops.Add()  # the two residual adds
 
-    def construct(self, x, cos, sin, bias, valid):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+    def construct(self, x, cos, sin, bias, valid, actual_seq_len=None):
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len))
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             h, load, aux = self.mlp(h, valid)
         else:
             h = self.mlp(h)
             load, aux = ops.zeros((self.num_experts,), ms.float32), ops.zeros((), ms.float32)
-        return x + h, load, aux
+        return self.add(x, h), load, aux
 
 
 class MTPLayer(DeepseekV3DecoderLayer):
@@ -214,7 +221,7 @@ class DeepseekV3Model(nn.Cell):
     def bias_updater(self) -> ExpertBiasUpdate:
         return ExpertBiasUpdate(self.routers(), self.config.moe.bias_update_speed)
 
-    def construct(self, inputs_embeds, position_ids, segment_ids):
+    def construct(self, inputs_embeds, position_ids, segment_ids, actual_seq_len=None):
         bias = segment_bias(segment_ids, segment_ids, True)  # [B, 1, L, L]
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, L, rope]
         valid = (segment_ids > 0).astype(ms.float32).reshape(-1)  # [B*L]
@@ -222,7 +229,7 @@ class DeepseekV3Model(nn.Cell):
         loads = []
         aux = ops.zeros((), ms.float32)
         for layer in self.layers:
-            x, load, layer_aux = layer(x, cos, sin, bias, valid)
+            x, load, layer_aux = layer(x, cos, sin, bias, valid, actual_seq_len)
             if layer.is_moe:
                 loads.append(load)
                 aux = aux + layer_aux

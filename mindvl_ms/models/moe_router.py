@@ -48,12 +48,13 @@ class TopkRouter(nn.Cell):
         self.weight = Parameter(initializer(Normal(std), (self.num_experts, hidden_size), ms.float32), name="weight")
         self.e_score_correction_bias = Parameter(initializer("zeros", (self.num_experts,), ms.float32),
                                                  name="e_score_correction_bias", requires_grad=False)
+        self.gate_matmul = ops.MatMul(transpose_b=True)  # [T, D] x [E, D]^T; parallel strategies attach here
         self.topk = TopK()
         self.group_topk = TopK()
         self.expert_topk = TopK()
 
     def construct(self, x):
-        logits = ops.matmul(x.astype(ms.float32), self.weight.astype(ms.float32).T)  # [T, E]
+        logits = self.gate_matmul(x.astype(ms.float32), self.weight.astype(ms.float32))  # [T, E]
         scores = ops.sigmoid(logits) if self.sigmoid_scores else ops.softmax(logits, -1)
         choice = ops.stop_gradient(scores) + self.e_score_correction_bias[None, :]  # [T, E]
         t = choice.shape[0]

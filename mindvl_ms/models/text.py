@@ -23,6 +23,7 @@ from mindspore.common.initializer import Normal, initializer
 
 from ..config import TextConfig
 from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from ..ops.activation import GatedAct
 from .vision import dense
 
 
@@ -69,12 +70,14 @@ class MRotaryEmbedding(nn.Cell):
 
 
 class TextMLP(nn.Cell):
-    def __init__(self, hidden: int, inter: int, std: float):
+    """down(act(gate(x)) * up(x)): SwiGLU for `hidden_act` silu, the gated `act` otherwise (HF Qwen2/3 MLP)."""
+
+    def __init__(self, hidden: int, inter: int, std: float, hidden_act: str = "silu"):
         super().__init__()
         self.gate_proj = dense(hidden, inter, False, std)
         self.up_proj = dense(hidden, inter, False, std)
         self.down_proj = dense(inter, hidden, False, std)
-        self.glu = SwiGLU()
+        self.glu = SwiGLU() if hidden_act == "silu" else GatedAct(hidden_act)
 
     def construct(self, x):
         return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
@@ -98,9 +101,9 @@ class TextAttention(nn.Cell):
         self.rotary = ApplyRotary()
         self.core = CoreAttention(self.h, self.kv, self.hd)
 
-    def construct(self, x, cos, sin, bias):  # x [B, L, D]
+    def construct(self, x, cos, sin, bias, actual_seq_len=None):  # x [B, L, D]
         q, k, v = self.project_qkv(x, cos, sin)
-        return self.attend(q, k, v, bias)
+        return self.attend(q, k, v, bias, actual_seq_len)
 
     def project_qkv(self, x, cos, sin):
         """x [B, L, D] -> q [B, H, L, hd], k/v [B, KV, L, hd] (QK-norm and RoPE applied)."""
@@ -115,10 +118,10 @@ class TextAttention(nn.Cell):
         k = self.rotary(k.transpose(0, 2, 1, 3), cos, sin)
         return q, k, v
 
-    def attend(self, q, k, v, bias):
+    def attend(self, q, k, v, bias, actual_seq_len=None):
         """Attention over (possibly cached) keys/values and the output projection -> [B, L, D]."""
         b, l = q.shape[0], q.shape[2]
-        out = self.core(q, k.astype(q.dtype), v.astype(q.dtype), bias)  # [B, H, L, hd]
+        out = self.core(q, k.astype(q.dtype), v.astype(q.dtype), bias, actual_seq_len, actual_seq_len)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, l, self.h * self.hd))
 
 
@@ -128,11 +131,12 @@ class DecoderLayer(nn.Cell):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = TextAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = TextMLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range)
+        self.mlp = TextMLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, cfg.hidden_act)
+        self.add = ops.Add()  # the two residual adds (a primitive so it can carry a shard strategy)
 
-    def construct(self, x, cos, sin, bias):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def construct(self, x, cos, sin, bias, actual_seq_len=None):
+        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len))
+        return self.add(x, self.mlp(self.post_attention_layernorm(x)))
 
 
 class Embedding(nn.Cell):
@@ -141,9 +145,10 @@ class Embedding(nn.Cell):
     def __init__(self, vocab: int, dim: int, std: float):
         super().__init__()
         self.weight = ms.Parameter(initializer(Normal(std), (vocab, dim), ms.float32), name="weight")
+        self.gather = ops.Gather()
 
     def construct(self, ids):  # [B, L] -> [B, L, D]
-        return ops.gather(self.weight, ids, 0)
+        return self.gather(self.weight, ids, 0)
 
 
 class TextModel(nn.Cell):
@@ -159,28 +164,44 @@ class TextModel(nn.Cell):
     def embed(self, input_ids):  # [B, L] -> [B, L, D]
         return self.embed_tokens(input_ids)
 
-    def construct(self, inputs_embeds, position_ids, segment_ids):
+    def construct(self, inputs_embeds, position_ids, segment_ids, actual_seq_len=None):
+        """`actual_seq_len` int32[B*K] (inputs.llm_actual_seq_len) drives the Ascend TND kernel only."""
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, L, hd]
         bias = segment_bias(segment_ids, segment_ids, True)  # [B, 1, L, L]
         x = inputs_embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, bias)
+            x = layer(x, cos, sin, bias, actual_seq_len)
         return self.norm(x), ops.zeros((), ms.float32), ops.zeros((1, 1), ms.float32)
 
 
-_MATMUL_NT = ops.MatMul(transpose_b=True)
+_MATMUL_NT = ops.MatMul(transpose_b=True)  # tied head of callers without a TiedHead (inference)
 
 
-def lm_logits(h, embedding_weight, lm_head):
+class TiedHead(nn.Cell):
+    """The tied LM head: [N, D] x table [V, D]^T with its own MatMul primitive (so it can be sharded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, flat, table):
+        return self.matmul(flat, table.astype(flat.dtype))  # [N, V]
+
+
+def lm_logits(h, embedding_weight, lm_head, tied_head=None):
     """Hidden [B, L, D] -> float32 logits [B, L, V] through `lm_head`, or the embedding table when tied.
 
-    The tied head is one 2-D MatMul on [B*L, D] x [V, D]^T: a batched matmul against the shared table
-    would differentiate through a broadcast of the [V, D] table to every batch row and a sum back
-    (measured: ~250 ms of a 1.2 s tiny-model micro-step on CPU with the 151,936-row vocabulary)."""
+    The tied head (`tied_head`, a TiedHead) is one 2-D MatMul on [B*L, D] x [V, D]^T: a batched matmul
+    against the shared table would differentiate through a broadcast of the [V, D] table to every batch row
+    and a sum back (measured: ~250 ms of a 1.2 s tiny-model micro-step on CPU with the 151,936-row
+    vocabulary)."""
     d = h.shape[-1]
     flat = h.reshape(-1, d)                                           # [B*L, D]
     if lm_head is None:
-        out = _MATMUL_NT(flat, embedding_weight.astype(h.dtype))      # [B*L, V]
+        if tied_head is None:
+            out = _MATMUL_NT(flat, embedding_weight.astype(h.dtype))  # [B*L, V]
+        else:
+            out = tied_head(flat, embedding_weight)                   # [B*L, V]
     else:
         out = lm_head(flat)
     return out.reshape(h.shape[:-1] + (-1,)).astype(ms.float32)       # [B, L, V]
@@ -194,7 +215,8 @@ class TextForCausalLM(nn.Cell):
         self.model = TextModel(cfg)
         self.tied = cfg.tie_word_embeddings
         self.lm_head = None if self.tied else dense(cfg.hidden_size, cfg.vocab_size, False, cfg.initializer_range)
+        self.tied_head = TiedHead() if self.tied else None
 
     def construct(self, input_ids, position_ids, segment_ids):
         h, aux, load = self.model(self.model.embed(input_ids), position_ids, segment_ids)
-        return lm_logits(h, self.model.embed_tokens.weight, self.lm_head), aux, load
+        return lm_logits(h, self.model.embed_tokens.weight, self.lm_head, self.tied_head), aux, load

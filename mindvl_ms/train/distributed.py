@@ -2,13 +2,21 @@
 
 - Launch with `scripts/msrun_train.sh N mindvl train --config ...` (msrun starts N workers and a
   scheduler; `mindspore.communication.init()` joins them: mccl on CPU, hccl on Ascend).
-- Data parallel is explicit: every rank runs the same compiled micro-step graph on its rows, and
-  the apply graph all-reduces (sums) the accumulated gradients once per global batch. The loss is
-  normalised by global counts, so the sum equals the single-process gradient of the same global
-  batch (`parallel.gradients_mean: false`).
+- Rank coordinates come from `mindvl_ms.parallel.Layout`: `DistInfo` carries the layout and this
+  rank's (pp, dp, tp) indices; data loaders read by `dp_rank` (the ranks of one tensor-parallel group
+  read the same rows), not by the global rank.
+- Data parallel (parallel_mode 0) is explicit: every rank runs the same compiled micro-step graph on its
+  rows, and the apply graph all-reduces (sums) the accumulated gradients once per global batch
+  (`DistInfo.explicit_grad_reduce`). The loss is normalised by global counts, so the sum equals the
+  single-process gradient of the same global batch. Under semi-auto / auto parallel
+  (`DistInfo.semi_auto`) the compiler inserts the gradient reduction for the global-semantics graph,
+  so `explicit_grad_reduce` is false (`compiler_reduces` true) and the step must not add its own.
+  `parallel.gradients_mean` goes to the auto-parallel context (false: the loss is normalised by global
+  counts, so the summed gradient is the single-process one).
 - On Ascend the `parallel:` / `parallel_config:` sections go to `set_auto_parallel_context`
-  (parallel mode, device_num, pipeline stages, gradient mean, parallel optimizer, search mode).
-  On CPU anything beyond data parallel is refused with a clear message.
+  (parallel mode, device_num, pipeline stages, parallel optimizer, search mode), and
+  `context.jit_level` to `set_context(jit_config=...)`. On CPU anything beyond data parallel is refused
+  with a clear message.
 - `validate_strategy` checks divisibility (heads, KV heads, hidden, FFN, vocab, layers, experts)
   before any graph is built.
 """
@@ -17,24 +25,63 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 
 from ..config.base import ConfigError
+from ..parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DistInfo:
+    """This process in the run: global rank, world size, data-parallel size and its coordinates."""
+
     rank: int = 0
     world: int = 1
-    dp: int = 1
+    dp: int = 1                       # data-parallel size (loaders split the global batch this many ways)
+    dp_rank: int = 0                  # data-parallel index: what the loader reads by
+    tp_rank: int = 0
+    pp_rank: int = 0
+    layout: Optional[Layout] = None
+    semi_auto: bool = False           # semi_auto / auto parallel on Ascend: the compiler reduces gradients
+    explicit_grad_reduce: bool = False  # the train step all-reduces gradients itself (data parallel, world > 1)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def compiler_reduces(self) -> bool:
+        """MindSpore inserts the gradient reduction (semi/auto parallel on more than one rank)."""
+        return self.semi_auto and self.world > 1
+
+
+def context_settings(ctx) -> dict:
+    """`ms.set_context` keywords of the `context:` section (besides mode and device)."""
+    kw = {}
+    if ctx.device_target == "Ascend":
+        kw["jit_config"] = {"jit_level": ctx.jit_level}
+        if ctx.max_device_memory:
+            kw["max_device_memory"] = ctx.max_device_memory
+    return kw
+
+
+def auto_parallel_settings(run_cfg, world: int) -> dict:
+    """`ms.set_auto_parallel_context` keywords for an Ascend run of `world` ranks."""
+    sizes, par = run_cfg.parallel_config, run_cfg.parallel
+    modes = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
+    kw = dict(parallel_mode=modes[par.parallel_mode], device_num=world, gradients_mean=par.gradients_mean,
+              full_batch=par.full_batch, enable_parallel_optimizer=par.enable_parallel_optimizer)
+    if par.parallel_mode == 2:
+        kw["search_mode"] = par.search_mode
+    if sizes.pipeline_stage > 1:
+        kw["pipeline_stages"] = sizes.pipeline_stage
+    if par.strategy_ckpt_save_file:
+        kw["strategy_ckpt_save_file"] = par.strategy_ckpt_save_file
+    return kw
 
 
 def launched_by_msrun() -> bool:
@@ -95,8 +142,9 @@ def setup(run_cfg) -> DistInfo:
     ctx = run_cfg.context
     ms.set_context(mode=ms.GRAPH_MODE if ctx.mode == 0 else ms.PYNATIVE_MODE)
     ms.set_device(ctx.device_target)
-    if ctx.max_device_memory and ctx.device_target == "Ascend":
-        ms.set_context(max_device_memory=ctx.max_device_memory)
+    extra = context_settings(ctx)
+    if extra:
+        ms.set_context(**extra)
     sizes, par = run_cfg.parallel_config, run_cfg.parallel
     cpu = ctx.device_target == "CPU"
     if cpu and (par.parallel_mode != 0 or sizes.model_parallel > 1 or sizes.pipeline_stage > 1
@@ -116,19 +164,21 @@ def setup(run_cfg) -> DistInfo:
         sizes.data_parallel = info.world
         log.info("parallel_config.data_parallel set to %d (the number of ranks)", info.world)
     validate_strategy(run_cfg.model, sizes, info.world)
-    info.dp = sizes.data_parallel
+    fill_coords(info, run_cfg)
     if not cpu and info.world > 1:
-        modes = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
-        kw = dict(parallel_mode=modes[par.parallel_mode], device_num=info.world,
-                  gradients_mean=par.gradients_mean, full_batch=par.full_batch,
-                  enable_parallel_optimizer=par.enable_parallel_optimizer)
-        if par.parallel_mode == 2:
-            kw["search_mode"] = par.search_mode
-        if sizes.pipeline_stage > 1:
-            kw["pipeline_stages"] = sizes.pipeline_stage
-        if par.strategy_ckpt_save_file:
-            kw["strategy_ckpt_save_file"] = par.strategy_ckpt_save_file
-        ms.set_auto_parallel_context(**kw)
+        ms.set_auto_parallel_context(**auto_parallel_settings(run_cfg, info.world))
+    return info
+
+
+def fill_coords(info: DistInfo, run_cfg) -> DistInfo:
+    """Set the layout, this rank's coordinates and who reduces gradients (after validate_strategy)."""
+    layout = Layout.from_run_config(run_cfg, info.world)
+    c = layout.coords(info.rank) if info.rank < layout.world else None
+    info.layout, info.dp = layout, layout.dp
+    if c is not None:
+        info.dp_rank, info.tp_rank, info.pp_rank = c.dp, c.tp, c.pp
+    info.semi_auto = run_cfg.context.device_target != "CPU" and run_cfg.parallel.parallel_mode in (1, 2)
+    info.explicit_grad_reduce = info.world > 1 and not info.semi_auto
     return info
 
 

@@ -66,7 +66,7 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     raw = deep_merge(to_dict(run_cfg.data), stage.data)
     cfg = load(DataConfig, raw, source=f"stage '{stage.name}' data")
     cfg = dataclasses.replace(cfg, seq_length=stage.seq_length, micro_batch_size=stage.micro_batch_size,
-                              dp_size=dist.dp, dp_rank=dist.rank, global_batch_size=stage.global_batch_size)
+                              dp_size=dist.dp, dp_rank=dist.dp_rank, global_batch_size=stage.global_batch_size)
     loader = DataLoader.from_config(cfg, model_config=run_cfg.model)
     rows = None
     if isinstance(loader.source, PackedShardSource):
@@ -87,21 +87,24 @@ def build_model(run_cfg):
     return MindVLForConditionalGeneration(run_cfg.model)
 
 
-def prepare_model(model, run_cfg):
-    """Activation checkpointing and mixed precision; returns the network the train step calls.
+def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
+    """Shard strategies (semi-auto parallel), activation checkpointing and mixed precision; returns the
+    network the train step calls.
 
     float16/bfloat16 use MindSpore AMP O2 (matmuls in low precision, norms and the loss in fp32,
     fp32 master weights, which stay the model's parameters and names)."""
     import mindspore as ms
 
-    if run_cfg.recompute_config.recompute:
-        n = 0
-        for name, cell in model.cells_and_names():
-            parent = name.rsplit(".", 2)
-            if len(parent) >= 2 and parent[-2] in ("layers", "blocks") and parent[-1].isdigit():
-                cell.recompute()
-                n += 1
-        log.info("recompute on %d layers/blocks", n)
+    from ..parallel import apply_recompute, parallelize
+
+    if dist is not None and dist.semi_auto:
+        rep = parallelize(model, run_cfg)
+        log.info("parallelize: %d linear layers sharded, %d other cells, stages %s", len(rep.linear),
+                 len(rep.cells), sorted(set(rep.stages.values())))
+    counts = apply_recompute(model, run_cfg.recompute_config)
+    if any(counts.values()):
+        log.info("recompute: %d layers/blocks fully, %d primitives selectively", counts["full_cells"],
+                 counts["select_primitives"])
     if run_cfg.context.precision in ("float16", "bfloat16"):
         dt = ms.float16 if run_cfg.context.precision == "float16" else ms.bfloat16
         return ms.amp.auto_mixed_precision(model, "O2", dtype=dt)
@@ -136,7 +139,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     np.random.seed(run_cfg.seed % 2**32)
     random.seed(run_cfg.seed)
     model = model if model is not None else build_model(run_cfg)
-    net = prepare_model(model, run_cfg)
+    net = prepare_model(model, run_cfg, dist)
     collate = collate or default_collate(run_cfg)
     data_factory = data_factory or default_data_factory
     names = list(getattr(model, "INPUT_NAMES"))
@@ -207,7 +210,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                 if hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
                     mbs = source.next_micro_batches(accum)
                 else:
-                    local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.rank, dist.dp)
+                    local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.dp_rank, dist.dp)
                     mbs = [collate(rows, stage) for rows in micro_batches(local, stage.micro_batch_size)]
                 lr = sched(step)
                 n_compiled = engine.compiles
@@ -225,7 +228,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                 rec = {"stage_index": si, "stage": stage.name, "step": step, "loss": res.loss, "lr": lr,
                        "grad_norm": res.grad_norm, "loss_scale": res.loss_scale, "applied": res.applied,
                        "tokens": res.tokens, "patches": res.patches, "supervised": res.supervised,
-                       "step_time": dt, "tokens_per_s": res.tokens * dist.world / max(dt, 1e-9),
+                       "step_time": dt, "tokens_per_s": res.tokens * dist.dp / max(dt, 1e-9),
                        "skipped_total": skipped}
                 if res.expert_load is not None:  # MoE: balance of routed tokens (max/mean per layer)
                     ld = res.expert_load

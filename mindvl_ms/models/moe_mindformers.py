@@ -1,0 +1,58 @@
+"""MindFormers' MoE pieces (router, AlltoAll token dispatcher) configured from this project's MoE sizes.
+
+`transformer_config(...)` builds the `mindformers.parallel_core.transformer_config.TransformerConfig` that
+MindFormers' TopKRouter and MoEAlltoAllTokenDispatcher read, from the DeepSeek-V3 routing fields of
+`TextConfig.moe` and a `mindvl_ms.parallel.layout.Layout`. Field mapping:
+
+    n_routed_experts      -> num_moe_experts          num_experts_per_tok -> moe_router_topk
+    n_group / topk_group  -> moe_router_num_groups / moe_router_group_topk
+    scoring_func          -> moe_router_score_function   routed_scaling_factor -> moe_router_topk_scaling_factor
+    norm_topk_prob        -> norm_topk_prob           e_score_correction_bias -> moe_router_enable_expert_bias
+    dp / tp / ep          -> data_parallel_size / tensor_model_parallel_size / expert_model_parallel_size
+
+Routing difference (MindFormers 1.9.0 `TopKRouter._group_limited_topk`): a group's score is the sum of its
+top (num_experts_per_tok // topk_group) biased scores, DeepSeek-V3's is the sum of its top 2. The two agree
+exactly when num_experts_per_tok // topk_group == 2 (DeepSeek-V3's 8 // 4, the tiny config's 2 // 1);
+`routing_rules_agree` says whether they do, and tests/test_moe_mindformers.py shows a config where they
+differ.
+
+Importing MindFormers writes its log under $LOCAL_DEFAULT_PATH (default ./output); this module points it
+at ~/.cache/mindvl_ms/mindformers unless the variable is set.
+"""
+import os
+
+os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindvl_ms", "mindformers"))
+
+
+def _import_mindformers():
+    from mindformers.parallel_core.transformer_config import TransformerConfig
+
+    return TransformerConfig
+
+
+def routing_rules_agree(moe) -> bool:
+    """True when MindFormers' group score (top k/topk_group) equals DeepSeek-V3's (top 2) for this config."""
+    if moe.n_group <= 1:
+        return True
+    return moe.num_experts_per_tok // moe.topk_group == min(2, moe.n_routed_experts // moe.n_group)
+
+
+def transformer_config(num_experts: int, top_k: int, hidden: int, layout=None, seq_length: int = 4096,
+                       moe=None, dtype: str = "float32"):
+    """A MindFormers TransformerConfig carrying the MoE and parallel sizes (one layer, no attention use)."""
+    TransformerConfig = _import_mindformers()
+    dp, tp, ep = (layout.dp, layout.tp, layout.ep) if layout is not None else (1, 1, 1)
+    kw = dict(num_layers=1, hidden_size=hidden, num_attention_heads=tp, seq_length=seq_length,
+              num_moe_experts=num_experts, moe_router_topk=top_k, moe_ffn_hidden_size=hidden,
+              add_bias_linear=False, data_parallel_size=dp, tensor_model_parallel_size=tp,
+              expert_model_parallel_size=ep, sequence_parallel=bool(layout is not None and layout.seq_parallel),
+              moe_router_dtype="float32", compute_dtype=dtype, params_dtype=dtype)
+    if moe is not None:
+        kw.update(moe_router_num_groups=moe.n_group if moe.n_group > 1 else None,
+                  moe_router_group_topk=moe.topk_group if moe.n_group > 1 else None,
+                  moe_router_score_function=moe.scoring_func,
+                  moe_router_enable_expert_bias=True,
+                  moe_router_topk_scaling_factor=float(moe.routed_scaling_factor),
+                  norm_topk_prob=bool(moe.norm_topk_prob),
+                  moe_ffn_hidden_size=moe.moe_intermediate_size)
+    return TransformerConfig(**kw)
