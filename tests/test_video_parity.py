@@ -119,3 +119,23 @@ def test_video_token_mismatch_names_the_sample(hf_pair):
     s["input_ids"] = np.concatenate([s["input_ids"], [VIDEO]])
     with pytest.raises(ValueError, match="row 0 sample 0: sample has .* video tokens but its videos give"):
         build_model_inputs([[s]], model.config)
+
+
+def test_accumulated_video_positions_by_hand():
+    """text.mrope_accumulate: each temporal patch placed after the previous one, like separate images."""
+    # 4 text tokens, a video of 3 temporal patches on a 2x3 merged grid (h/m=2, w/m=3), 2 text tokens
+    ids = np.array([1, 2, 3, 4] + [VIDEO] * 18 + [5, 6])
+    pos = rope_index(ids, None, hf_tiny.IMAGE, 2, 2, video_grid_thw=[[3, 4, 6]], video_token_id=VIDEO,
+                     second_per_grid_ts=[1.0], accumulate=True)
+    rows, cols = np.repeat([0, 1], 3), np.tile([0, 1, 2], 2)
+    for i in range(3):  # patch i starts at 4 + 3 * i (max(h/m, w/m) = 3 per patch)
+        blk = pos[:, 4 + 6 * i: 10 + 6 * i]
+        np.testing.assert_array_equal(blk[0], np.full(6, 4 + 3 * i))
+        np.testing.assert_array_equal(blk[1], 4 + 3 * i + rows)
+        np.testing.assert_array_equal(blk[2], 4 + 3 * i + cols)
+    np.testing.assert_array_equal(pos[:, -2:], [[13, 14]] * 3)  # text resumes at (10 + 2) + 1: last patch max col
+    # without accumulation the three patches share the (row, col) grid and differ on t only
+    plain = rope_index(ids, None, hf_tiny.IMAGE, 2, 2, video_grid_thw=[[3, 4, 6]], video_token_id=VIDEO,
+                       second_per_grid_ts=[1.0])
+    np.testing.assert_array_equal(plain[1, 4:10], plain[1, 10:16])
+    np.testing.assert_array_equal(plain[0, 4:22:6], [4, 6, 8])

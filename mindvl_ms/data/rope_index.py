@@ -37,7 +37,7 @@ def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], imag
                spatial_merge_size: int = 2, tokens_per_second: int = 2,
                second_per_grid: float = 0.0, video_grid_thw: Optional[np.ndarray] = None,
                video_token_id: Optional[int] = None,
-               second_per_grid_ts: Optional[Sequence[float]] = None) -> np.ndarray:
+               second_per_grid_ts: Optional[Sequence[float]] = None, accumulate: bool = False) -> np.ndarray:
     """M-RoPE positions int64[3, n] for one sample (no padding).
 
     Text tokens get equal (t, h, w) positions counting on from the previous maximum + 1; the
@@ -45,6 +45,15 @@ def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], imag
     position where it starts. The temporal offset of temporal patch i is
     `int(i * second_per_grid * tokens_per_second)` (Qwen2.5-VL's absolute time): `second_per_grid` for
     images, `second_per_grid_ts[k]` for video k (seconds spanned by one temporal patch).
+
+    With `accumulate` (openPangu-VL's accumulative strategy, `text.mrope_accumulate`), the temporal
+    patches of a video are placed one after another like separate images: patch i gets (0, row, col)
+    offsets from its own start, and the next starts after it (start + max(h/m, w/m)); time is then
+    carried by the order of the patches, so successive frames never share a spatial position. Images
+    accumulate either way (each starts after the previous maximum).
+
+    Unlike transformers 4.57.1, which casts `second_per_grid_t` to an integer tensor before multiplying
+    (so 0.75 s becomes 0), the product is taken in floating point, as Qwen2.5-VL defines it.
     """
     ids = np.asarray(input_ids).reshape(-1)
     grids = {"image": None if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3),
@@ -62,11 +71,16 @@ def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], imag
             float(second_per_grid_ts[k]) if second_per_grid_ts is not None else 1.0)
         text_len = ed - st
         parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + nxt)
-        t_idx = (np.arange(lt)[:, None] * spg * tokens_per_second).astype(np.int64)
-        t_idx = np.broadcast_to(t_idx, (lt, lh * lw)).reshape(-1)
         h_idx = np.broadcast_to(np.arange(lh)[None, :, None], (lt, lh, lw)).reshape(-1)
         w_idx = np.broadcast_to(np.arange(lw)[None, None, :], (lt, lh, lw)).reshape(-1)
-        vis = np.stack([t_idx, h_idx, w_idx]) + text_len + nxt
+        if accumulate and kind == "video":
+            t_idx = np.zeros(lt * lh * lw, np.int64)
+            frame_start = np.repeat(np.arange(lt) * max(lh, lw), lh * lw)  # [lt*lh*lw]
+        else:
+            t_idx = (np.arange(lt)[:, None] * spg * tokens_per_second).astype(np.int64)
+            t_idx = np.broadcast_to(t_idx, (lt, lh * lw)).reshape(-1)
+            frame_start = 0
+        vis = np.stack([t_idx, h_idx, w_idx]) + frame_start + text_len + nxt
         parts.append(vis)
         nxt = int(vis.max()) + 1
         st = ed + n

@@ -100,7 +100,7 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
             try:
                 pos = rope_index(ids, igrid, config.image_token_id, m, v.tokens_per_second,
                                  video_grid_thw=vgrid, video_token_id=config.video_token_id,
-                                 second_per_grid_ts=spg)
+                                 second_per_grid_ts=spg, accumulate=config.text.mrope_accumulate)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             sample_id += 1
