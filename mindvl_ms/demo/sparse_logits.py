@@ -32,10 +32,12 @@ class SupervisedLogitsMindVL(MindVLForConditionalGeneration):
     INPUT_NAMES = SPARSE_INPUT_NAMES
 
     def construct(self, input_ids, position_ids, attn_segment_ids, pixel_values, vision_pos_ids, window_index,
-                  reverse_index, window_segment_ids, full_segment_ids, embed_index, logit_index, segment_ids):
+                  reverse_index, window_segment_ids, full_segment_ids, embed_index, window_gather, full_gather,
+                  actual_seq_len, logit_index, segment_ids):
         hidden, aux_loss, expert_load = self.hidden_states(
             input_ids, position_ids, attn_segment_ids, pixel_values, vision_pos_ids, window_index, reverse_index,
-            window_segment_ids, full_segment_ids, embed_index)  # [B, L, D]
+            window_segment_ids, full_segment_ids, embed_index, window_gather, full_gather,
+            actual_seq_len)  # [B, L, D]
         b, k, d = segment_ids.shape[0], segment_ids.shape[1], hidden.shape[-1]
         kept = ops.gather(hidden.reshape(-1, d), logit_index, 0).reshape(b, k, d)  # [B, K, D]
         return self.logits(kept), aux_loss, expert_load  # [B, K, V]

@@ -10,7 +10,12 @@ is an ordinary unpacked batch row). Everything value-dependent is computed here,
 - `embed_index`, a gather index into concat(text embeddings [B*L], visual features [M]) that puts each
   image's or video's merged features at its <|image_pad|> / <|video_pad|> tokens, items in the order the
   text places them (a count mismatch is a ValueError, never a crop);
-- next-token `targets` (never crossing a sample boundary) and each target's order within its sample.
+- next-token `targets` (never crossing a sample boundary) and each target's order within its sample;
+- the attention layouts (see `segment_ends`, `block_gather`, `llm_actual_seq_len`):
+  `window_gather` int32[Sw, Ww] / `full_gather` int32[Sf, Wf]: the patches of each ViT window / image
+  (frame) padded to the longest one with the index N (a zero row), so window and full attention run per
+  block ([S, H, W, W] scores) instead of over one N x N mask; `actual_seq_len` int32[B*K]: the LLM's
+  cumulative segment ends over the flattened [B*L] tokens for the Ascend TND flash-attention kernel.
 With no image in the batch a dummy 2x2-patch image is added whose features nothing gathers, so the graph
 is the same for text-only and multimodal batches.
 """
@@ -23,7 +28,57 @@ from ..data.rope_index import rope_index, vision_metadata, visual_order
 
 IGNORE = -100
 INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "vision_pos_ids", "window_index",
-               "reverse_index", "window_segment_ids", "full_segment_ids", "embed_index")
+               "reverse_index", "window_segment_ids", "full_segment_ids", "embed_index", "window_gather",
+               "full_gather", "actual_seq_len")
+
+
+def segment_ends(seg) -> np.ndarray:
+    """Segment ids of one sequence (contiguous runs) -> int32 cumulative end of each run.
+
+    No leading 0, last entry = len(seg): the `actual_seq_qlen` / `actual_seq_kvlen` convention of
+    FlashAttentionScore's TND layout. [1, 1, 2, 2, 2, 0] -> [2, 5, 6].
+    """
+    seg = np.asarray(seg).reshape(-1)
+    if seg.size == 0:
+        return np.zeros(0, np.int32)
+    change = np.flatnonzero(seg[1:] != seg[:-1]) + 1
+    return np.append(change, seg.size).astype(np.int32)
+
+
+def llm_actual_seq_len(segment_ids: np.ndarray, slots: Optional[int] = None) -> np.ndarray:
+    """segment_ids int32[B, L] -> int32[B*K]: each row's segment ends offset by r*L (the row's start in the
+    flattened [B*L] tokens), padded to K entries with the row's end (MindFormers' compressed-EOD layout;
+    the padding tail of a row is a segment of its own). K = the most segments in a row, or `slots`.
+    A fixed K per row keeps the array splittable by rows under data parallelism, strategy (dp,)."""
+    b, l = segment_ids.shape
+    ends = [segment_ends(row) for row in segment_ids]
+    k = max([e.size for e in ends] + [1])
+    if slots is not None:
+        if slots < k:
+            raise ValueError(f"a row holds {k} segments, more than slots={slots}")
+        k = slots
+    out = np.empty((b, k), np.int64)
+    for r, e in enumerate(ends):
+        out[r] = r * l + l
+        out[r, :e.size] = r * l + e
+    return out.reshape(-1).astype(np.int32)
+
+
+def block_gather(seg) -> np.ndarray:
+    """1-based block ids of N tokens (blocks contiguous and numbered 1..S in order) -> int32[S, W].
+
+    Row s lists the token indices of block s, padded to W (the longest block) with N, the index of a zero
+    row the model appends. The block of token t is seg[t] - 1, its slot is t - gather[seg[t] - 1, 0].
+    """
+    seg = np.asarray(seg, np.int64).reshape(-1)
+    ends = segment_ends(seg)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    if seg.size and not np.array_equal(seg[starts], np.arange(1, ends.size + 1)):
+        raise ValueError("block ids must be contiguous runs numbered 1, 2, ... in order")
+    width = int((ends - starts).max()) if seg.size else 1
+    slot = np.arange(width)
+    gather = starts[:, None] + slot[None, :]
+    return np.where(slot[None, :] < (ends - starts)[:, None], gather, seg.size).astype(np.int32)
 
 
 def patch_dim(config: MindVLConfig) -> int:
@@ -139,6 +194,9 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
         "pixel_values": np.concatenate(pixels).astype(np.float32),
         **meta,
         "embed_index": embed_index,
+        "window_gather": block_gather(meta["window_segment_ids"]),
+        "full_gather": block_gather(meta["full_segment_ids"]),
+        "actual_seq_len": llm_actual_seq_len(segment_ids),
         "targets": targets,
         "token_index": token_index,
         "num_samples": np.int32(sample_id),

@@ -42,23 +42,28 @@ class MindVLForConditionalGeneration(nn.Cell):
         self.lm_head = None if self.tied else dense(t.hidden_size, t.vocab_size, False, t.initializer_range)
 
     def construct(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
-                  reverse_index, window_segment_ids, full_segment_ids, embed_index):
+                  reverse_index, window_segment_ids, full_segment_ids, embed_index, window_gather, full_gather,
+                  actual_seq_len):
         hidden, aux_loss, expert_load = self.hidden_states(
             input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index, reverse_index,
-            window_segment_ids, full_segment_ids, embed_index)
+            window_segment_ids, full_segment_ids, embed_index, window_gather, full_gather, actual_seq_len)
         return self.logits(hidden), aux_loss, expert_load
 
     def hidden_states(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
-                      reverse_index, window_segment_ids, full_segment_ids, embed_index):
-        """Final normalised hidden states [B, L, D] (plus the language model's aux loss and expert load)."""
+                      reverse_index, window_segment_ids, full_segment_ids, embed_index, window_gather=None,
+                      full_gather=None, actual_seq_len=None):
+        """Final normalised hidden states [B, L, D] (plus the language model's aux loss and expert load).
+
+        Without the gathers the ViT uses its dense-mask fallback; `actual_seq_len` feeds the Ascend TND
+        flash-attention kernel of the LLM (ignored on CPU)."""
         b, l = input_ids.shape
         text = self.model.embed_tokens(input_ids)  # [B, L, D]
         d = text.shape[-1]
         image = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
-                            full_segment_ids)  # [M, D] merged visual tokens, image order
+                            full_segment_ids, window_gather, full_gather)  # [M, D] merged visual tokens
         table = ops.cat((text.reshape(-1, d), image.astype(text.dtype)), 0)  # [B*L + M, D]
         embeds = ops.gather(table, embed_index, 0).reshape(b, l, d)  # [B, L, D]
-        return self.model(embeds, position_ids, segment_ids)
+        return self.model(embeds, position_ids, segment_ids, actual_seq_len)
 
     def logits(self, hidden):
         """[..., D] -> float32 [..., V] through lm_head (or the tied embedding table)."""
@@ -79,6 +84,9 @@ class MindVLForConditionalGeneration(nn.Cell):
             Tensor(shape=[None], dtype=i32),  # window_segment_ids [N]
             Tensor(shape=[None], dtype=i32),  # full_segment_ids
             Tensor(shape=[None], dtype=i32),  # embed_index [B*L]
+            Tensor(shape=[None, None], dtype=i32),  # window_gather [Sw, Ww]
+            Tensor(shape=[None, None], dtype=i32),  # full_gather [Sf, Wf]
+            Tensor(shape=[None], dtype=i32),  # actual_seq_len [B*K]
         ]
 
     def set_dynamic_inputs(self) -> "MindVLForConditionalGeneration":

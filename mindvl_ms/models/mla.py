@@ -84,7 +84,7 @@ class MLAttention(nn.Cell):
         self.kv_b_proj = dense(self.kv_rank, self.num_heads * (self.nope + self.v_dim), std)
         self.o_proj = dense(self.num_heads * self.v_dim, d, std, cfg.attention_bias)
         self.rotary = ApplyRotary()
-        self.core = CoreAttention(self.num_heads, self.num_heads, qk, scale=qk ** -0.5)
+        self.core = CoreAttention(self.num_heads, self.num_heads, qk, scale=qk ** -0.5, v_head_dim=self.v_dim)
 
     def _deinterleave(self, x):  # [..., rope] pairs (2j, 2j+1) -> [evens, odds]
         if not self.interleave:
@@ -93,7 +93,7 @@ class MLAttention(nn.Cell):
         x = x.reshape(shape[:-1] + (self.rope // 2, 2))
         return ops.swapaxes(x, -1, -2).reshape(shape)
 
-    def construct(self, x, cos, sin, bias):
+    def construct(self, x, cos, sin, bias, actual_seq_len=None):
         b, l, _ = x.shape
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -112,6 +112,6 @@ class MLAttention(nn.Cell):
         k_rot = ops.broadcast_to(k_rot, (b, self.num_heads, l, self.rope))
         q = ops.cat((q_pass, q_rot), -1)  # [B, H, L, qk]
         k = ops.cat((k_pass, k_rot), -1)  # [B, H, L, qk]
-        out = self.core(q, k, v, bias)  # [B, H, L, v]
+        out = self.core(q, k, v, bias, actual_seq_len, actual_seq_len)  # [B, H, L, v] (Ascend pads v to qk)
         out = out.swapaxes(1, 2).reshape(b, l, self.num_heads * self.v_dim)
         return self.o_proj(out)

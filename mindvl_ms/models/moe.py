@@ -156,8 +156,8 @@ class DeepseekV3DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.num_experts = cfg.moe.n_routed_experts
 
-    def construct(self, x, cos, sin, bias, valid):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+    def construct(self, x, cos, sin, bias, valid, actual_seq_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             h, load, aux = self.mlp(h, valid)
@@ -214,7 +214,7 @@ class DeepseekV3Model(nn.Cell):
     def bias_updater(self) -> ExpertBiasUpdate:
         return ExpertBiasUpdate(self.routers(), self.config.moe.bias_update_speed)
 
-    def construct(self, inputs_embeds, position_ids, segment_ids):
+    def construct(self, inputs_embeds, position_ids, segment_ids, actual_seq_len=None):
         bias = segment_bias(segment_ids, segment_ids, True)  # [B, 1, L, L]
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, L, rope]
         valid = (segment_ids > 0).astype(ms.float32).reshape(-1)  # [B*L]
@@ -222,7 +222,7 @@ class DeepseekV3Model(nn.Cell):
         loads = []
         aux = ops.zeros((), ms.float32)
         for layer in self.layers:
-            x, load, layer_aux = layer(x, cos, sin, bias, valid)
+            x, load, layer_aux = layer(x, cos, sin, bias, valid, actual_seq_len)
             if layer.is_moe:
                 loads.append(load)
                 aux = aux + layer_aux

@@ -107,9 +107,9 @@ class TextAttention(nn.Cell):
         self.rotary = ApplyRotary()
         self.core = CoreAttention(self.h, self.kv, self.hd)
 
-    def construct(self, x, cos, sin, bias):  # x [B, L, D]
+    def construct(self, x, cos, sin, bias, actual_seq_len=None):  # x [B, L, D]
         q, k, v = self.project_qkv(x, cos, sin)
-        return self.attend(q, k, v, bias)
+        return self.attend(q, k, v, bias, actual_seq_len)
 
     def project_qkv(self, x, cos, sin):
         """x [B, L, D] -> q [B, H, L, hd], k/v [B, KV, L, hd] (QK-norm and RoPE applied)."""
@@ -124,10 +124,10 @@ class TextAttention(nn.Cell):
         k = self.rotary(k.transpose(0, 2, 1, 3), cos, sin)
         return q, k, v
 
-    def attend(self, q, k, v, bias):
+    def attend(self, q, k, v, bias, actual_seq_len=None):
         """Attention over (possibly cached) keys/values and the output projection -> [B, L, D]."""
         b, l = q.shape[0], q.shape[2]
-        out = self.core(q, k.astype(q.dtype), v.astype(q.dtype), bias)  # [B, H, L, hd]
+        out = self.core(q, k.astype(q.dtype), v.astype(q.dtype), bias, actual_seq_len, actual_seq_len)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, l, self.h * self.hd))
 
 
@@ -139,8 +139,8 @@ class DecoderLayer(nn.Cell):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = TextMLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range)
 
-    def construct(self, x, cos, sin, bias):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias)
+    def construct(self, x, cos, sin, bias, actual_seq_len=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -168,12 +168,13 @@ class TextModel(nn.Cell):
     def embed(self, input_ids):  # [B, L] -> [B, L, D]
         return self.embed_tokens(input_ids)
 
-    def construct(self, inputs_embeds, position_ids, segment_ids):
+    def construct(self, inputs_embeds, position_ids, segment_ids, actual_seq_len=None):
+        """`actual_seq_len` int32[B*K] (inputs.llm_actual_seq_len) drives the Ascend TND kernel only."""
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, L, hd]
         bias = segment_bias(segment_ids, segment_ids, True)  # [B, 1, L, L]
         x = inputs_embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, bias)
+            x = layer(x, cos, sin, bias, actual_seq_len)
         return self.norm(x), ops.zeros((), ms.float32), ops.zeros((1, 1), ms.float32)
 
 

@@ -10,8 +10,18 @@ computed host-side (`mindvl_ms.models.inputs.vision_metadata`) and passed in:
   vision_pos_ids     int32[N, 2]   (row, col) of each patch, already in window order
   window_index       int32[N/4]    merge-unit order that groups units by attention window
   reverse_index      int32[N/4]    argsort(window_index), restores image order after the merger
-  window_segment_ids int32[N]      window id of each patch (window-attention layers)
-  full_segment_ids   int32[N]      image id of each patch (full-attention layers)
+  window_segment_ids int32[N]      window id of each patch (window-attention layers), 1-based, in order
+  full_segment_ids   int32[N]      image (frame) id of each patch (full-attention layers), 1-based
+  window_gather      int32[Sw, Ww] patches of each window, padded with N (optional, see below)
+  full_gather        int32[Sf, Wf] patches of each image (frame), padded with N (optional)
+Attention layout (the design choice): with the gathers given, window layers attend per window and full
+layers per image: q/k/v rows are gathered into [S, H, W, hd] blocks (a zero row at index N fills the
+padding, whose keys are masked), attention runs on [S, H, W, W] scores, and each patch's output is
+gathered back from its block slot. Cost is sum over blocks of W^2 instead of N^2 for the whole batch
+(1280x720: 84 windows of <= 64 patches instead of one 4,784^2 mask). Without the gathers the encoder
+falls back to one dense [N, N] mask built from the segment ids (same result; kept for the positional
+6-input API). On Ascend the fused kernel takes the packed [N, H, hd] sequence in TND layout with
+`actual_seq_qlen` = the blocks' cumulative ends, derived in-graph from the gathers (only runs there).
 Module names follow transformers' Qwen2_5_VisionTransformerPretrainedModel so HF weights load by name.
 """
 import numpy as np
@@ -22,6 +32,7 @@ from mindspore.common.initializer import Normal, initializer
 
 from ..config import VisionConfig
 from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from ..ops.attention import NEG_INF
 
 
 def dense(d_in: int, d_out: int, bias: bool, std: float) -> nn.Dense:
@@ -118,8 +129,26 @@ class VisionMLP(nn.Cell):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class VisionBlocks(nn.Cell):
+    """A host-side block gather [S, W] -> what every layer of that attention kind reuses (no parameters).
+
+    unpad int32[N]: flat slot (block * W + offset) of each patch; key_bias float32[S, 1, 1, W]: 0 for real
+    patches, NEG_INF for the padding slots; seq_ends int32[S]: cumulative block lengths (TND actual lengths).
+    """
+
+    def construct(self, gather, seg, n):  # gather [S, W], seg [N] 1-based block ids
+        width = gather.shape[1]
+        valid = gather < n  # [S, W]
+        block = seg - 1  # [N]
+        start = ops.gather(gather[:, 0], block, 0)  # [N] first patch of each patch's block
+        unpad = block * width + ops.arange(n, dtype=ms.int32) - start  # [N]
+        key_bias = ops.logical_not(valid).astype(ms.float32)[:, None, None, :] * NEG_INF  # [S, 1, 1, W]
+        seq_ends = ops.cumsum(valid.astype(ms.int32).sum(1), 0).astype(ms.int32)  # [S]
+        return unpad.astype(ms.int32), key_bias, seq_ends
+
+
 class VisionAttention(nn.Cell):
-    """Fused qkv projection, 2D RoPE on q/k, block-diagonal attention given an additive bias."""
+    """Fused qkv projection, 2D RoPE on q/k, attention within windows or images (see the module doc)."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -128,19 +157,37 @@ class VisionAttention(nn.Cell):
         self.qkv = dense(cfg.hidden_size, cfg.hidden_size * 3, True, cfg.initializer_range)
         self.proj = dense(cfg.hidden_size, cfg.hidden_size, True, cfg.initializer_range)
         self.rotary = ApplyRotary()
-        self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim)
+        self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
+        self.fused = self.core.fused
 
-    def construct(self, x, cos, sin, bias):  # x [N, E], cos/sin [N, hd], bias [1, 1, N, N]
-        qkv = self.qkv(x).reshape(-1, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
-        qkv = qkv.transpose(1, 2, 0, 3)  # [3, H, N, hd]
-        q, k, v = qkv[0:1], qkv[1:2], qkv[2:3]  # [1, H, N, hd] each
-        cos = cos[None, None]
-        sin = sin[None, None]
-        q = self.rotary(q, cos, sin)
-        k = self.rotary(k, cos, sin)
-        out = self.core(q, k, v, bias)  # [1, H, N, hd]
-        out = out[0].transpose(1, 0, 2).reshape(-1, self.num_heads * self.head_dim)  # [N, E]
-        return self.proj(out)
+    def construct(self, x, cos, sin, bias, blocks=None):
+        """x [N, E], cos/sin [N, hd]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias,
+        seq_ends) from VisionBlocks."""
+        n, e = x.shape
+        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
+        if blocks is None or self.fused:
+            qkv = qkv.transpose(1, 2, 0, 3)  # [3, H, N, hd]
+            q, k, v = qkv[0:1], qkv[1:2], qkv[2:3]  # [1, H, N, hd] each
+            q = self.rotary(q, cos[None, None], sin[None, None])
+            k = self.rotary(k, cos[None, None], sin[None, None])
+            if blocks is None:
+                out = self.core(q, k, v, bias)  # [1, H, N, hd]
+            else:  # Ascend only: TND flash attention over the packed sequence, block-diagonal by seq_ends
+                out = self.core(q, k, v, None, blocks[3], blocks[3])
+            out = out[0].transpose(1, 0, 2).reshape(n, e)  # [N, E]
+            return self.proj(out)
+        gather, unpad, key_bias = blocks[0], blocks[1], blocks[2]
+        s, w = gather.shape
+        c, sn = cos[:, None], sin[:, None]  # [N, 1, hd]
+        q = self.rotary(qkv[:, 0], c, sn).reshape(n, e)  # [N, E]
+        k = self.rotary(qkv[:, 1], c, sn).reshape(n, e)
+        rows = ops.cat((q, k, qkv[:, 2].reshape(n, e)), -1)  # [N, 3E]
+        rows = ops.cat((rows, ops.zeros((1, 3 * e), rows.dtype)), 0)  # [N + 1, 3E], row N = padding
+        blk = ops.gather(rows, gather.reshape(-1), 0).reshape(s, w, 3, self.num_heads, self.head_dim)
+        blk = blk.transpose(2, 0, 3, 1, 4)  # [3, S, H, W, hd]
+        out = self.core(blk[0], blk[1], blk[2], key_bias)  # [S, H, W, hd]
+        out = out.transpose(0, 2, 1, 3).reshape(s * w, e)  # [S*W, E]
+        return self.proj(ops.gather(out, unpad, 0))  # [N, E]
 
 
 class VisionBlock(nn.Cell):
@@ -151,8 +198,8 @@ class VisionBlock(nn.Cell):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMLP(cfg)
 
-    def construct(self, x, cos, sin, bias):
-        x = x + self.attn(self.norm1(x), cos, sin, bias)
+    def construct(self, x, cos, sin, bias, blocks=None):
+        x = x + self.attn(self.norm1(x), cos, sin, bias, blocks)
         return x + self.mlp(self.norm2(x))
 
 
@@ -186,18 +233,25 @@ class VisionTransformer(nn.Cell):
         self.rotary_pos_emb = VisionRotaryEmbedding(cfg.head_dim)
         self.blocks = nn.CellList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
+        self.block_layout = VisionBlocks()
 
     def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
-                  full_segment_ids):
+                  full_segment_ids, window_gather=None, full_gather=None):
         x = self.patch_embed(pixel_values)  # [N, E] in image order
-        e = x.shape[-1]
+        n, e = x.shape
         x = ops.gather(x.reshape(-1, self.unit, e), window_index, 0).reshape(-1, e)  # window order
         if self.abs_pos:
             x = x + self.pos_embed(vision_pos_ids).astype(x.dtype)  # pos ids are given in window order
         cos, sin = self.rotary_pos_emb(vision_pos_ids)
-        win_bias = segment_bias(window_segment_ids[None], window_segment_ids[None], False)  # [1, 1, N, N]
-        full_bias = segment_bias(full_segment_ids[None], full_segment_ids[None], False)
-        for i, blk in enumerate(self.blocks):
-            x = blk(x, cos, sin, full_bias if self.full[i] else win_bias)
+        if window_gather is None:  # dense fallback: one [N, N] mask per attention kind
+            win_bias = segment_bias(window_segment_ids[None], window_segment_ids[None], False)  # [1, 1, N, N]
+            full_bias = segment_bias(full_segment_ids[None], full_segment_ids[None], False)
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, cos, sin, full_bias if self.full[i] else win_bias)
+        else:
+            win = (window_gather,) + self.block_layout(window_gather, window_segment_ids, n)
+            full = (full_gather,) + self.block_layout(full_gather, full_segment_ids, n)
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, cos, sin, None, full if self.full[i] else win)
         x = self.merger(x)  # [N/4, D]
         return ops.gather(x, reverse_index, 0)

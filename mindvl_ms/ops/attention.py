@@ -1,19 +1,36 @@
 """Scaled dot-product attention with block-diagonal (packed / varlen) and causal masking.
 
-Masks come from per-token segment ids computed host-side: tokens attend only within the same segment
-(one image, one window, or one packed sample); segment 0 is padding. `segment_bias` turns them into an
-additive float32 bias [B, 1, L, S] inside the graph, so the compiled graph is the same for every layout.
+Two paths with the same semantics, chosen once at construction (`is_ascend()`):
 
-CPU path: matmul -> +bias -> float32 softmax -> matmul (HF eager semantics, GQA by repeating k/v).
-Ascend path: `FlashAttentionScore` (BNSD layout) with the same mask as a boolean `atten_mask`
-(sparse_mode 0), i.e. the same semantics; only run on Ascend hardware.
+CPU path (what the tests prove): masks come from per-token segment ids computed host-side: tokens attend
+only within the same segment (one image, one window, or one packed sample); segment 0 is padding.
+`segment_bias` turns them into an additive float32 bias [B, 1, L, S] inside the graph, and the core is
+BatchMatMul -> *scale -> +bias -> float32 Softmax -> BatchMatMul (HF eager semantics; GQA by repeating
+k/v). These are primitive instances so a parallel layout can attach strategies to them
+(`mindvl_ms.parallel.attention.shard_core_attention`).
+
+Ascend path (only runs on Ascend hardware, never exercised here): `FlashAttentionScore` in TND layout
+(tokens of all rows flattened, [T, N, D]) with `actual_seq_qlen` / `actual_seq_kvlen`, the cumulative
+segment ends computed host-side (`mindvl_ms.models.inputs`; no leading 0, last = T). The kernel attends
+block-diagonally within those lengths, which equals the segment-id mask. Causal cores (the LLM) use
+`sparse_mode` 3 (right-down causal inside each segment) with the compressed 2048x2048 upper-triangular
+mask, as MindFormers does; non-causal cores (the ViT) use `sparse_mode` 0 without a mask. GQA is native
+(k/v keep their `num_kv_heads`, no repeat). When v is narrower than q/k (MLA: v 128 vs q/k 192) v is
+zero-padded to the q/k head dim and the output sliced back, as MindFormers' MLA does. The primitive is
+always constructed (also on CPU) so strategies can be declared and audited everywhere. Without actual
+lengths (KV-cache decoding, whose keys run past the queries) the Ascend path falls back to the dense core.
 """
+import numpy as np
+
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
+from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from .dispatch import is_ascend
 
 NEG_INF = -1e9  # finite: a fully masked (padding) row gives a uniform softmax instead of NaN
+FA_MASK_SIZE = 2048  # the compressed causal mask of sparse_mode 2/3/4
+MAX_TOKENS = 2147483647
 
 
 def segment_bias(seg_q, seg_k, causal: bool):
@@ -31,30 +48,72 @@ def segment_bias(seg_q, seg_k, causal: bool):
     return bias[:, None, :, :]
 
 
-class CoreAttention(nn.Cell):
-    """softmax(q k^T * scale + bias) v for q [B, H, L, D], k/v [B, Hkv, S, D] -> [B, H, L, D]."""
+def causal_compressed_mask() -> Tensor:
+    """uint8[2048, 2048], 1 above the diagonal: the mask FlashAttentionScore takes with sparse_mode 3."""
+    return Tensor(np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE), np.uint8), k=1), ms.uint8)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float = None):
+
+class CoreAttention(nn.Cell):
+    """softmax(q k^T * scale + bias) v for q [B, H, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, H, L, Dv].
+
+    `causal` selects the Ascend kernel's sparse mode (3 for the causal LLM, 0 for the ViT); on the CPU path
+    causality is carried by `bias`. `actual_seq_qlen` / `actual_seq_kvlen` (int32[K], cumulative segment
+    ends over the flattened B*L tokens) drive the Ascend TND kernel and are ignored on CPU.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float = None,
+                 causal: bool = True, v_head_dim: int = None):
         super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        if v_head_dim > head_dim:
+            raise ValueError(f"v_head_dim {v_head_dim} is larger than the q/k head dim {head_dim}")
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim
+        self.v_pad = head_dim - v_head_dim
         self.n_rep = num_heads // num_kv_heads
         self.scale = scale if scale is not None else head_dim ** -0.5
+        self.causal = causal
+        self.sparse_mode = 3 if causal else 0
         self.fused = is_ascend()
-        if self.fused:
-            self.fa = ops.operations.nn_ops.FlashAttentionScore(
-                head_num=num_heads, scale_value=self.scale, input_layout="BNSD", sparse_mode=0)
+        # Ascend: TND varlen flash attention (constructed everywhere so strategies can be declared)
+        self.fa = FlashAttentionScore(head_num=num_heads, keep_prob=1.0, scale_value=self.scale,
+                                      pre_tokens=MAX_TOKENS, next_tokens=0 if causal else MAX_TOKENS,
+                                      inner_precise=0, input_layout="TND", sparse_mode=self.sparse_mode)
+        self.fa_mask = causal_compressed_mask() if causal else None
+        # CPU (dense) path primitives
+        self.qk_matmul = ops.BatchMatMul(transpose_b=True)  # [B, H, L, D] x [B, H, S, D]^T
+        self.scale_mul = ops.Mul()
+        self.bias_add = ops.Add()  # [B, H, L, S] + [B, 1, L, S]
+        self.softmax = ops.Softmax(-1)
+        self.pv_matmul = ops.BatchMatMul()  # [B, H, L, S] x [B, H, S, Dv]
 
-    def construct(self, q, k, v, bias):
-        if self.fused:
-            mask = (bias < -1.0).astype(ms.uint8)
-            out = self.fa(q, self._repeat(k), self._repeat(v), None, None, None, mask)
-            return out[3]
+    def construct(self, q, k, v, bias, actual_seq_qlen=None, actual_seq_kvlen=None):
+        if self.fused and actual_seq_qlen is not None:
+            return self._flash(q, k, v, actual_seq_qlen, actual_seq_kvlen)
         k = self._repeat(k)
         v = self._repeat(v)
-        scores = ops.matmul(q, k.swapaxes(-1, -2)) * self.scale  # [B, H, L, S]
-        scores = scores.astype(ms.float32) + bias
-        probs = ops.softmax(scores, -1).astype(q.dtype)
-        return ops.matmul(probs, v)  # [B, H, L, D]
+        scores = self.scale_mul(self.qk_matmul(q, k), self.scale)  # [B, H, L, S]
+        scores = self.bias_add(scores.astype(ms.float32), bias)
+        probs = self.softmax(scores).astype(q.dtype)
+        return self.pv_matmul(probs, v)  # [B, H, L, Dv]
+
+    def _flash(self, q, k, v, actual_seq_qlen, actual_seq_kvlen):
+        """Ascend only: TND FlashAttentionScore (native GQA, v padded to the q/k head dim)."""
+        b, h, l, d = q.shape
+        s = k.shape[2]
+        qt = q.transpose(0, 2, 1, 3).reshape(b * l, h, d)  # [T, N, D]
+        kt = k.transpose(0, 2, 1, 3).reshape(b * s, self.num_kv_heads, d)  # [T, Nkv, D]
+        vt = v.transpose(0, 2, 1, 3).reshape(b * s, self.num_kv_heads, self.v_head_dim)  # [T, Nkv, Dv]
+        if self.v_pad:
+            vt = ops.cat((vt, ops.zeros((b * s, self.num_kv_heads, self.v_pad), vt.dtype)), -1)  # [T, Nkv, D]
+        out = self.fa(qt, kt, vt, None, None, None, self.fa_mask, None, actual_seq_qlen, actual_seq_kvlen)[3]
+        if self.v_pad:
+            out = out[:, :, :self.v_head_dim]
+        return out.reshape(b, l, h, self.v_head_dim).transpose(0, 2, 1, 3)  # [B, H, L, Dv]
 
     def _repeat(self, x):  # [B, Hkv, S, D] -> [B, H, S, D]
         if self.n_rep == 1:
