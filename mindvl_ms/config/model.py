@@ -34,6 +34,9 @@ class VisionConfig:
     initializer_range: float = F(0.02, "std of the normal init")
     abs_pos_grid: int = F(0, "learned row and column embeddings added to the patch embeddings for patch rows/cols "
                              "0..abs_pos_grid-1 (later ones clip to the last); 0 = none, as Qwen2.5-ViT")
+    hierarchical_layers: List[int] = F([], "openPangu-VL's hierarchical connector: 0-based blocks whose outputs "
+                                           "are each normalised and 2x2-merged, concatenated and projected by "
+                                           "one MLP; must end with the last block; empty = Qwen2.5-VL merger")
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +57,10 @@ class VisionConfig:
             raise ConfigError(f"vision hidden_act '{self.hidden_act}': expected silu, gelu, gelu_pytorch_tanh or quick_gelu")
         if self.mlp_type not in ("gated", "plain"):
             raise ConfigError(f"vision mlp_type '{self.mlp_type}': expected 'gated' or 'plain'")
+        hl = list(self.hierarchical_layers)
+        if hl and (hl != sorted(set(hl)) or hl[0] < 0 or hl[-1] != self.depth - 1):
+            raise ConfigError(f"vision hierarchical_layers {hl}: expected increasing 0-based block indices ending "
+                              f"with the last block ({self.depth - 1})")
         if self.abs_pos_grid < 0:
             raise ConfigError(f"vision abs_pos_grid {self.abs_pos_grid}: expected 0 (none) or a positive grid side")
 
@@ -270,6 +277,9 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     """MindVLConfig -> a Qwen2.5-VL style config.json (readable by transformers when text is qwen2)."""
     import dataclasses
 
+    if cfg.vision.hierarchical_layers:
+        raise ConfigError("vision.hierarchical_layers: transformers' Qwen2.5-VL merger reads only the last block, "
+                          "so this model cannot be written in its layout (save it in native format)")
     if cfg.vision.abs_pos_grid:
         raise ConfigError("vision.abs_pos_grid: transformers' Qwen2.5-VL vision tower has no absolute position "
                           "embedding, so this model cannot be written in its layout (save it in native format)")
@@ -294,6 +304,7 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     vision = dataclasses.asdict(cfg.vision)
     vision.pop("mlp_type")
     vision.pop("abs_pos_grid")
+    vision.pop("hierarchical_layers")
     vision["model_type"] = "qwen2_5_vl"
     out = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],
