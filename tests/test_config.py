@@ -1,6 +1,8 @@
 """Config loading: shipped YAMLs load, unknown/mistyped keys name file + key + closest key, bad shapes fail."""
 import os
 
+import numpy as np
+
 import pytest
 
 from mindvl_ms.config import ConfigError, MindVLConfig, load, load_model_config, read_yaml
@@ -60,3 +62,22 @@ def test_include_is_relative_and_overridable(tmp_path):
     data = read_yaml(p)
     assert data["text"] == {"num_hidden_layers": 5, "hidden_size": 4096}
     assert load(MindVLConfig, data, p).text.num_hidden_layers == 5
+
+
+def test_openpangu_shapes_from_the_report_and_public_config():
+    """openPangu-ViT has ~615M parameters (report 2.2); the LLM is openPangu-Embedded-7B's published shape;
+    3D-IM-RoPE gives space about six times the bands of time."""
+    from mindspore.nn.utils import no_init_parameters
+
+    from mindvl_ms.models.vision import VisionTransformer
+
+    pangu = load_model_config(os.path.join(ROOT, "openpangu-vl-7b.yaml"))
+    with no_init_parameters():
+        vit = VisionTransformer(pangu.vision)
+    blocks = sum(int(np.prod(p.shape)) for n, p in vit.parameters_and_names() if ".blocks." in f".{n}")
+    assert 605e6 < blocks < 625e6, blocks
+    t = pangu.text
+    assert (t.num_hidden_layers, t.hidden_size, t.intermediate_size, t.num_attention_heads,
+            t.num_key_value_heads, t.vocab_size) == (34, 4096, 12800, 32, 8, 153376)
+    sec_t, sec_h, sec_w = t.mrope_section
+    assert t.mrope_layout == "spread" and t.mrope_accumulate and 5.5 <= (sec_h + sec_w) / sec_t <= 6.5

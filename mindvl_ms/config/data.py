@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from .base import ConfigError, F, sub
+from .video import VideoConfig
 
 
 @dataclass
@@ -64,6 +65,7 @@ class DataConfig:
     tokenizer: str = F("", "tokenizer dir (tokenizer.json, vocab.json+merges.txt or *.model); empty: Qwen3")
     system_prompt: str = F("You are a helpful assistant.", "system turn added when a sample has none ('' for none)")
     image: ImageConfig = sub(ImageConfig, "image resizing and patchification")
+    video: VideoConfig = sub(VideoConfig, "video frame sampling and per-frame resolution")
     seq_length: int = F(4096, "tokens per pack (the token budget of one row)")
     max_image_tokens: int = F(2048, "visual-token budget per pack (bounds ViT work per row)")
     packing: str = F("offline", "offline (pre-packed shards, balanced ranks) or online (buffer packer)")

@@ -34,6 +34,9 @@ class VisionConfig:
     initializer_range: float = F(0.02, "std of the normal init")
     abs_pos_grid: int = F(0, "learned row and column embeddings added to the patch embeddings for patch rows/cols "
                              "0..abs_pos_grid-1 (later ones clip to the last); 0 = none, as Qwen2.5-ViT")
+    hierarchical_layers: List[int] = F([], "openPangu-VL's hierarchical connector: 0-based blocks whose outputs "
+                                           "are each normalised and 2x2-merged, concatenated and projected by "
+                                           "one MLP; must end with the last block; empty = Qwen2.5-VL merger")
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +57,10 @@ class VisionConfig:
             raise ConfigError(f"vision hidden_act '{self.hidden_act}': expected silu, gelu, gelu_pytorch_tanh or quick_gelu")
         if self.mlp_type not in ("gated", "plain"):
             raise ConfigError(f"vision mlp_type '{self.mlp_type}': expected 'gated' or 'plain'")
+        hl = list(self.hierarchical_layers)
+        if hl and (hl != sorted(set(hl)) or hl[0] < 0 or hl[-1] != self.depth - 1):
+            raise ConfigError(f"vision hierarchical_layers {hl}: expected increasing 0-based block indices ending "
+                              f"with the last block ({self.depth - 1})")
         if self.abs_pos_grid < 0:
             raise ConfigError(f"vision abs_pos_grid {self.abs_pos_grid}: expected 0 (none) or a positive grid side")
 
@@ -117,8 +124,12 @@ class TextConfig:
     rms_norm_eps: float = F(1e-6, "RMSNorm epsilon")
     rope_theta: float = F(1000000.0, "RoPE base")
     mrope_section: List[int] = F([16, 24, 24], "M-RoPE split of head_dim/2 rotary pairs over (t, h, w)")
-    mrope_interleaved: bool = F(False, "M-RoPE pair layout: false chunked t|h|w (Qwen2.5-VL), true thw-interleaved "
-                                       "(Qwen3-VL), which gives h and w high frequencies too")
+    mrope_layout: str = F("chunked", "M-RoPE pair layout: chunked t|h|w (Qwen2.5-VL), interleaved thw thw ... "
+                                     "(Qwen3-VL), or spread (openPangu-VL's 3D-IM-RoPE: each axis's pairs spread "
+                                     "evenly over the frequencies, any t:h:w split, e.g. [9, 27, 28] = 1:6)")
+    mrope_accumulate: bool = F(False, "video positions accumulate frame by frame: each temporal patch is placed "
+                                      "after the previous one like a new image (openPangu-VL's accumulative "
+                                      "strategy); false: Qwen2.5-VL's shared h/w grid with absolute time on t")
     attention_bias: bool = F(False, "bias on q/k/v projections (Qwen2: true, Qwen3: false)")
     use_qk_norm: bool = F(True, "RMSNorm on each head of q and k before RoPE (Qwen3)")
     tie_word_embeddings: bool = F(False, "lm_head shares the embedding matrix")
@@ -150,7 +161,11 @@ class TextConfig:
                               f"expected rotary dim / 2 = {rot}")
         if len(self.mrope_section) != 3:
             raise ConfigError(f"mrope_section needs 3 entries (t, h, w), got {self.mrope_section}")
-        if self.mrope_interleaved:
+        if self.mrope_layout not in ("chunked", "interleaved", "spread"):
+            raise ConfigError(f"text.mrope_layout '{self.mrope_layout}': expected chunked, interleaved or spread")
+        if min(self.mrope_section) < 0:
+            raise ConfigError(f"mrope_section {self.mrope_section}: entries must be >= 0")
+        if self.mrope_layout == "interleaved":
             t, h, w = self.mrope_section
             if 3 * h - 2 >= rot or 3 * w - 1 >= rot or min(h, w) < 0:
                 top = (rot + 1) // 3
@@ -227,7 +242,8 @@ def text_from_hf(d: Dict[str, Any]) -> TextConfig:
         # a plain 1D-RoPE LLM: any split works since text positions are equal on t/h/w;
         # this gives Qwen2.5-VL's [16, 24, 24] for 64 rotary pairs
         kw["mrope_section"] = [rot - 2 * (rot * 3 // 8), rot * 3 // 8, rot * 3 // 8]
-    kw["mrope_interleaved"] = bool(rs.get("mrope_interleaved", kw.get("mrope_interleaved", False)))
+    if rs.get("mrope_interleaved"):  # the key Qwen3-VL's config.json uses
+        kw["mrope_layout"] = "interleaved"
     return load(TextConfig, kw, source="config.json")
 
 
@@ -267,6 +283,9 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     """MindVLConfig -> a Qwen2.5-VL style config.json (readable by transformers when text is qwen2)."""
     import dataclasses
 
+    if cfg.vision.hierarchical_layers:
+        raise ConfigError("vision.hierarchical_layers: transformers' Qwen2.5-VL merger reads only the last block, "
+                          "so this model cannot be written in its layout (save it in native format)")
     if cfg.vision.abs_pos_grid:
         raise ConfigError("vision.abs_pos_grid: transformers' Qwen2.5-VL vision tower has no absolute position "
                           "embedding, so this model cannot be written in its layout (save it in native format)")
@@ -274,21 +293,24 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     moe = t.pop("moe")
     mt = t.pop("model_type")
     mrope = t.pop("mrope_section")
-    interleaved = t.pop("mrope_interleaved")
+    layout = t.pop("mrope_layout")
     t.pop("use_qk_norm")
     text = dict(t)
     text["rope_scaling"] = {"type": "mrope", "rope_type": "default", "mrope_section": mrope}
-    if interleaved:
-        if mt == "qwen2":
-            raise ConfigError("text.mrope_interleaved: transformers' Qwen2.5-VL always reads M-RoPE chunked, so "
-                              "this model cannot be written as a Qwen2.5-VL config.json (use model_type qwen3)")
+    if layout != "chunked" and mt == "qwen2":
+        raise ConfigError(f"text.mrope_layout {layout}: transformers' Qwen2.5-VL always reads M-RoPE chunked, so "
+                          "this model cannot be written as a Qwen2.5-VL config.json (use model_type qwen3)")
+    if layout == "interleaved":
         text["rope_scaling"]["mrope_interleaved"] = True  # the key Qwen3-VL's config.json uses
+    elif layout == "spread":
+        text["mrope_layout"] = layout  # no transformers model reads this layout; read back by text_from_hf
     if mt == "deepseek_v3":
         text.update({k: v for k, v in moe.items() if k not in ("bias_update_speed", "seq_aux_loss_coef", "mtp_loss_scale")})
     text["model_type"] = {"qwen2": "qwen2_5_vl_text", "qwen3": "qwen3", "deepseek_v3": "deepseek_v3"}[mt]
     vision = dataclasses.asdict(cfg.vision)
     vision.pop("mlp_type")
     vision.pop("abs_pos_grid")
+    vision.pop("hierarchical_layers")
     vision["model_type"] = "qwen2_5_vl"
     out = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],

@@ -94,17 +94,22 @@ def image_size(path: str) -> Tuple[int, int]:
         return im.size
 
 
+def normalise_frames(image: Image.Image, cfg: ImageConfig) -> np.ndarray:
+    """A resized RGB image -> float32[C, h, w]: x*(1/255) in float64, then (x - mean) / std in float32."""
+    arr = np.array(image.convert("RGB") if image.mode != "RGB" else image)  # uint8 [h, w, 3]
+    arr = (arr.astype(np.float64) * (1 / 255)).astype(np.float32)
+    mean = np.array(cfg.image_mean, dtype=np.float32)
+    std = np.array(cfg.image_std, dtype=np.float32)
+    return ((arr - mean) / std).transpose(2, 0, 1)
+
+
 def patchify(image: Image.Image, cfg: ImageConfig) -> Tuple[np.ndarray, np.ndarray]:
     """One image -> (pixel patches float32[grid_t*grid_h*grid_w, C*T*P*P], grid_thw int64[3])."""
     if image.mode != "RGB":
         image = image.convert("RGB")
     P, T, M = cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size
     h, w = smart_resize(image.height, image.width, P * M, cfg.min_pixels, cfg.max_pixels)
-    arr = np.array(image.resize((w, h), resample=Image.BICUBIC))  # uint8 [h, w, 3]
-    arr = (arr.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.array(cfg.image_mean, dtype=np.float32)
-    std = np.array(cfg.image_std, dtype=np.float32)
-    arr = ((arr - mean) / std).transpose(2, 0, 1)  # [C, h, w]
+    arr = normalise_frames(image.resize((w, h), resample=Image.BICUBIC), cfg)  # [C, h, w]
     frames = np.repeat(arr[None], T, axis=0)  # [T, C, h, w]
     C, gh, gw = arr.shape[0], h // P, w // P
     x = frames.reshape(1, T, C, gh // M, M, P, gw // M, M, P)

@@ -5,45 +5,85 @@ These are value-dependent computations kept out of the compiled graph. They foll
 Qwen2_5_VLModel.get_rope_index and Qwen2_5_VisionTransformerPretrainedModel.rot_pos_emb /
 get_window_index exactly (images; a video is an image with t > 1 and `second_per_grid`).
 """
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 
+def visual_order(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], image_token_id: int,
+                 video_grid_thw: Optional[np.ndarray] = None, video_token_id: Optional[int] = None,
+                 spatial_merge_size: int = 2) -> List[Tuple[str, int, int]]:
+    """The visual items of one sample in order of appearance: [(kind 'image'|'video', index, first token)].
+
+    Each item is a run of `t * h/m * w/m` pad tokens of its kind; images and videos interleave as the
+    text places them (transformers' get_rope_index walks them the same way).
+    """
+    ids = np.asarray(input_ids).reshape(-1)
+    kinds = [("image", image_grid_thw, image_token_id), ("video", video_grid_thw, video_token_id)]
+    runs = {}
+    for kind, grids, tok in kinds:
+        grids = np.zeros((0, 3), np.int64) if grids is None else np.asarray(grids).reshape(-1, 3)
+        pos = np.zeros(0, np.int64) if tok is None else np.flatnonzero(ids == tok)
+        need = [int(t) * (int(h) // spatial_merge_size) * (int(w) // spatial_merge_size) for t, h, w in grids]
+        if pos.size != sum(need):
+            raise ValueError(f"sample has {pos.size} {kind} tokens but its {kind}s give {sum(need)} merged "
+                             f"patches ({len(need)} {kind}s)")
+        starts = np.concatenate([[0], np.cumsum(need)[:-1]]).astype(np.int64) if need else np.zeros(0, np.int64)
+        runs[kind] = [(kind, k, int(pos[st])) for k, st in enumerate(starts)]
+    return sorted(runs["image"] + runs["video"], key=lambda item: item[2])
+
+
 def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], image_token_id: int,
                spatial_merge_size: int = 2, tokens_per_second: int = 2,
-               second_per_grid: float = 0.0) -> np.ndarray:
+               second_per_grid: float = 0.0, video_grid_thw: Optional[np.ndarray] = None,
+               video_token_id: Optional[int] = None,
+               second_per_grid_ts: Optional[Sequence[float]] = None, accumulate: bool = False) -> np.ndarray:
     """M-RoPE positions int64[3, n] for one sample (no padding).
 
     Text tokens get equal (t, h, w) positions counting on from the previous maximum + 1; the
-    `grid_t * grid_h/m * grid_w/m` image tokens of each image get (t, row, col) offsets from the position
-    where the image starts.
+    `grid_t * grid_h/m * grid_w/m` tokens of each image or video get (t, row, col) offsets from the
+    position where it starts. The temporal offset of temporal patch i is
+    `int(i * second_per_grid * tokens_per_second)` (Qwen2.5-VL's absolute time): `second_per_grid` for
+    images, `second_per_grid_ts[k]` for video k (seconds spanned by one temporal patch).
+
+    With `accumulate` (openPangu-VL's accumulative strategy, `text.mrope_accumulate`), the temporal
+    patches of a video are placed one after another like separate images: patch i gets (0, row, col)
+    offsets from its own start, and the next starts after it (start + max(h/m, w/m)); time is then
+    carried by the order of the patches, so successive frames never share a spatial position. Images
+    accumulate either way (each starts after the previous maximum).
+
+    Unlike transformers 4.57.1, which casts `second_per_grid_t` to an integer tensor before multiplying
+    (so 0.75 s becomes 0), the product is taken in floating point, as Qwen2.5-VL defines it.
     """
     ids = np.asarray(input_ids).reshape(-1)
-    grids = np.zeros((0, 3), np.int64) if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3)
+    grids = {"image": None if image_grid_thw is None else np.asarray(image_grid_thw).reshape(-1, 3),
+             "video": None if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)}
+    order = visual_order(ids, grids["image"], image_token_id, grids["video"], video_token_id, spatial_merge_size)
+    if order and grids["video"] is not None and second_per_grid_ts is not None \
+            and len(second_per_grid_ts) != len(grids["video"]):
+        raise ValueError(f"second_per_grid_ts has {len(second_per_grid_ts)} entries for {len(grids['video'])} videos")
     parts, st, nxt = [], 0, 0
-    img_pos = np.flatnonzero(ids == image_token_id)
-    cursor = 0
-    for t, h, w in grids:
+    for kind, k, ed in order:
+        t, h, w = grids[kind][k]
         lt, lh, lw = int(t), int(h) // spatial_merge_size, int(w) // spatial_merge_size
         n = lt * lh * lw
-        if cursor + n > img_pos.size:
-            raise ValueError(f"sample has {img_pos.size} image tokens, fewer than its images need "
-                             f"({int(sum(g[0] * g[1] * g[2] for g in grids) // spatial_merge_size ** 2)})")
-        ed = int(img_pos[cursor])
+        spg = second_per_grid if kind == "image" else (
+            float(second_per_grid_ts[k]) if second_per_grid_ts is not None else 1.0)
         text_len = ed - st
         parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + nxt)
-        t_idx = (np.arange(lt)[:, None] * second_per_grid * tokens_per_second).astype(np.int64)
-        t_idx = np.broadcast_to(t_idx, (lt, lh * lw)).reshape(-1)
         h_idx = np.broadcast_to(np.arange(lh)[None, :, None], (lt, lh, lw)).reshape(-1)
         w_idx = np.broadcast_to(np.arange(lw)[None, None, :], (lt, lh, lw)).reshape(-1)
-        vis = np.stack([t_idx, h_idx, w_idx]) + text_len + nxt
+        if accumulate and kind == "video":
+            t_idx = np.zeros(lt * lh * lw, np.int64)
+            frame_start = np.repeat(np.arange(lt) * max(lh, lw), lh * lw)  # [lt*lh*lw]
+        else:
+            t_idx = (np.arange(lt)[:, None] * spg * tokens_per_second).astype(np.int64)
+            t_idx = np.broadcast_to(t_idx, (lt, lh * lw)).reshape(-1)
+            frame_start = 0
+        vis = np.stack([t_idx, h_idx, w_idx]) + frame_start + text_len + nxt
         parts.append(vis)
         nxt = int(vis.max()) + 1
         st = ed + n
-        cursor += n
-    if cursor != img_pos.size:
-        raise ValueError(f"sample has {img_pos.size} image tokens but its images give {cursor} merged patches")
     if st < ids.size:
         parts.append(np.broadcast_to(np.arange(ids.size - st), (3, ids.size - st)) + nxt)
     return np.concatenate(parts, axis=1).astype(np.int64) if parts else np.zeros((3, 0), np.int64)

@@ -4,10 +4,12 @@ A batch is a list of rows; each row is a list of samples packed one after anothe
 is an ordinary unpacked batch row). Everything value-dependent is computed here, in numpy:
 - M-RoPE position ids, restarting at 0 for every sample of a pack;
 - batch-unique segment ids (attention is block-diagonal + causal within a segment, 0 = padding);
-- vision metadata for all images of the batch packed into one patch sequence (window order, 2D RoPE
-  positions, window / full attention segments);
-- `embed_index`, a gather index into concat(text embeddings [B*L], image features [M]) that puts each
-  image's merged features at its <|image_pad|> tokens (a count mismatch is a ValueError, never a crop);
+- vision metadata for all images and videos of the batch packed into one patch sequence (window order,
+  2D RoPE positions, window / full attention segments; a video's full attention is per temporal patch,
+  as in Qwen2.5-VL);
+- `embed_index`, a gather index into concat(text embeddings [B*L], visual features [M]) that puts each
+  image's or video's merged features at its <|image_pad|> / <|video_pad|> tokens, items in the order the
+  text places them (a count mismatch is a ValueError, never a crop);
 - next-token `targets` (never crossing a sample boundary) and each target's order within its sample;
 - the attention layouts (see `segment_ends`, `block_gather`, `llm_actual_seq_len`):
   `window_gather` int32[Sw, Ww] / `full_gather` int32[Sf, Wf]: the patches of each ViT window / image
@@ -22,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..config import MindVLConfig
-from ..data.rope_index import rope_index, vision_metadata
+from ..data.rope_index import rope_index, vision_metadata, visual_order
 
 IGNORE = -100
 INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "vision_pos_ids", "window_index",
@@ -89,6 +91,35 @@ def _check_sample(s: Dict, where: str) -> None:
         raise ValueError(f"{where}: sample has no input_ids")
     if (s.get("pixel_values") is None) != (s.get("image_grid_thw") is None):
         raise ValueError(f"{where}: pixel_values and image_grid_thw must be given together")
+    if (s.get("pixel_values_videos") is None) != (s.get("video_grid_thw") is None):
+        raise ValueError(f"{where}: pixel_values_videos and video_grid_thw must be given together")
+
+
+def visual_items(s: Dict, ids: np.ndarray, config: MindVLConfig, where: str):
+    """A sample's images and videos in order of appearance: [(patches float32[n, patch_dim], grid int64[3])],
+    plus (image grids, video grids, second_per_grid_ts) for the rope index."""
+    m, pd = config.vision.spatial_merge_size, patch_dim(config)
+    split = {}
+    grids = {}
+    for kind, pkey, gkey in (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw")):
+        g = s.get(gkey)
+        grids[kind] = None if g is None else np.asarray(g, np.int64).reshape(-1, 3)
+        if g is None:
+            split[kind] = []
+            continue
+        pv = np.asarray(s[pkey], np.float32)
+        need = int(grids[kind].prod(axis=1).sum())
+        if pv.shape != (need, pd):
+            raise ValueError(f"{where}: {pkey} shape {pv.shape}, expected ({need}, {pd}) for {gkey} "
+                             f"{grids[kind].tolist()}")
+        split[kind] = np.split(pv, np.cumsum(grids[kind].prod(axis=1))[:-1])
+    spg = s.get("second_per_grid_ts")
+    try:
+        order = visual_order(ids, grids["image"], config.image_token_id, grids["video"], config.video_token_id, m)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    items = [(split[kind][k], grids[kind][k]) for kind, k, _ in order]
+    return items, grids["image"], grids["video"], (None if spg is None else np.asarray(spg, np.float64).reshape(-1))
 
 
 def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
@@ -120,10 +151,11 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
             _check_sample(s, where)
             ids = np.asarray(s["input_ids"], np.int64).reshape(-1)
             n = ids.size
-            grid = s.get("image_grid_thw")
-            grid = None if grid is None else np.asarray(grid, np.int64).reshape(-1, 3)
+            items, igrid, vgrid, spg = visual_items(s, ids, config, where)
             try:
-                pos = rope_index(ids, grid, config.image_token_id, m, v.tokens_per_second)
+                pos = rope_index(ids, igrid, config.image_token_id, m, v.tokens_per_second,
+                                 video_grid_thw=vgrid, video_token_id=config.video_token_id,
+                                 second_per_grid_ts=spg, accumulate=config.text.mrope_accumulate)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
             sample_id += 1
@@ -141,19 +173,12 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
                 sup = tgt != IGNORE
                 order = np.cumsum(sup) - 1
                 token_index[r, sl] = np.where(sup, order, -1)
-            img_pos = np.flatnonzero(ids == config.image_token_id)
-            if grid is not None:
-                pv = np.asarray(s["pixel_values"], np.float32)
-                need = int(grid.prod(axis=1).sum())
-                if pv.shape != (need, patch_dim(config)):
-                    raise ValueError(f"{where}: pixel_values shape {pv.shape}, expected ({need}, {patch_dim(config)}) "
-                                     f"for image_grid_thw {grid.tolist()}")
+            vis_pos = np.flatnonzero((ids == config.image_token_id) | (ids == config.video_token_id))
+            for pv, g in items:
                 pixels.append(pv)
-                grids.append(grid)
-                image_slot[r, col + img_pos] = n_feat + np.arange(img_pos.size)
-                n_feat += need // unit
-            elif img_pos.size:
-                raise ValueError(f"{where}: {img_pos.size} image tokens but no images")
+                grids.append(g[None])
+            image_slot[r, col + vis_pos] = n_feat + np.arange(vis_pos.size)
+            n_feat += vis_pos.size
             col += n
     if not grids:  # dummy image: one merge unit, never gathered
         grids.append(np.array([[1, m, m]], np.int64))

@@ -9,7 +9,7 @@ Projections (HF `DeepseekV3Attention` names, weights [out, in]):
 M-RoPE with decoupled RoPE (the design choice): only the qk_rope_head_dim dims carry position, so the
 three M-RoPE components (temporal, height, width) split those dims' rope_dim/2 frequency pairs by
 `mrope_section` (sum = qk_rope_head_dim / 2), exactly as Qwen2.5-VL splits its head_dim/2 pairs (or
-Qwen3-VL's thw-interleaved assignment with `mrope_interleaved`, see text.mrope_pair_axis). The nope
+the interleaved or spread assignment of `mrope_layout`, see text.mrope_pair_axis). The nope
 dims and the compressed latent stay position-free, so MLA's latent caching is unchanged. For text tokens
 t = h = w, every pair sees the same position and this reduces to DeepSeek-V3's 1D RoPE bit for bit.
 
@@ -39,12 +39,12 @@ def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> nn.Dense:
 class MRotaryEmbedding(nn.Cell):
     """position_ids int32 [3, B, L] -> cos, sin float32 [B, 1, L, rope_dim] (rotate-half layout)."""
 
-    def __init__(self, rope_dim: int, theta: float, mrope_section, interleaved: bool = False):
+    def __init__(self, rope_dim: int, theta: float, mrope_section, layout: str = "chunked"):
         super().__init__()
         half = rope_dim // 2
         inv = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.int64).astype(np.float32) / rope_dim))
         self.inv_freq = Tensor(inv.astype(np.float32))  # [half]
-        owner = mrope_pair_axis(mrope_section, interleaved)  # which of t/h/w drives frequency pair j
+        owner = mrope_pair_axis(mrope_section, layout)  # which of t/h/w drives frequency pair j
         sel = np.zeros((3, half), np.float32)
         sel[owner, np.arange(half)] = 1.0
         self.select = Tensor(sel)  # [3, half]

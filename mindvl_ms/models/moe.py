@@ -209,7 +209,7 @@ class DeepseekV3Model(nn.Cell):
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(m.qk_rope_head_dim, cfg.rope_theta, cfg.mrope_section,
-                                           cfg.mrope_interleaved)
+                                           cfg.mrope_layout)
         n = cfg.num_hidden_layers
         self.mtp = nn.CellList([MTPLayer(cfg, n + k, expert_dispatch) for k in range(m.num_nextn_predict_layers)])
         self.aux_coef = float(m.seq_aux_loss_coef)

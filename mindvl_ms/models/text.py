@@ -5,9 +5,9 @@ Module names follow transformers' Qwen2/Qwen3 (`embed_tokens`, `layers.{i}.self_
 `mlp.gate_proj`, `input_layernorm`, `norm`) so checkpoints convert by name.
 
 M-RoPE: position_ids int32[3, B, L] hold (t, h, w) positions; rotary pair d uses axis a(d) given by
-`mrope_section` and `mrope_interleaved` (see `mrope_pair_axis`: chunked t|h|w as in Qwen2.5-VL, or
-interleaved thw thw ... as in Qwen3-VL and openPangu-VL's 3D interleaved RoPE; the same assignment is
-repeated for the second half of head_dim). For text tokens the three positions are equal, so either
+`mrope_section` and `mrope_layout` (see `mrope_pair_axis`: chunked t|h|w as in Qwen2.5-VL, interleaved
+thw thw ... as in Qwen3-VL, or spread as openPangu-VL's 3D-IM-RoPE with its 1:6 t:(h+w) split; the same
+assignment is repeated for the second half of head_dim). For text tokens the three positions are equal, so either
 layout is plain 1D RoPE.
 Attention is causal within a segment (segment_ids int32[B, L], 0 = padding), which makes packed rows
 behave like separate samples.
@@ -27,27 +27,36 @@ from ..ops.activation import GatedAct
 from .vision import dense
 
 
-def mrope_pair_axis(mrope_section, interleaved: bool = False) -> np.ndarray:
+def mrope_pair_axis(mrope_section, layout: str = "chunked") -> np.ndarray:
     """int64[sum(mrope_section)]: the position axis (0 t, 1 h, 2 w) that drives each rotary frequency pair.
 
-    Chunked (Qwen2.5-VL): the first sec_t pairs read t, the next sec_h read h, the last sec_w read w, so
-    h and w get only the lowest frequencies. Interleaved (Qwen3-VL's `apply_interleaved_mrope`): pair j
-    reads h if j % 3 == 1 and j < 3 * sec_h, w if j % 3 == 2 and j < 3 * sec_w, t otherwise, so every
-    axis spans high to low frequencies. TextConfig.validate checks that the section fits this layout.
+    - chunked (Qwen2.5-VL): the first sec_t pairs read t, the next sec_h read h, the last sec_w read w,
+      so h and w get only the lowest frequencies;
+    - interleaved (Qwen3-VL's `apply_interleaved_mrope`): pair j reads h if j % 3 == 1 and j < 3 * sec_h,
+      w if j % 3 == 2 and j < 3 * sec_w, t otherwise (TextConfig.validate checks the section fits);
+    - spread (openPangu-VL's 3D-IM-RoPE, any split such as 1:6 t:(h+w)): axis a's k_a pairs have the
+      evenly spaced ideal slots (i + 0.5) * n / k_a; merging all slots in order (ties t, h, w) gives each
+      pair its axis, so every axis spans high to low frequencies; an equal split gives thw thw ...
     """
     sec = [int(n) for n in mrope_section]
-    if not interleaved:
+    if layout == "chunked":
         return np.repeat(np.arange(3), sec)
     j = np.arange(sum(sec))
-    axis = np.zeros(j.size, np.int64)
-    axis[(j % 3 == 1) & (j < 3 * sec[1])] = 1
-    axis[(j % 3 == 2) & (j < 3 * sec[2])] = 2
+    if layout == "interleaved":
+        axis = np.zeros(j.size, np.int64)
+        axis[(j % 3 == 1) & (j < 3 * sec[1])] = 1
+        axis[(j % 3 == 2) & (j < 3 * sec[2])] = 2
+        return axis
+    if layout != "spread":
+        raise ValueError(f"mrope layout {layout!r}: expected chunked, interleaved or spread")
+    slots = [((i + 0.5) * j.size / k, a) for a, k in enumerate(sec) for i in range(k)]
+    axis = np.array([a for _, a in sorted(slots)], np.int64)
     return axis
 
 
-def mrope_axis_mask(mrope_section, rot_dim: int, interleaved: bool = False) -> np.ndarray:
+def mrope_axis_mask(mrope_section, rot_dim: int, layout: str = "chunked") -> np.ndarray:
     """float32[3, rot_dim]: one-hot of the position axis (t, h, w) each rotary dim reads."""
-    axis = np.tile(mrope_pair_axis(mrope_section, interleaved), 2)
+    axis = np.tile(mrope_pair_axis(mrope_section, layout), 2)
     assert axis.size == rot_dim, (mrope_section, rot_dim)
     return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
 
@@ -55,11 +64,11 @@ def mrope_axis_mask(mrope_section, rot_dim: int, interleaved: bool = False) -> n
 class MRotaryEmbedding(nn.Cell):
     """position_ids [3, B, L] -> cos, sin float32[B, 1, L, rot_dim] (M-RoPE, rotate-half layout)."""
 
-    def __init__(self, rot_dim: int, theta: float, mrope_section, interleaved: bool = False):
+    def __init__(self, rot_dim: int, theta: float, mrope_section, layout: str = "chunked"):
         super().__init__()
         inv = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / rot_dim))
         self.inv_freq = Tensor(np.concatenate([inv, inv]).astype(np.float32))  # [rot]
-        self.axis_mask = Tensor(mrope_axis_mask(mrope_section, rot_dim, interleaved))  # [3, rot]
+        self.axis_mask = Tensor(mrope_axis_mask(mrope_section, rot_dim, layout))  # [3, rot]
 
     def construct(self, position_ids):
         pos = position_ids.astype(ms.float32)  # [3, B, L]
@@ -159,7 +168,7 @@ class TextModel(nn.Cell):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.initializer_range)
         self.layers = nn.CellList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(cfg.head_dim_, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved)
+        self.rotary_emb = MRotaryEmbedding(cfg.head_dim_, cfg.rope_theta, cfg.mrope_section, cfg.mrope_layout)
 
     def embed(self, input_ids):  # [B, L] -> [B, L, D]
         return self.embed_tokens(input_ids)

@@ -192,18 +192,36 @@ class VisionBlock(nn.Cell):
 
 
 class PatchMerger(nn.Cell):
-    """The MLP projector: RMSNorm, group 2x2 neighbouring patches, Linear-GELU-Linear to the LLM width."""
+    """The MLP projector: RMSNorm, group 2x2 neighbouring patches, Linear-GELU-Linear to the LLM width.
+
+    With `hierarchical_layers` (openPangu-VL's hierarchical connector, report section 2.1) the outputs of
+    several blocks are each normalised (`ln_hier.{i}` for the earlier ones, `ln_q` for the last) and
+    grouped 2x2, which is the "patch merger [that] reduce[s] the effective number of tokens"; the groups
+    are concatenated per merge unit and one projector MLP maps [N/4, L*4E] -> [N/4, D_llm]. Concatenation
+    (rather than a sum) keeps the levels apart until the projector, the one part the report says maps "the
+    outputs" to the LLM space; with one level this is exactly the Qwen2.5-VL merger.
+    """
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.unit_dim = cfg.hidden_size * cfg.spatial_merge_size ** 2
         std = cfg.initializer_range
+        self.n_hier = max(len(cfg.hierarchical_layers) - 1, 0)
         self.ln_q = RMSNorm(cfg.hidden_size, 1e-6)
-        self.mlp = nn.SequentialCell([dense(self.unit_dim, self.unit_dim, True, std), nn.GELU(approximate=False),
+        if self.n_hier:
+            self.ln_hier = nn.CellList([RMSNorm(cfg.hidden_size, 1e-6) for _ in range(self.n_hier)])
+        in_dim = self.unit_dim * (self.n_hier + 1)
+        self.mlp = nn.SequentialCell([dense(in_dim, self.unit_dim, True, std), nn.GELU(approximate=False),
                                       dense(self.unit_dim, cfg.out_hidden_size, True, std)])
 
-    def construct(self, x):  # [N, E] -> [N/4, D_llm]
-        return self.mlp(self.ln_q(x).reshape(-1, self.unit_dim))
+    def construct(self, x, earlier=()):  # x [N, E] (last block), earlier: n_hier x [N, E] -> [N/4, D_llm]
+        h = self.ln_q(x).reshape(-1, self.unit_dim)  # [N/4, 4E]
+        if self.n_hier:
+            parts = ()
+            for i in range(self.n_hier):
+                parts += (self.ln_hier[i](earlier[i]).reshape(-1, self.unit_dim),)
+            h = ops.cat(parts + (h,), -1)  # [N/4, L*4E]
+        return self.mlp(h)
 
 
 class VisionTransformer(nn.Cell):
@@ -213,6 +231,7 @@ class VisionTransformer(nn.Cell):
         super().__init__()
         self.unit = cfg.spatial_merge_size ** 2
         self.full = tuple(i in cfg.fullatt_block_indexes for i in range(cfg.depth))
+        self.taps = tuple(i in cfg.hierarchical_layers[:-1] for i in range(cfg.depth))  # connector inputs
         self.patch_embed = VisionPatchEmbed(cfg)
         self.abs_pos = cfg.abs_pos_grid > 0
         if self.abs_pos:
@@ -231,15 +250,20 @@ class VisionTransformer(nn.Cell):
         if self.abs_pos:
             x = x + self.pos_embed(vision_pos_ids).astype(x.dtype)  # pos ids are given in window order
         cos, sin = self.rotary_pos_emb(vision_pos_ids)
+        taps = ()  # outputs of the hierarchical connector's earlier blocks
         if window_gather is None:  # dense fallback: one [N, N] mask per attention kind
             win_bias = segment_bias(window_segment_ids[None], window_segment_ids[None], False)  # [1, 1, N, N]
             full_bias = segment_bias(full_segment_ids[None], full_segment_ids[None], False)
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cos, sin, full_bias if self.full[i] else win_bias)
+                if self.taps[i]:
+                    taps += (x,)
         else:
             win = (window_gather,) + self.block_layout(window_gather, window_segment_ids, n)
             full = (full_gather,) + self.block_layout(full_gather, full_segment_ids, n)
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cos, sin, None, full if self.full[i] else win)
-        x = self.merger(x)  # [N/4, D]
+                if self.taps[i]:
+                    taps += (x,)
+        x = self.merger(x, taps)  # [N/4, D]
         return ops.gather(x, reverse_index, 0)
