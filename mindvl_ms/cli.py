@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "mindvl_ms.data.commands",
     "mindvl_ms.infer.commands",
     "mindvl_ms.demo.commands",
+    "mindvl_ms.config.packaged",
 ]
 
 
