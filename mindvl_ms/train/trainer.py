@@ -31,7 +31,7 @@ import numpy as np
 
 from ..checkpoint import trainer_state as ts
 from ..config.base import to_dict
-from .callbacks import MetricsLog, ProgressBar, measure_matmul_peak, param_counts, plot_stage, summarize
+from .callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
 from .data import micro_batches, rank_slice
 from .distributed import DistInfo, HostAllReduce, gather_json, setup
 from .lr import WarmupCosine
@@ -156,7 +156,8 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     elif dist.is_main and os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
         os.remove(os.path.join(out_dir, "metrics.jsonl"))  # a fresh run in a reused directory
     ts.clean_partial(out_dir)
-    peak = measure_matmul_peak()
+    peak, peak_source = device_peak(run_cfg.context.device_target, soc_version(), run_cfg.context.precision)
+    log.info("MFU peak: %.2f TFLOP/s per device (%s)", peak / 1e12, peak_source)
     counts = param_counts(model)
     stage_reports, compile_time = [], 0.0
     for si in range(start_stage, len(run_cfg.stages)):
@@ -252,7 +253,8 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                               "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": skipped,
                               "compiled_graphs": engine.compiles})
         state = None
-    summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time)
+    summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time,
+                        peak_source)
     summary.update({"stages": stage_reports, "out_dir": out_dir, "ranks": dist.world,
                     "matmul_peak_gflops": peak / 1e9})
     if dist.is_main:
