@@ -76,6 +76,19 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     return LoaderSource(loader, rows)
 
 
+def _processor_writer(run_cfg, stage, model):
+    """Writes the stage's processor (tokenizer, pixel limits, system prompt) into each checkpoint
+    (checkpoint/processor_files.py); None for a model without a config (nothing to serve it with)."""
+    from ..checkpoint.processor_files import ProcessorWriter
+    from ..config.base import deep_merge, load
+    from ..config.data import DataConfig
+
+    if getattr(model, "config", None) is None:
+        return None
+    return ProcessorWriter(load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data),
+                                source=f"stage '{stage.name}' data"))
+
+
 def build_model(run_cfg):
     import mindspore as ms
 
@@ -184,6 +197,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
                  stage.name, total, accum, stage.micro_batch_size, len(params))
         bar = ProgressBar(total, step, f"{stage.name}", enabled=progress and dist.is_main)
+        write_processor = _processor_writer(run_cfg, stage, model)
 
         def data_states(src):
             """Every rank's loader state (gathered to rank 0) for per-rank loaders; one state otherwise."""
@@ -198,7 +212,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                   "nonfinite_run": nonfinite_run, "seed": run_cfg.seed}
             path = os.path.join(stage_dir, f"checkpoint-{step_now:06d}")
             if dist.is_main:
-                ts.save_checkpoint(path, model, engine.state_parameters(), st, out_dir)
+                ts.save_checkpoint(path, model, engine.state_parameters(), st, out_dir, extra=write_processor)
                 ts.prune(stage_dir, stage.keep_last, protect=path)
             return path
 
