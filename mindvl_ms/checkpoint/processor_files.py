@@ -113,14 +113,54 @@ def has_tokenizer(path: Optional[str]) -> bool:
         os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.json", "tokenizer.model"))
 
 
-def carry_processor(dst: str, *sources: Optional[str]) -> List[str]:
-    """Write into `dst` the processor of the first source directory that has a tokenizer (its pixel limits
-    and system prompt too), else the defaults (bundled Qwen3 tokenizer, default pixels and system prompt).
-    Used by convert, init and anything else that derives one checkpoint from others."""
+def read_image_config(ckpt: Optional[str]):
+    """ImageConfig from ckpt/preprocessor_config.json (HF keys; `size` as fallback), defaults otherwise."""
+    from ..config.data import ImageConfig
+
+    cfg = ImageConfig()
+    fn = os.path.join(ckpt, PREPROCESSOR) if ckpt else ""
+    if fn and os.path.isfile(fn):
+        with open(fn, encoding="utf-8") as f:
+            d = json.load(f)
+        size = d.get("size") or {}
+        d.setdefault("min_pixels", size.get("shortest_edge"))
+        d.setdefault("max_pixels", size.get("longest_edge"))
+        for k in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                  "image_std"):
+            if d.get(k) is not None:
+                setattr(cfg, k, d[k])
+        cfg.validate()
+    return cfg
+
+
+def processor_of(ckpt: Optional[str]):
+    """The MindVLProcessor a checkpoint records: its tokenizer (else the bundled Qwen3 one), pixel limits and
+    system prompt (each else the default)."""
     from ..data.processor import MindVLProcessor
 
-    src = next((s for s in sources if has_tokenizer(s)), None)
-    return save_processor(dst, MindVLProcessor.from_pretrained(src))
+    if has_tokenizer(ckpt):
+        return MindVLProcessor.from_pretrained(ckpt)
+    proc = MindVLProcessor.from_pretrained(None)
+    proc.config.image = read_image_config(ckpt)
+    system_prompt = read_system_prompt(ckpt)
+    if system_prompt is not None:
+        proc.config.system_prompt = system_prompt
+    return proc
+
+
+def carry_processor(dst: str, *sources: Optional[str]) -> List[str]:
+    """Write into `dst` the processor of the first source that has processor files (tokenizer, pixel limits,
+    system prompt), else the defaults. Used by convert, init, merge and export, which derive one directory
+    from others."""
+    src = next((s for s in sources if s and any(os.path.isfile(os.path.join(s, f)) for f in PROCESSOR_FILES)),
+               None)
+    if src and has_tokenizer(src) and all(os.path.isfile(os.path.join(src, f)) for f in (PREPROCESSOR, CHAT_TEMPLATE)):
+        names = [os.path.basename(f) for f in tokenizer_source_files(src)] + [PREPROCESSOR, CHAT_TEMPLATE]
+        for name in names:  # complete: copied verbatim
+            if os.path.abspath(os.path.join(src, name)) != os.path.abspath(os.path.join(dst, name)):
+                shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+        return names
+    return save_processor(dst, processor_of(src))
 
 
 class ProcessorWriter:
