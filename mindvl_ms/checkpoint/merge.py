@@ -29,7 +29,7 @@ Design:
   (transformers needs `format: pt`), plus config.json and the other non-weight files (not the
   optimizer/trainer state), and a `merge_record.json` with inputs and weights. The processor files
   (tokenizer, preprocessor_config.json, chat_template.json) come with them; when the first input has
-  none, they are written from the first input (or base) that has them, else the defaults
+  none, a MindVL merge writes them from the first input (or base) that has them, else the defaults
   (`processor_from` in the record). It is written through
   `io.atomic_dir`: a failed merge leaves no directory behind.
 """
@@ -255,9 +255,13 @@ def _copy_side_files(src: str, dst: str, skip: set) -> List[str]:
 
 
 def _ensure_processor(tmp: str, inputs: Sequence[str]) -> str:
-    """Make sure the merged directory carries processor files; returns where they came from."""
+    """Make sure a merged MindVL directory carries processor files; returns where they came from (None for
+    LLM-only or config-less merges, whose side files are only copied)."""
+    from .hf import is_text_only, read_config_json
     from .processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, carry_processor, has_tokenizer
 
+    if not os.path.isfile(os.path.join(tmp, "config.json")) or is_text_only(read_config_json(tmp)):
+        return None
     if has_tokenizer(tmp) and all(os.path.isfile(os.path.join(tmp, f)) for f in (PREPROCESSOR, CHAT_TEMPLATE)):
         return os.path.abspath(inputs[0])
     dirs = [p for p in inputs if os.path.isdir(p)]
