@@ -11,6 +11,7 @@ config.json and the weights, what is needed to format inputs exactly as in train
 `AutoProcessor.from_pretrained(ckpt)` reads the same files (the Jinja template renders exactly what
 `data.processor.render` does: the system turn only when the system prompt is non-empty and the
 conversation has none, `<image>` -> `<|vision_start|><|image_pad|><|vision_end|>`; tests check both).
+The checkpoint layout as a whole is described in docs/CHECKPOINTS.md.
 """
 from __future__ import annotations
 
