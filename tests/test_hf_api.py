@@ -152,6 +152,15 @@ def test_left_padded_batch_matches_transformers(setup):
     # each row alone through the processor gives the same logits as its row of the batch
     single = model(**proc(messages=convs[1])).logits.asnumpy()[0]
     np.testing.assert_allclose(out.logits.asnumpy()[1][keep[1]], single, atol=1e-5)
+    # batched greedy generation from the left-padded batch: transformers' layout and tokens
+    ids = model.generate(**{k: v.numpy() for k, v in ref_in.items()}, max_new_tokens=3, eos_token_id=IM_END,
+                         use_cache=False)
+    with torch.no_grad():
+        ref_ids = hf.generate(**ref_in, max_new_tokens=3, do_sample=False, eos_token_id=IM_END,
+                              pad_token_id=PAD).numpy()
+    np.testing.assert_array_equal(ids, ref_ids)
+    with pytest.raises(TypeError, match="output_hidden_states"):
+        model(**proc(messages=convs[1]), output_hidden_states=True)
 
 
 def test_generate_matches_transformers_generate(setup):

@@ -4,7 +4,7 @@
     out = model(**inputs)                                    #   image_grid_thw, labels (numpy or MindSpore)
     out.logits        # float32 [B, L, V], aligned with input_ids (zeros at padding)
     out.loss          # [] mean next-token cross entropy over labels != -100 (None without labels)
-    ids = model.generate(**inputs, max_new_tokens=32, do_sample=False)   # int64 [B, L + new], like transformers
+    ids = model.generate(**inputs, max_new_tokens=32, do_sample=False)   # int64 numpy [B, L + new]
 
 Design: a thin layer over the positional path, not a second implementation. Keyword arrays are turned
 into one sample per row (the attention mask picks the row's tokens, so left or right padding both work;
@@ -98,7 +98,7 @@ def _positions(mask: np.ndarray) -> List[np.ndarray]:
 
 
 def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, labels=None,
-            **unused) -> MindVLOutput:
+            **unknown) -> MindVLOutput:
     """`model(**inputs)`; see the module docstring."""
     import mindspore as ms
     from mindspore import Tensor
@@ -106,10 +106,8 @@ def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image
     from ..train.loss import TrainLoss
     from .inputs import INPUT_NAMES, build_model_inputs, model_args
 
-    unknown = sorted(k for k in unused if k not in ("return_dict", "use_cache", "output_attentions",
-                                                    "output_hidden_states"))
     if unknown:
-        raise TypeError(f"MindVL keyword call: unknown argument(s) {unknown}; takes {', '.join(KEYS)}")
+        raise TypeError(f"MindVL keyword call: unknown argument(s) {sorted(unknown)}; takes {', '.join(KEYS)}")
     if input_ids is None:
         raise TypeError("MindVL keyword call needs input_ids")
     if tuple(model.INPUT_NAMES) != INPUT_NAMES:
@@ -140,10 +138,11 @@ def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image
 
 def generate(model, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, labels=None,
              max_new_tokens: int = 32, do_sample: bool = False, eos_token_id=None, pad_token_id: Optional[int] = None,
-             return_tensors: str = "np", **sampling):
-    """`model.generate(**inputs, ...)` -> int64 [B, L + n] (prompt columns as given, then the new tokens,
-    right-padded with pad_token_id, default the first eos id or 0). Options as
-    `mindvl_ms.infer.generate.generate` (temperature, top_k, top_p, repetition_penalty, seed, ...)."""
+             **sampling) -> np.ndarray:
+    """`model.generate(**inputs, ...)` -> int64 [B, L + n]: the prompt columns as given, then the new tokens,
+    right-padded with pad_token_id (default: the first eos id, else 0). `labels` (a processor output) are
+    not used. Further options are those of `mindvl_ms.infer.generate.generate` (temperature, top_k, top_p,
+    repetition_penalty, seed, use_cache, ...)."""
     from ..infer.generate import generate as gen
 
     if input_ids is None:
@@ -157,11 +156,4 @@ def generate(model, input_ids=None, attention_mask=None, pixel_values=None, imag
     tail = np.full((len(rows), width), pad, np.int64)
     for r, t in enumerate(new):
         tail[r, :len(t)] = t
-    out = np.concatenate([prompt, tail], axis=1)
-    if return_tensors == "ms":
-        from mindspore import Tensor
-
-        return Tensor(out)
-    if return_tensors != "np":
-        raise ValueError(f"return_tensors must be 'np' or 'ms', got {return_tensors!r}")
-    return out
+    return np.concatenate([prompt, tail], axis=1)

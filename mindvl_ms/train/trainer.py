@@ -270,7 +270,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time,
                         peak_source)
     summary.update({"stages": stage_reports, "out_dir": out_dir, "ranks": dist.world,
-                    "matmul_peak_gflops": peak / 1e9})
+                    "peak_gflops_per_device": peak / 1e9})
     if dist.is_main:
         from ..checkpoint.io import write_json
 
