@@ -136,3 +136,11 @@ print("lookup ok", len(run_cfg.stages))
     r = subprocess.run(mindvl + ["train", "--config", "configs/stage/missing.yaml"], cwd=str(work), env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no packaged config 'stage/missing.yaml'" in r.stderr
+    # `mindvl train` resolves a packaged config from an empty directory and says so (then stops at the
+    # config check: no stages left)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = subprocess.run(mindvl + ["train", "--config", "configs/stage/tiny-cpu.yaml", "--set", "stages=[]"],
+                       cwd=str(empty), env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"using the packaged copy {target}" in r.stderr and "`stages` is empty" in r.stderr
