@@ -32,7 +32,7 @@ CONVS = [
 ]
 
 
-@pytest.mark.parametrize("system_prompt", ["", "You are a helpful assistant.", 'Say "ok".\nThen stop.'])
+@pytest.mark.parametrize("system_prompt", ["", "You are a helpful assistant.", 'Say "ok".\nThen stop. é 😀'])
 def test_template_renders_like_the_processor(tmp_path, system_prompt):
     from transformers import AutoTokenizer
 

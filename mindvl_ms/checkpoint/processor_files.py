@@ -28,22 +28,28 @@ PROCESSOR_FILES = TOKENIZER_FILES + (PREPROCESSOR, CHAT_TEMPLATE)
 IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+def _lit(text: str) -> str:
+    """A Jinja string literal for `text` (a JSON string is one; Jinja decodes its escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def chat_template(system_prompt: str) -> str:
     """Jinja chat template equal to `data.processor.render` with this system prompt (string contents with
     `<image>` placeholders, or transformers-style lists of {"type": "text"|"image"} parts)."""
-    lit = json.dumps  # a JSON string is a valid Jinja string literal
-    system = (f"{{%- if messages[0]['role'] != 'system' %}}{{{{- {lit('<|im_start|>system' + chr(10) + system_prompt + '<|im_end|>' + chr(10))} }}}}{{%- endif %}}"
-              if system_prompt else "")
+    system = ""
+    if system_prompt:  # a system turn only when the conversation has none, as render() does
+        turn = _lit(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
+        system = f"{{%- if messages[0]['role'] != 'system' %}}{{{{- {turn} }}}}{{%- endif %}}"
+    image = _lit(IMAGE_TAG)
     return (
         system
         + "{%- for message in messages %}"
         + "{{- '<|im_start|>' + message['role'] + '\\n' }}"
         + "{%- if message['content'] is string %}"
-        + f"{{{{- message['content'] | replace('<image>', {lit(IMAGE_TAG)}) }}}}"
+        + f"{{{{- message['content'] | replace('<image>', {image}) }}}}"
         + "{%- else %}{%- for part in message['content'] %}"
-        + f"{{%- if part['type'] == 'image' %}}{{{{- {lit(IMAGE_TAG)} }}}}"
-        + "{%- elif part['type'] == 'text' %}{{- part['text'] | replace('<image>', "
-        + f"{lit(IMAGE_TAG)}) }}}}{{%- endif %}}"
+        + f"{{%- if part['type'] == 'image' %}}{{{{- {image} }}}}"
+        + f"{{%- elif part['type'] == 'text' %}}{{{{- part['text'] | replace('<image>', {image}) }}}}{{%- endif %}}"
         + "{%- endfor %}{%- endif %}"
         + "{{- '<|im_end|>\\n' }}"
         + "{%- endfor %}"

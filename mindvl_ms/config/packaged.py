@@ -14,10 +14,11 @@ checkout's `configs/` (editable install, PYTHONPATH on a checkout).
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import yaml
 
@@ -133,7 +134,7 @@ def register(subparsers) -> None:
         epilog="examples:\n  mindvl init-config                       # list\n"
                "  mindvl init-config stage/tiny-cpu.yaml   # -> configs/stage/tiny-cpu.yaml, configs/model/tiny.yaml\n"
                "  mindvl train --config configs/stage/tiny-cpu.yaml ...",
-        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", nargs="?", help="packaged config, e.g. demo/quick.yaml or configs/stage/tiny-cpu.yaml")
     p.add_argument("dst", nargs="?", default=PREFIX, help="directory to copy into (default: ./configs)")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
@@ -154,7 +155,3 @@ def _run(args) -> int:
         print(f"wrote {w}")
     return 0
 
-
-def resolve_optional(path: Optional[str]) -> Optional[str]:
-    """resolve_config for an optional argument (None stays None)."""
-    return None if path is None else resolve_config(path)[0]
