@@ -41,6 +41,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+
 def demo_config_dir() -> str:
     """configs/demo of the packaged configs (an installed wheel or the source checkout)."""
     from ..config.packaged import configs_dir
