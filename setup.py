@@ -13,8 +13,11 @@ setup(
     name="mindvl-ms",
     version="0.1.0",
     description="MindSpore-native training, conversion and serving of MindVL-style multimodal LLMs",
-    packages=find_packages(include=["mindvl_ms", "mindvl_ms.*"]),
-    package_data={"mindvl_ms": ["configs/**/*.yaml", "assets/*"]},
+    # The YAML configs stay in the repository's top-level configs/ and ship as the package data of
+    # mindvl_ms.configs (installed as mindvl_ms/configs/; found by mindvl_ms.config.packaged).
+    packages=find_packages(include=["mindvl_ms", "mindvl_ms.*"]) + ["mindvl_ms.configs"],
+    package_dir={"mindvl_ms.configs": "configs"},
+    package_data={"mindvl_ms.configs": ["*.yaml", "*/*.yaml"]},
     include_package_data=True,
     python_requires=">=3.9,<3.12",
     install_requires=reqs("requirements.txt"),

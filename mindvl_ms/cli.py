@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "mindvl_ms.infer.commands",
     "mindvl_ms.demo.commands",
     "mindvl_ms.parallel.plan",
+    "mindvl_ms.config.packaged",
 ]
 
 

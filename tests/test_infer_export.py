@@ -71,6 +71,12 @@ def test_export_json_describes_dynamic_graphs(exported):
     assert dec["input_ids"]["shape"] == [-1, 1]
     assert meta["tokens"]["image_token_id"] == 250 and meta["engine"]["max_positions"] == 512
     assert meta["preprocess"]["image_mean"] == ImageConfig().image_mean
+    # the processor travels with the graphs (this checkpoint records none: the defaults)
+    assert {"tokenizer.json", "preprocessor_config.json", "chat_template.json"} <= set(meta["processor_files"])
+    assert all(os.path.isfile(os.path.join(out, f)) for f in meta["processor_files"])
+    assert meta["system_prompt"] == "You are a helpful assistant."
+    with open(os.path.join(out, "preprocessor_config.json")) as f:
+        assert json.load(f)["max_pixels"] == meta["preprocess"]["max_pixels"]
 
 
 def test_fp16_export_runs_and_is_close(exported, tmp_path, capsys, monkeypatch):

@@ -1,5 +1,13 @@
-"""`mindvl convert hf2ms|ms2hf SRC DST` and `mindvl init --vision-from --llm-from --out`."""
+"""`mindvl convert hf2ms|ms2hf SRC DST` and `mindvl init --vision-from --llm-from --out`.
+
+Both write the processor next to the weights (checkpoint/processor_files.py): convert carries the
+source's (tokenizer, pixel limits, system prompt; the defaults when it has none); init takes the LLM's
+tokenizer and the vision checkpoint's pixel limits. A text-only LLM conversion copies the tokenizer
+files only.
+"""
 import argparse
+import os
+import shutil
 
 
 def _convert(args) -> int:
@@ -7,18 +15,50 @@ def _convert(args) -> int:
 
     stats = convert(args.src, args.dst, to="native" if args.direction == "hf2ms" else "hf",
                     max_shard_bytes=int(args.max_shard_mb * 2 ** 20) if args.max_shard_mb else None)
-    print(f"wrote {args.dst}: {stats['tensors']} tensors, {stats['parameters']:,} parameters")
+    files = write_processor(args.dst, args.src)
+    print(f"wrote {args.dst}: {stats['tensors']} tensors, {stats['parameters']:,} parameters"
+          + (f"; processor files {', '.join(files)}" if files else ""))
     return 0
+
+
+def write_processor(dst: str, *sources: str):
+    """The processor files of a converted/initialised checkpoint (see the module docstring)."""
+    from .hf import is_text_only, read_config_json
+    from .processor_files import carry_processor, tokenizer_source_files
+
+    if is_text_only(read_config_json(dst)):
+        copied = []
+        for src in sources:
+            for f in tokenizer_source_files(src):
+                shutil.copyfile(f, os.path.join(dst, os.path.basename(f)))
+                copied.append(os.path.basename(f))
+        return copied
+    return carry_processor(dst, *sources)
 
 
 def _init(args) -> int:
     from .hf import init_from_pretrained
 
     cfg = init_from_pretrained(args.vision_from, args.llm_from, args.out, seed=args.seed)
+    files = init_processor(args.out, args.vision_from, args.llm_from)
     print(f"wrote {args.out}: vision depth {cfg.vision.depth} (from {args.vision_from}), "
           f"{cfg.text.model_type} LLM with {cfg.text.num_hidden_layers} layers (from {args.llm_from}), "
-          f"projector randomly initialised (seed {args.seed})")
+          f"projector randomly initialised (seed {args.seed}); processor files {', '.join(files)}")
     return 0
+
+
+def init_processor(out: str, vision_from: str, llm_from: str):
+    """init: the LLM's tokenizer (the model's vocabulary), the vision checkpoint's pixel limits; the vision
+    checkpoint's whole processor when the LLM's tokenizer lacks the chat/vision special tokens."""
+    from .processor_files import has_tokenizer, processor_of, read_image_config, save_processor
+
+    try:
+        proc = processor_of(llm_from if has_tokenizer(llm_from) else None)
+    except ValueError as e:
+        print(f"note: {llm_from}'s tokenizer cannot serve MindVL ({e}); using {vision_from}'s processor")
+        proc = processor_of(vision_from)
+    proc.config.image = read_image_config(vision_from)
+    return save_processor(out, proc)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

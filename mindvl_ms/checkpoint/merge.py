@@ -27,7 +27,10 @@ Design:
   (bf16 with round-to-nearest-even). Integer/bool tensors must be identical across inputs and are copied.
 - The output mirrors the first input: same shard files, same index, same `__metadata__`
   (transformers needs `format: pt`), plus config.json and the other non-weight files (not the
-  optimizer/trainer state), and a `merge_record.json` with inputs and weights. It is written through
+  optimizer/trainer state), and a `merge_record.json` with inputs and weights. The processor files
+  (tokenizer, preprocessor_config.json, chat_template.json) come with them; when the first input has
+  none, a MindVL merge writes them from the first input (or base) that has them, else the defaults
+  (`processor_from` in the record). It is written through
   `io.atomic_dir`: a failed merge leaves no directory behind.
 """
 from __future__ import annotations
@@ -251,6 +254,22 @@ def _copy_side_files(src: str, dst: str, skip: set) -> List[str]:
     return copied
 
 
+def _ensure_processor(tmp: str, inputs: Sequence[str]) -> str:
+    """Make sure a merged MindVL directory carries processor files; returns where they came from (None for
+    LLM-only or config-less merges, whose side files are only copied)."""
+    from .hf import is_text_only, read_config_json
+    from .processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, carry_processor, has_tokenizer
+
+    if not os.path.isfile(os.path.join(tmp, "config.json")) or is_text_only(read_config_json(tmp)):
+        return None
+    if has_tokenizer(tmp) and all(os.path.isfile(os.path.join(tmp, f)) for f in (PREPROCESSOR, CHAT_TEMPLATE)):
+        return os.path.abspath(inputs[0])
+    dirs = [p for p in inputs if os.path.isdir(p)]
+    src = next((d for d in dirs if any(os.path.isfile(os.path.join(d, f)) for f in PROCESSOR_FILES)), None)
+    carry_processor(tmp, src)
+    return os.path.abspath(src) if src else "defaults"
+
+
 def _write_shards(tmp: str, cks: List[Checkpoint], bck: Optional[Checkpoint], sel: set, method: str,
                   w: np.ndarray, density: float, scale: float, progress: bool) -> None:
     """Stream every tensor of the first input's shards into `tmp`, merged when selected, else copied."""
@@ -335,6 +354,7 @@ def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Opti
                     json.dump(index, fh, indent=2)
             copied = (_copy_side_files(ref.root, tmp, {ref.index_name} if ref.index_name else set())
                       if os.path.isdir(ref.path) else [])  # a bare .safetensors input has no side files
+            processor_from = _ensure_processor(tmp, list(inputs) + ([base] if base else []))
             record = {
                 "method": method,
                 "inputs": [{"path": os.path.abspath(p), "weight": float(x)} for p, x in zip(inputs, weights)],
@@ -345,6 +365,7 @@ def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Opti
                 "only": list(only) if only else None,
                 "merged_tensors": len(selected), "copied_tensors": len(keys) - len(selected),
                 "files_copied_from_first_input": copied,
+                "processor_from": processor_from,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             with open(os.path.join(tmp, "merge_record.json"), "w") as fh:

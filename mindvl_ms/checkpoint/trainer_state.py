@@ -1,8 +1,10 @@
 """Training checkpoints: model weights + optimizer + LR/step + RNG + data-loader state, written atomically.
 
-Layout of OUT/<stage>/checkpoint-<step>/ (DESIGN.md "Checkpoints"):
+Layout of OUT/<stage>/checkpoint-<step>/ (docs/CHECKPOINTS.md):
     config.json             native model config (when the model has a `.config`)
     model.safetensors       weights, through `checkpoint.io` (HF Qwen2.5-VL parameter names)
+    tokenizer files, preprocessor_config.json, chat_template.json   the stage's processor (written by
+                            `extra`, see checkpoint/processor_files.py)
     optimizer.safetensors   AdamW moments, step, loss scale (fp32/int32, bit-exact round trip)
     trainer_state.json      stage index/name, step, total steps, consumed rows/tokens, data-loader
                             state, numpy/python RNG state, non-finite counters, metrics position
@@ -47,8 +49,9 @@ def set_rng_state(s: Dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str, model, optim_params: Dict[str, Any], state: Dict[str, Any],
-                    out_dir: Optional[str] = None) -> str:
-    """Write a complete checkpoint directory atomically; then point OUT/latest.json at it."""
+                    out_dir: Optional[str] = None, extra=None) -> str:
+    """Write a complete checkpoint directory atomically; then point OUT/latest.json at it.
+    `extra(tmp_dir)` writes further files (the processor) inside the same atomic directory."""
     from .hf import NATIVE, model_tensors
 
     with atomic_dir(path) as tmp:
@@ -59,6 +62,8 @@ def save_checkpoint(path: str, model, optim_params: Dict[str, Any], state: Dict[
         write_file(os.path.join(tmp, OPTIM), {k: RawTensor.of(np.asarray(p.asnumpy())) for k, p in optim_params.items()},
                    {"format": "mindvl-optimizer"})
         write_json(os.path.join(tmp, STATE), {**state, "rng": rng_state()})
+        if extra is not None:
+            extra(tmp)
     if out_dir is not None:
         write_latest(out_dir, path, state)
     return path

@@ -9,7 +9,7 @@
    token-balanced ranks, ViT-balanced steps).
 3. Output in OUT_DIR: `rank_00000.jsonl` ... one shard per data-parallel rank (a line is a pack:
    {"tokens", "image_tokens", "lines", "samples": [original JSON objects]}, image paths rewritten
-   relative to OUT_DIR) and `manifest.json` as in DESIGN.md plus balance statistics.
+   relative to OUT_DIR) and `manifest.json` as in docs/DATA.md plus balance statistics.
 """
 from __future__ import annotations
 

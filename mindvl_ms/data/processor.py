@@ -18,6 +18,7 @@ the offline packer (`count_tokens`), so packer and loader always agree on length
 Usage:
     proc = MindVLProcessor.from_pretrained(dir_or_None)
     batch = proc(messages=[...], images=[PIL.Image...])           # HF-style numpy batch of one
+    out = model(**batch)                                           # .logits, .loss (models/hf_api.py)
     sample = proc.process_sample(parse_sample(obj, "file.jsonl", 1))   # per-sample dict for packing
 """
 from __future__ import annotations
@@ -194,7 +195,8 @@ class MindVLProcessor:
     @classmethod
     def from_pretrained(cls, path: Optional[str] = None, **overrides) -> "MindVLProcessor":
         """Tokenizer files from `path` (default: the bundled Qwen3 tokenizer); pixel limits from its
-        preprocessor_config.json when present (HF keys min_pixels/max_pixels/size, patch sizes, mean/std)."""
+        preprocessor_config.json when present (HF keys min_pixels/max_pixels/size, patch sizes, mean/std);
+        the system prompt from its chat_template.json when it records one (checkpoint/processor_files.py)."""
         cfg = DataConfig(tokenizer=path or "")
         pre = os.path.join(path, "preprocessor_config.json") if path else ""
         if pre and os.path.isfile(pre):
@@ -207,6 +209,11 @@ class MindVLProcessor:
                    "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
                    "image_std": d.get("image_std")}
             cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
+        from ..checkpoint.processor_files import read_system_prompt
+
+        system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
+        if system_prompt is not None:
+            cfg.system_prompt = system_prompt
         for k, v in overrides.items():
             target = cfg.image if hasattr(cfg.image, k) else cfg
             if not hasattr(target, k):
@@ -249,10 +256,14 @@ class MindVLProcessor:
                 "id": sample.id, "source": sample.source, "line": sample.line}
 
     def __call__(self, messages, images: Optional[Sequence[Image.Image]] = None,
-                 add_generation_prompt: Optional[bool] = None) -> Dict[str, np.ndarray]:
-        """HF-style call for one conversation: numpy batch of one (input_ids [1, n], attention_mask,
-        pixel_values, image_grid_thw, labels). Adds the generation prompt when the last turn is not
-        the assistant's (inference) unless told otherwise."""
+                 add_generation_prompt: Optional[bool] = None, return_tensors: str = "np") -> Dict:
+        """HF-style call for one conversation: a batch of one (input_ids [1, n], attention_mask [1, n],
+        labels [1, n], and pixel_values [N, C*T*P*P] + image_grid_thw [k, 3] when there are images), as
+        numpy arrays (return_tensors="np") or MindSpore Tensors ("ms"); `model(**batch)` takes either.
+        Adds the generation prompt when the last turn is not the assistant's (inference) unless told
+        otherwise."""
+        if return_tensors not in ("np", "ms"):
+            raise ValueError(f"return_tensors must be 'np' or 'ms', got {return_tensors!r}")
         msgs = normalise_messages(messages)
         images = list(images or [])
         n_ph = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in msgs)
@@ -267,6 +278,10 @@ class MindVLProcessor:
                "labels": labels[None]}
         if pixel_values is not None:
             out["pixel_values"], out["image_grid_thw"] = pixel_values, grid
+        if return_tensors == "ms":
+            from mindspore import Tensor
+
+            out = {k: Tensor(v) for k, v in out.items()}
         return out
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

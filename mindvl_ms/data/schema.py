@@ -1,4 +1,4 @@
-"""JSONL sample reading and schema checks (see DESIGN.md "Data format").
+"""JSONL sample reading and schema checks (docs/DATA.md).
 
 A line is one sample:
     {"id": "s1", "images": ["img/0001.png"], "image_sizes": [[640, 480]],

@@ -14,7 +14,7 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
   the demo model: after 400 steps, 16% Acc@IoU0.5 with one shape per image, 4% with one or two (which
   needed 1,200 steps for 36%).
 
-Every line follows the DESIGN.md data format; `meta` carries the task, the metric used to score it
+Every line follows the docs/DATA.md data format; `meta` carries the task, the metric used to score it
 (`exact_match` or `grounding`) and, for grounding, the pixel box. Held-out lines also carry the
 top-level `task` and `metric` fields of the `mindvl eval` benchmark format. The writer also reports each
 task's blind baseline on the held-out split: the accuracy of always answering the most frequent
@@ -68,7 +68,7 @@ def font_path() -> str:
 
 def sample_line(sid: str, image: str, size: Tuple[int, int], question: str, answer: str, task: str,
                 **meta) -> dict:
-    """One JSONL object in the DESIGN.md format (image path relative to the JSONL file)."""
+    """One JSONL object in the docs/DATA.md format (image path relative to the JSONL file)."""
     return {"id": sid, "images": [image], "image_sizes": [[int(size[0]), int(size[1])]],
             "messages": [{"role": "user", "content": f"<image>\n{question}"},
                          {"role": "assistant", "content": answer}],

@@ -41,16 +41,18 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          "configs", "demo")
+
+def demo_config_dir() -> str:
+    """configs/demo of the packaged configs (an installed wheel or the source checkout)."""
+    from ..config.packaged import configs_dir
+
+    return os.path.join(configs_dir(), "demo")
 
 
 def config_path(quick: bool) -> str:
-    path = os.path.join(CONFIG_DIR, "quick.yaml" if quick else "full.yaml")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"demo config not found: {path} (install the package with `pip install -e .` "
-                                "from a source checkout, or pass --config)")
-    return path
+    from ..config.packaged import packaged_path
+
+    return packaged_path("demo/quick.yaml" if quick else "demo/full.yaml")
 
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None):
@@ -65,7 +67,7 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     model_yaml = demo.get("model")
     if model_yaml:  # a `model:` section in the demo YAML overrides fields of demo.model
         # relative to the given YAML, else to configs/demo/ (a YAML that `_include_`s full.yaml from elsewhere)
-        tried = [os.path.join(d, model_yaml) for d in (os.path.dirname(os.path.abspath(path)), CONFIG_DIR)]
+        tried = [os.path.join(d, model_yaml) for d in (os.path.dirname(os.path.abspath(path)), demo_config_dir())]
         found = [t for t in tried if os.path.isfile(t)]
         if not found:
             raise ConfigError(f"{path}: demo.model {model_yaml!r} not found (looked for {' and '.join(tried)})")
@@ -316,12 +318,13 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     import mindspore as ms
 
     from ..checkpoint.merge import merge
+    from ..config.packaged import resolve_config
     from .datasets import write_demo_data
 
     t0 = time.perf_counter()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    path = config or config_path(quick)
+    path = resolve_config(config)[0] if config else config_path(quick)
     data_dir = os.path.join(out_dir, "data")
     run_cfg, demo = load_demo_config(path, data_dir, overrides)
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}

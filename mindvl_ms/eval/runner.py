@@ -2,7 +2,7 @@
 
     mindvl eval --ckpt ckpt/merged --data bench/docvqa_val.jsonl [--min-pixels N --max-pixels N] [--out DIR]
 
-Benchmark lines use the training format (DESIGN.md) plus optional evaluation fields:
+Benchmark lines use the training format (docs/DATA.md) plus optional evaluation fields:
     {"id": "q1", "images": ["img/1.png"], "messages": [{"role": "user", "content": "<image>\\nTitle?"},
      {"role": "assistant", "content": "Annual report"}],
      "answers": ["Annual report", "annual report 2020"],   # else the last assistant turn is the answer

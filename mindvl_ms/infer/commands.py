@@ -4,7 +4,10 @@
     mindvl chat --ckpt DIR          # /image PATH attaches an image to your next message; /reset; /exit
     mindvl export --ckpt DIR --out DIR [--fp16]
 
-Answers stream to the terminal token by token. Errors a user can fix (missing checkpoint, unreadable
+The checkpoint's processor files (tokenizer, preprocessor_config.json with the pixel limits,
+chat_template.json with the training system prompt) format the prompt as in training; --min-pixels and
+--max-pixels override the limits. Answers stream to the terminal token by token, grounding tags
+included (--show-special-tokens prints every special token). Errors a user can fix (missing checkpoint, unreadable
 image, prompt longer than the context) are one clear line; in `chat` they do not end the session.
 MindSpore is imported inside the handlers so `mindvl --help` stays fast.
 """
@@ -27,8 +30,13 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="stop once the answer contains TEXT (repeatable); <|im_end|> always stops")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--fp16", action="store_true", help="run with float16 weights")
-    p.add_argument("--min-pixels", type=int, default=None, help="smallest resized image area (default 3136)")
-    p.add_argument("--max-pixels", type=int, default=None, help="largest resized image area (default 1003520)")
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="smallest resized image area (default: the checkpoint's preprocessor_config.json, else 3136)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="largest resized image area (default: the checkpoint's preprocessor_config.json, else 1003520)")
+    p.add_argument("--show-special-tokens", action="store_true",
+                   help="print every special token (by default only the grounding tags such as "
+                        "<|box_start|>...<|box_end|> are printed)")
 
 
 def register(sub) -> None:
@@ -83,16 +91,17 @@ class _Session:
         self.args = args
 
     def answer(self, messages, images) -> str:
-        from .generate import encode_chat, generate, stop_token_ids
+        from .generate import decode_answer, encode_chat, generate, stop_token_ids
 
         a = self.args
+        show = getattr(a, "show_special_tokens", False)
         sample = encode_chat(self.proc, messages, images)
         shown, ids = "", []
 
         def on_token(_row, tok):
             nonlocal shown
             ids.append(tok)
-            text = self.proc.decode(ids)
+            text = decode_answer(self.proc, ids, show)
             if text.startswith(shown):
                 sys.stdout.write(text[len(shown):])
                 sys.stdout.flush()
@@ -103,7 +112,7 @@ class _Session:
                  repetition_penalty=a.repetition_penalty, eos_token_ids=stop_token_ids(self.proc),
                  stop_strings=tuple(a.stop), seed=a.seed)
         sys.stdout.write("\n")
-        text = self.proc.decode(ids)
+        text = decode_answer(self.proc, ids, show)
         for s in a.stop:
             text = text.split(s)[0]
         return text.strip()

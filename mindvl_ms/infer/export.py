@@ -42,23 +42,16 @@ def _describe(names, placeholders):
 
 def image_config_for(ckpt: str):
     """The checkpoint's preprocessor_config.json values when present, else the Qwen2-VL defaults."""
-    from ..config.data import ImageConfig
+    from ..checkpoint.processor_files import read_image_config
 
-    cfg = ImageConfig()
-    fn = os.path.join(ckpt, "preprocessor_config.json")
-    if os.path.isfile(fn):
-        with open(fn, encoding="utf-8") as f:
-            d = json.load(f)
-        for k in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                  "image_std"):
-            if d.get(k) is not None:
-                setattr(cfg, k, d[k])
-        cfg.validate()
-    return cfg
+    return read_image_config(ckpt)
 
 
-def export_model(model, out: str, image_config=None, extra: Optional[Dict] = None) -> Dict:
-    """Export a loaded model's vision / prefill / decode graphs to `out`; returns the export.json dict."""
+def export_model(model, out: str, image_config=None, extra: Optional[Dict] = None,
+                 processor_from: Optional[str] = None) -> Dict:
+    """Export a loaded model's vision / prefill / decode graphs to `out`; returns the export.json dict.
+    The processor files of `processor_from` (a checkpoint; defaults when None) are written next to the
+    graphs (tokenizer, preprocessor_config.json, chat_template.json with the training system prompt)."""
     from ..checkpoint.io import atomic_dir, write_json
     from ..config.data import ImageConfig
 
@@ -101,6 +94,12 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
                 "file": fn, "bytes": _size(tmp, name), "inputs": _describe(names, inputs),
                 "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in (outs or lm_out)]}
         meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values())
+        from ..checkpoint.processor_files import carry_processor, read_system_prompt, save_processor
+        from ..config.data import DataConfig
+
+        meta["processor_files"] = (carry_processor(tmp, processor_from) if processor_from else
+                                   save_processor(tmp, data_cfg=DataConfig(image=img)))
+        meta["system_prompt"] = read_system_prompt(tmp)
         write_json(os.path.join(tmp, EXPORT_JSON), meta)
     return meta
 
@@ -123,4 +122,5 @@ def export(ckpt: str, out: str, fp16: bool = False) -> Dict:
     from .generate import load_model
 
     model = load_model(ckpt, fp16)
-    return export_model(model, out, image_config_for(ckpt), extra={"source_checkpoint": os.path.abspath(ckpt)})
+    return export_model(model, out, image_config_for(ckpt), extra={"source_checkpoint": os.path.abspath(ckpt)},
+                        processor_from=ckpt)

@@ -201,12 +201,12 @@ def load_model(ckpt: str, fp16: bool = False):
 
 
 def load_processor(ckpt: Optional[str], model_config=None):
-    """The checkpoint's tokenizer when it ships one, else the bundled Qwen3 tokenizer; checked against
-    the model's vocabulary."""
-    from ..data.processor import MindVLProcessor
+    """The checkpoint's processor (checkpoint/processor_files.py): its tokenizer when it ships one, else the
+    bundled Qwen3 tokenizer; its pixel limits (preprocessor_config.json) and training system prompt
+    (chat_template.json) when recorded, else the defaults. Checked against the model's vocabulary."""
+    from ..checkpoint.processor_files import processor_of
 
-    has_tok = ckpt and any(os.path.isfile(os.path.join(ckpt, f)) for f in ("tokenizer.json", "vocab.json"))
-    proc = MindVLProcessor.from_pretrained(ckpt if has_tok else None)
+    proc = processor_of(ckpt)
     if model_config is not None:
         if proc.image_pad_id != model_config.image_token_id:
             raise ValueError(f"tokenizer's <|image_pad|> is {proc.image_pad_id} but the model expects "
@@ -215,6 +215,29 @@ def load_processor(ckpt: Optional[str], model_config=None):
             raise ValueError(f"tokenizer has {proc.tokenizer.vocab_size} tokens, the model only "
                              f"{model_config.text.vocab_size}")
     return proc
+
+
+GROUNDING_TAGS = ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+                  "<|quad_end|>")
+
+
+def decode_answer(processor, ids: Sequence[int], show_special: bool = False) -> str:
+    """Generated ids -> the text `mindvl generate` / `chat` print: special tokens dropped except the
+    grounding tags (`<|box_start|>(x1,y1),(x2,y2)<|box_end|>` stays readable); with show_special every
+    token as text, the stop token included."""
+    tok = processor.tokenizer
+    ids = [int(i) for i in ids]
+    if show_special:
+        return tok.decode(ids, skip_special_tokens=False)
+    keep = {tok.token_to_id(t) for t in GROUNDING_TAGS if tok.has_token(t)}
+    parts, run = [], []
+    for i in ids:
+        if i in keep:  # special tokens are whole tokens, so decoding around them splits no character
+            parts += [tok.decode(run, skip_special_tokens=True), tok.decode([i], skip_special_tokens=False)]
+            run = []
+        else:
+            run.append(i)
+    return "".join(parts + [tok.decode(run, skip_special_tokens=True)])
 
 
 class EvalBackend:

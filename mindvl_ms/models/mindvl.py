@@ -11,6 +11,8 @@ Outputs (the same for every configuration):
   expert_load float32[layers, E]   tokens routed to each expert per MoE layer ([1, 1] zeros for dense)
 
 Parameter names follow transformers' Qwen2.5-VL checkpoint layout: `visual.*`, `model.*`, `lm_head.*`.
+Keyword calls (`model(**processor(...))`, `model.generate(**inputs)`) are a host-side layer over this
+positional path: models/hf_api.py.
 """
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -93,6 +95,24 @@ class MindVLForConditionalGeneration(nn.Cell):
     def set_dynamic_inputs(self) -> "MindVLForConditionalGeneration":
         self.set_inputs(*self.dynamic_inputs())
         return self
+
+    # -- Hugging Face style calls (models/hf_api.py) ------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """Positional INPUT_NAMES arrays: the compiled graph, returning (logits, aux_loss, expert_load).
+        Keywords only, as a processor returns them (`model(**inputs)`): a MindVLOutput with .logits and,
+        given labels, .loss, computed through that same positional path."""
+        if kwargs and not args:
+            from .hf_api import forward
+
+            return forward(self, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def generate(self, **inputs):
+        """`model.generate(**processor_outputs, max_new_tokens=..., do_sample=...)` -> token ids [B, L + n]
+        (prompt then new tokens), through mindvl_ms.infer.generate's KV-cache engine."""
+        from .hf_api import generate
+
+        return generate(self, **inputs)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @classmethod

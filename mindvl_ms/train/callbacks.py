@@ -8,15 +8,18 @@
 - `plot_stage`: OUT/<stage>/loss_lr.png (matplotlib Agg; loss left axis, LR right axis).
 - `summarize`: throughput and model FLOPs utilisation. FLOPs per step = 6 x parameters x tokens
   (forward 2 + backward 4, the PaLM convention; attention score FLOPs left out), counted for the LLM
-  on text tokens and for the vision tower on patches. MFU divides by the matmul peak measured on
-  this machine with MindSpore (`measure_matmul_peak`), so it is honest about the hardware.
+  on text tokens and for the vision tower on patches. MFU divides by the per-device peak from
+  `device_peak`: the vendor's dense matmul peak for the device and compute dtype when `PEAK_TFLOPS`
+  has it (Ascend 910 fp16, Ascend 910B bf16/fp16), else the fp32 matmul rate measured on this machine
+  with MindSpore (`measure_matmul_peak`; every CPU run, and Ascend with float32 or an unlisted chip).
+  The summary and the log say which (`peak_source`, "table: ..." or "measured: ...").
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -106,6 +109,39 @@ def measure_matmul_peak(n: int = 512, repeats: int = 20) -> float:
     return 2.0 * n ** 3 / best
 
 
+# (SoC version as MindSpore names it, compute dtype) -> (dense matmul peak per device in TFLOP/s, source).
+# SoC names: MSContext.get_ascend_soc_version() ('ascend910' = 910A, 'ascend910b' = the 910B family).
+PEAK_TFLOPS: Dict[Tuple[str, str], Tuple[float, str]] = {
+    ("ascend910", "float16"): (256.0, "Ascend 910 fp16 peak published by Huawei (2019): 256 TFLOPS"),
+    ("ascend910b", "bfloat16"): (313.0, "Ascend 910B (Atlas 800T A2) bf16/fp16 peak as commonly quoted: 313 TFLOPS"),
+    ("ascend910b", "float16"): (313.0, "Ascend 910B (Atlas 800T A2) bf16/fp16 peak as commonly quoted: 313 TFLOPS"),
+}
+
+
+def soc_version() -> str:
+    """MindSpore's Ascend SoC name ('' off Ascend or when MindSpore cannot tell)."""
+    try:
+        import mindspore as ms
+        from mindspore._c_expression import MSContext
+
+        if ms.get_context("device_target") != "Ascend":
+            return ""
+        return str(MSContext.get_instance().get_ascend_soc_version() or "")
+    except (ImportError, AttributeError, RuntimeError):
+        return ""
+
+
+def device_peak(device_target: str, soc: str, precision: str,
+                measure: Callable[[], float] = measure_matmul_peak) -> Tuple[float, str]:
+    """(peak FLOP/s per device, where it comes from) for MFU; see the module docstring."""
+    hit = PEAK_TFLOPS.get((soc.lower(), precision)) if device_target == "Ascend" else None
+    if hit is not None:
+        return hit[0] * 1e12, f"table: {hit[1]} ({soc}, {precision})"
+    flops = measure()
+    why = f"no table entry for {soc or device_target} {precision}; " if device_target == "Ascend" else ""
+    return flops, f"measured: {why}fp32 512x512 MindSpore matmul on this {device_target}, {flops / 1e9:.1f} GFLOP/s"
+
+
 def param_counts(model) -> Dict[str, int]:
     """Parameters of the vision tower, the LLM (without the embedding lookup table) and in total."""
     vis = llm = total = 0
@@ -122,7 +158,7 @@ def param_counts(model) -> Dict[str, int]:
 
 
 def summarize(records: List[Dict[str, Any]], counts: Dict[str, int], peak_flops: float, world: int,
-              wall_time: float, compile_time: float) -> Dict[str, Any]:
+              wall_time: float, compile_time: float, peak_source: str = "measured") -> Dict[str, Any]:
     """Run summary from step records (this rank's tokens; FLOPs scaled by the number of ranks)."""
     if not records:
         return {"steps": 0, "wall_time_s": wall_time}
@@ -139,6 +175,7 @@ def summarize(records: List[Dict[str, Any]], counts: Dict[str, int], peak_flops:
         "model_tflops_per_s": achieved / 1e12,
         "peak_tflops_per_s": peak_flops * world / 1e12,
         "mfu": achieved / (peak_flops * world),
+        "peak_source": peak_source,
         "final_loss": records[-1]["loss"],
         "skipped_steps": sum(0 if r["applied"] else 1 for r in records),
         "compile_time_s": compile_time,

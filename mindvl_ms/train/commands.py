@@ -22,7 +22,9 @@ def register(subparsers) -> None:
                "  mindvl train --config run.yaml --resume runs/x     # continue an interrupted run\n"
                "  scripts/msrun_train.sh 2 mindvl train --config run.yaml   # 2 data-parallel workers",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="run YAML (may `_include_` model/stage/parallel YAMLs)")
+    p.add_argument("--config", required=True,
+                   help="run YAML (may `_include_` model/stage/parallel YAMLs); a path that does not exist here "
+                        "is looked up in the packaged configs (configs/stage/tiny-cpu.yaml works from any directory)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set stages.0.max_lr=1e-4 --set seed=7 (repeatable)")
     p.add_argument("--resume", default=None, metavar="DIR",
@@ -38,7 +40,9 @@ def _run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_run_config(args.config, args.set)
+        from ..config.packaged import resolve_config
+
+        cfg = load_run_config(resolve_config(args.config)[0], args.set)
         summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..checkpoint import trainer_state as ts
 from ..config.base import to_dict
-from .callbacks import MetricsLog, ProgressBar, measure_matmul_peak, param_counts, plot_stage, summarize
+from .callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
 from .data import micro_batches, rank_slice
 from .distributed import DistInfo, HostAllReduce, gather_json, setup
 from .lr import WarmupCosine
@@ -74,6 +74,19 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     elif stage.token_budget is None and stage.max_steps is None:  # online packing: count packs once
         rows = sum(1 for _ in loader.source.epoch_packs(0)) * dist.dp
     return LoaderSource(loader, rows)
+
+
+def _processor_writer(run_cfg, stage, model):
+    """Writes the stage's processor (tokenizer, pixel limits, system prompt) into each checkpoint
+    (checkpoint/processor_files.py); None for a model without a config (nothing to serve it with)."""
+    from ..checkpoint.processor_files import ProcessorWriter
+    from ..config.base import deep_merge, load
+    from ..config.data import DataConfig
+
+    if getattr(model, "config", None) is None:
+        return None
+    return ProcessorWriter(load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data),
+                                source=f"stage '{stage.name}' data"))
 
 
 def build_model(run_cfg):
@@ -159,7 +172,8 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     elif dist.is_main and os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
         os.remove(os.path.join(out_dir, "metrics.jsonl"))  # a fresh run in a reused directory
     ts.clean_partial(out_dir)
-    peak = measure_matmul_peak()
+    peak, peak_source = device_peak(run_cfg.context.device_target, soc_version(), run_cfg.context.precision)
+    log.info("MFU peak: %.2f TFLOP/s per device (%s)", peak / 1e12, peak_source)
     counts = param_counts(model)
     stage_reports, compile_time = [], 0.0
     for si in range(start_stage, len(run_cfg.stages)):
@@ -186,6 +200,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
                  stage.name, total, accum, stage.micro_batch_size, len(params))
         bar = ProgressBar(total, step, f"{stage.name}", enabled=progress and dist.is_main)
+        write_processor = _processor_writer(run_cfg, stage, model)
 
         def data_states(src):
             """Every rank's loader state (gathered to rank 0) for per-rank loaders; one state otherwise."""
@@ -200,7 +215,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                   "nonfinite_run": nonfinite_run, "seed": run_cfg.seed}
             path = os.path.join(stage_dir, f"checkpoint-{step_now:06d}")
             if dist.is_main:
-                ts.save_checkpoint(path, model, engine.state_parameters(), st, out_dir)
+                ts.save_checkpoint(path, model, engine.state_parameters(), st, out_dir, extra=write_processor)
                 ts.prune(stage_dir, stage.keep_last, protect=path)
             return path
 
@@ -255,9 +270,10 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                               "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": skipped,
                               "compiled_graphs": engine.compiles})
         state = None
-    summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time)
+    summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time,
+                        peak_source)
     summary.update({"stages": stage_reports, "out_dir": out_dir, "ranks": dist.world,
-                    "matmul_peak_gflops": peak / 1e9})
+                    "peak_gflops_per_device": peak / 1e9})
     if dist.is_main:
         from ..checkpoint.io import write_json
 
