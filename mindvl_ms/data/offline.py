@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from ..config.data import DataConfig
 from .packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
-from .schema import Sample, SampleError, count_placeholders, parse_line
+from .schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
 
 _PROC = None  # per-worker processor (tokenizer loaded once per process)
 
@@ -39,7 +39,7 @@ def _init_worker(config: DataConfig) -> None:
 
 def sample_meta(proc, sample: Sample) -> Tuple[int, int]:
     """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers)."""
-    from .processor import image_size, image_tokens
+    from .processor import image_size, image_tokens, quality_errors
 
     n_ph = count_placeholders(sample)
     if n_ph != len(sample.images):
@@ -51,34 +51,40 @@ def sample_meta(proc, sample: Sample) -> Tuple[int, int]:
             sizes = [image_size(p) for p in sample.images]
         except (OSError, FileNotFoundError) as e:
             raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+    field = "image_sizes" if sample.image_sizes is not None else "images"
+    for k, (w, h) in enumerate(sizes):
+        bad = quality_errors(w, h, proc.image_config, sample.images[k])
+        if bad:
+            raise SampleError(sample.source, sample.line, bad[0][0], f"field {field}[{k}]: {bad[0][1]}")
     try:
         counts = [image_tokens(w, h, proc.image_config) for w, h in sizes]
     except ValueError as e:
-        raise SampleError(sample.source, sample.line, "bad image size", str(e)) from None
+        raise SampleError(sample.source, sample.line, "bad image size", f"field {field}: {e}") from None
     return proc.count_tokens(sample.messages, counts), sum(counts)
 
 
-def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[str]]]:
-    """[(line, (tokens, image_tokens) or None, reason or None)] for a chunk of raw lines."""
+def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[Tuple[str, str]]]]:
+    """[(line, (tokens, image_tokens) or None, (reason, detail) or None)] for a chunk of raw lines
+    (plain tuples: they cross process boundaries)."""
     path, chunk = args
     out = []
-    for line, text in chunk:
-        s = parse_line(text, path, line)
-        if isinstance(s, SampleError):
-            out.append((line, None, s.reason))
-            continue
+    for line, raw in chunk:
         try:
+            s = parse_raw(raw, path, line)
+            if isinstance(s, SampleError):
+                raise s
             out.append((line, sample_meta(_PROC, s), None))
         except SampleError as e:
-            out.append((line, None, e.reason))
+            out.append((line, None, (e.reason, e.detail)))
+        except Exception as e:  # any per-line failure costs the line, never the run
+            out.append((line, None, ("error", f"{type(e).__name__}: {e}")))
     return out
 
 
 def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int = 2000,
                      progress: bool = True) -> Tuple[List[Item], List[Dict[str, Any]]]:
     """Items (key = 1-based line) and dropped entries for every line of `path`."""
-    with open(path, encoding="utf-8") as f:
-        lines = list(enumerate(f, 1))
+    lines = read_raw_lines(path)
     chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
     workers = workers or os.cpu_count() or 1
     items, dropped = [], []
@@ -100,9 +106,9 @@ def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int
 
 
 def _collect(res, items, dropped) -> None:
-    for line, meta, reason in res:
+    for line, meta, err in res:
         if meta is None:
-            dropped.append({"line": line, "reason": reason})
+            dropped.append({"line": line, "reason": err[0], "detail": err[1]})
         else:
             items.append(Item(line, meta[0], meta[1]))
 
@@ -113,17 +119,26 @@ def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int
     t0 = time.perf_counter()
     items, dropped = compute_metadata(path, config, config.pack_workers if workers is None else workers,
                                       progress=progress)
+    budget = config.visual_budget()
     if config.over_length == "error":
-        _, bad = split_oversized(items, config.seq_length, config.max_image_tokens)
+        _, bad = split_oversized(items, config.seq_length, budget)
         if bad:
             raise ValueError(f"{path}:{bad[0][0].key}: {bad[0][1]} (over_length: error; "
                              f"{len(bad)} such samples)")
-    ok, bad = split_oversized(items, config.seq_length, config.max_image_tokens)
+    ok, bad = split_oversized(items, config.seq_length, budget)
     dropped += [{"line": it.key, "reason": reason} for it, reason in bad]
     t_meta = time.perf_counter() - t0
-    packs = pack_bfd(ok, config.seq_length, config.max_image_tokens)
+    packs = pack_bfd(ok, config.seq_length, budget)
     if len(packs) < config.dp_size:
-        raise ValueError(f"{path}: only {len(packs)} packs for {config.dp_size} ranks; add data or lower dp_size")
+        why = ""
+        if dropped:
+            dropped.sort(key=lambda d: d["line"])
+            shown = "; ".join(f"{path}:{d['line']}: {d['reason']}" + (f": {d['detail']}" if d.get("detail") else "")
+                              for d in dropped[:3])
+            why = (f": {len(dropped)} of {len(items) + len(dropped) - len(bad)} lines were dropped ({shown}"
+                   f"{'; ...' if len(dropped) > 3 else ''})")
+        raise ValueError(f"{path}: only {len(packs)} packs for {config.dp_size} ranks{why}; "
+                         f"add data or lower dp_size")
     ranks, stats = assign_ranks(packs, config.dp_size)
     t_pack = time.perf_counter() - t0 - t_meta
     os.makedirs(out_dir, exist_ok=True)
@@ -131,7 +146,7 @@ def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int
     all_packs = [p for r in ranks for p in r]
     dropped.sort(key=lambda d: d["line"])
     manifest = {
-        "seq_length": config.seq_length, "dp_size": config.dp_size, "max_image_tokens": config.max_image_tokens,
+        "seq_length": config.seq_length, "dp_size": config.dp_size, "max_image_tokens": budget,
         "source": os.path.abspath(path), "num_lines": len(items) + len(dropped) - len(bad),
         "num_samples": sum(len(p.items) for p in all_packs), "num_packs": len(all_packs),
         "efficiency": round(efficiency(all_packs, config.seq_length), 6),
