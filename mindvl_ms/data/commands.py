@@ -47,7 +47,10 @@ def _pack(args) -> int:
         if v is not None:
             setattr(cfg, field, v)
     cfg.dp_rank = 0
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ValueError as e:  # a flag (or the YAML) value: name where it came from
+        raise ValueError(f"{args.config or 'flags'}: data: {e}") from None
     man = pack_file(args.input, args.out_dir, cfg, workers=args.workers, progress=not args.quiet)
     print(f"{man['num_samples']} samples in {man['num_packs']} packs of {man['seq_length']} tokens over "
           f"{man['dp_size']} ranks: efficiency {man['efficiency']:.4f}, max/min rank tokens "
@@ -91,7 +94,9 @@ def register(subparsers) -> None:
     k.add_argument("--config", help="YAML with a data: section (DataConfig)")
     k.add_argument("--tokenizer", help="tokenizer dir or file (default: the bundled Qwen3 tokenizer)")
     k.add_argument("--seq-length", type=int, help="tokens per pack (default 4096)")
-    k.add_argument("--max-image-tokens", type=int, help="visual tokens per pack (default 2048)")
+    k.add_argument("--max-image-tokens", type=int,
+                   help="visual tokens per pack (default 0 = seq_length: packs fill on tokens; a smaller value is "
+                        "the ViT-balance option, bounding vision work per pack at a cost in fill)")
     k.add_argument("--dp-size", type=int, help="data-parallel ranks, one shard each (default 1)")
     k.add_argument("--workers", type=int, help="processes for the metadata pass (default: data.pack_workers, 0 = all cores)")
     k.add_argument("--quiet", action="store_true", help="no progress bars")
