@@ -120,6 +120,7 @@ class OnlinePackSource:
         self.epoch_total: Optional[int] = None
         self.on_skip: Optional[Callable[[SampleError], None]] = None  # set by the DataLoader
         self._muted = False
+        self._counting = False
 
     def _epoch_order(self, epoch: int) -> List[Tuple[int, int, int]]:
         """[(source index, line, offset)] for the epoch: weight w gives floor(w) passes + a random fraction."""
@@ -153,7 +154,7 @@ class OnlinePackSource:
             yield Item((k, line, off), tokens, img)
 
     def _skipped(self, err: SampleError) -> None:
-        if not self._muted:  # a resume replays the epoch's metadata up to the saved pack: counted once
+        if not (self._muted or self._counting):  # a resume replays the epoch up to the saved pack: counted once
             warnings.warn(f"skipping {err}")
             if self.on_skip is not None:
                 self.on_skip(err)
@@ -176,7 +177,12 @@ class OnlinePackSource:
             self._skipped(SampleError(self.config.sources[k].path, line, reason.split(" (")[0], reason))
 
     def epoch_packs(self, epoch: int) -> Iterator[Pack]:
-        return self.skip(epoch, 0)
+        """Every pack of an epoch, e.g. to count them; its skips are left to the loader's own pass."""
+        self._counting = True
+        try:
+            yield from self.skip(epoch, 0)
+        finally:
+            self._counting = False
 
 
 class DataLoader:

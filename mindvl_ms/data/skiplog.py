@@ -1,7 +1,7 @@
 """Skipped-sample accounting, the training stage's skip guard, and the data-source fingerprint.
 
-- `SkipLog`: counts skipped samples by reason and keeps the first few `file:line` of each reason
-  (the loader fills it; it is saved in the loader state and printed in summaries).
+- `SkipLog`: counts skipped lines by reason (each line once) and keeps the first few `file:line` of
+  each reason (the loader fills it; it is saved in the loader state and printed in summaries).
 - `SkipGuard` (used by the trainer once per global batch, before the optimizer step):
   * a global batch with no supervised token on any rank is never stepped (an empty step would still
     move weights through weight decay);
@@ -27,13 +27,18 @@ FIRST = 3  # file:line kept per reason
 
 
 class SkipLog:
-    """Skipped samples by reason: {reason: {"count": n, "first": ["file:line", ...]}}."""
+    """Skipped samples by reason: {reason: {"count": n, "first": ["file:line", ...]}}. A line counts once
+    however often it comes round (epochs, mix weights above 1)."""
 
     def __init__(self, reasons: Optional[Dict[str, Dict[str, Any]]] = None):
         self.reasons: Dict[str, Dict[str, Any]] = {k: {"count": int(v["count"]), "first": list(v["first"])}
                                                   for k, v in (reasons or {}).items()}
+        self._lines = set()
 
     def add(self, reason: str, where: str) -> None:
+        if (reason, where) in self._lines:
+            return
+        self._lines.add((reason, where))
         r = self.reasons.setdefault(reason, {"count": 0, "first": []})
         r["count"] += 1
         if len(r["first"]) < FIRST:
@@ -111,7 +116,7 @@ class SkipGuard:
                 f"stage '{self.stage}': {skipped} of{of} {denom} samples were skipped "
                 f"({100.0 * skipped / max(denom, 1):.1f}%, above data.max_skip_fraction={self.max_fraction:g})")
         body = log.summary() if log.reasons else "  (no sample was skipped: the samples have no supervised token)"
-        return (f"{head}; nothing was trained on the remaining batch and no checkpoint was written. "
+        return (f"{head}; this batch was not stepped and no checkpoint was written. "
                 f"Skipped by reason:\n{body}\nFix or drop the bad lines (`mindvl data validate FILE --drop-bad "
                 f"CLEAN.jsonl`) or raise data.max_skip_fraction.")
 
