@@ -98,6 +98,11 @@ class SkipGuard:
             return g_sup, self._message(stats, skipped, denom, "", empty=True)
         return g_sup, None
 
+    def skipped(self, loader) -> tuple:
+        """(skipped lines, {reason: count}) of a loader with a SkipLog; (0, {}) for other sources."""
+        log = getattr(loader, "skips", None)
+        return (log.total, {k: v["count"] for k, v in log.reasons.items()}) if log is not None else (0, {})
+
     def no_data_message(self, loader, err: Exception) -> str:
         """The stage cannot start or go on: the loader produced no batch in a whole epoch."""
         log = getattr(loader, "skips", None) or SkipLog()

@@ -56,7 +56,8 @@ def check_image(path: str, cfg: ImageConfig, decode: bool = True) -> Tuple[Optio
     return size, errs + quality_errors(w, h, cfg, path)
 
 
-def check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool, cache: Dict) -> List[Tuple[str, str]]:
+def check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool,
+               cache: Dict) -> List[Tuple[str, str]]:
     """All problems of one raw JSONL line as (reason, detail)."""
     try:
         return _check_line(raw, source, line, cfg, decode, cache)
@@ -64,7 +65,8 @@ def check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: boo
         return [("error", f"{type(e).__name__}: {e}")]
 
 
-def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool, cache: Dict) -> List[Tuple[str, str]]:
+def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool,
+                cache: Dict) -> List[Tuple[str, str]]:
     s = parse_raw(raw, source, line)
     if isinstance(s, SampleError):
         return [(s.reason, s.detail)]

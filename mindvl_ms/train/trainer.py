@@ -197,9 +197,9 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
             source.load_state_dict(data_state)
             step, skipped = start_step, state.get("skipped", 0)
             nonfinite_run = state.get("nonfinite_run", 0)
-        guard = SkipGuard(stage.name, getattr(getattr(source, "loader", None), "config", run_cfg.data).max_skip_fraction,
-                          allreduce, getattr(source, "rows_per_epoch", None), stage.global_batch_size,
-                          (lambda o: gather_json(o, dist.world)) if dist.world > 1 else None)
+        data_cfg = getattr(getattr(source, "loader", None), "config", run_cfg.data)
+        guard = SkipGuard(stage.name, data_cfg.max_skip_fraction, allreduce, getattr(source, "rows_per_epoch", None),
+                          stage.global_batch_size, (lambda o: gather_json(o, dist.world)) if dist.world > 1 else None)
         fingerprint = stage_fingerprint(run_cfg, stage)
         log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
                  stage.name, total, accum, stage.micro_batch_size, len(params))
@@ -280,15 +280,13 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         recs = metrics.read(stage.name)
         png = plot_stage(recs, os.path.join(stage_dir, "loss_lr.png"), f"{stage.name}") if (
             run_cfg.plot and dist.is_main) else None
-        skips = getattr(getattr(source, "loader", None), "skips", None)
+        n_skip, by_reason = guard.skipped(getattr(source, "loader", source))
         stage_reports.append({"stage": stage.name, "steps": total, "checkpoint": final, "plot": png,
                               "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": skipped,
-                              "skipped_samples": skips.total if skips else 0,
-                              "skipped_by_reason": {k: v["count"] for k, v in skips.reasons.items()} if skips else {},
+                              "skipped_samples": n_skip, "skipped_by_reason": by_reason,
                               "compiled_graphs": engine.compiles})
-        log.info("stage %s done: %d steps, %d samples skipped%s", stage.name, total, skips.total if skips else 0,
-                 f" ({', '.join(f'{k}: {v}' for k, v in stage_reports[-1]['skipped_by_reason'].items())})"
-                 if skips and skips.total else "")
+        log.info("stage %s done: %d steps, %d samples skipped%s", stage.name, total, n_skip,
+                 f" ({', '.join(f'{k}: {v}' for k, v in by_reason.items())})" if n_skip else "")
         state = None
     summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time)
     summary.update({"stages": stage_reports, "out_dir": out_dir, "ranks": dist.world,
