@@ -18,7 +18,7 @@ import sys
 from typing import List, Optional
 
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-_NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)
+_NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
 
 COMMAND_MODULES = [
     "mindvl_ms.checkpoint.commands_convert",

@@ -219,6 +219,32 @@ def test_output_errors_are_one_line_with_path_and_remedy(tmp_path, capsys, monke
         f"(inputs), or choose another output directory, and run again."]
 
 
+@pytest.mark.parametrize("command", ["merge", "eval"])
+def test_unwritable_output_of_merge_and_eval(tmp_path, capsys, monkeypatch, command):
+    from mindvl_ms.checkpoint.io import RawTensor, write_file
+
+    out = str(tmp_path / "out")
+    if command == "merge":
+        ins = [str(tmp_path / f"{k}.safetensors") for k in range(2)]
+        for k, p in enumerate(ins):
+            write_file(p, {"w": RawTensor.of(np.full((2, 2), k, np.float32))})
+        argv = ["merge", *ins, "--out", out, "--quiet"]
+    else:
+        argv = ["eval", "--ckpt", str(tmp_path / "no_ckpt"), "--data",
+                _write(tmp_path / "b.jsonl", [_obj(answer="x")]), "--out", out]
+
+    def denied(path, *a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+    monkeypatch.setattr(os, "makedirs", denied)
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"mindvl {command}: error: cannot access {re.escape(str(tmp_path))}\S*: Permission denied; make it "
+        rf"writable \(outputs\) or readable \(inputs\), or choose another output directory, and run again\.",
+        err[0]), err
+    assert not os.path.exists(out)
+
+
 def test_demo_plain_run_yaml_equals_the_demo_recipe():
     from mindvl_ms.config.base import to_dict
     from mindvl_ms.demo.run import load_demo_config
