@@ -100,6 +100,20 @@ def test_size_mismatch_costs_one_line_in_the_loader_and_is_named_everywhere(mixe
     assert (st["epoch_seen"], st["epoch_skipped"], st["epoch_total"]) == (6, 2, 6)
     assert st["reasons"] == {"undecodable bytes": {"count": 1, "first": [f"{src}:3"]},
                              "image size mismatch": {"count": 1, "first": [f"{src}:5"]}}
+    # pack: checked against the header and dropped; with --trust-image-sizes packed, then skipped by the loader
+    from mindvl_ms.data.offline import pack_file
+
+    packed = src.replace("train.jsonl", "packed")
+    man = pack_file(src, packed, DataConfig(seq_length=512), workers=1, progress=False)
+    assert {"line": 5, "reason": "image size mismatch", "detail": mismatch.split(": ", 1)[1]} in man["dropped"]
+    man = pack_file(src, packed, DataConfig(seq_length=512), workers=1, progress=False, check_sizes=False)
+    assert [d["line"] for d in man["dropped"]] == [3]
+    loader = DataLoader.from_config(DataConfig(packed_dir=packed, seq_length=512, shuffle=False))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        rows = [r for batch in loader for r in batch]
+    assert [str(x.message) for x in w if str(x.message).startswith("skipping")] == [f"skipping {src}:5: {mismatch}"]
+    assert sorted(s["line"] for r in rows for s in r) == [1, 2, 4, 6]
     bench = src.replace("train.jsonl", "bench.jsonl")
     _write(bench, [_obj("strip.png", image_sizes=[[112, 112]])])
     with pytest.raises(ValueError) as e:

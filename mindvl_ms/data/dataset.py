@@ -242,8 +242,8 @@ class DataLoader:
                 self.epoch_seen += 1
                 try:
                     s = parse_sample(obj, src, line)
-                    s.images = [p if os.path.isabs(p) else os.path.join(os.path.dirname(os.path.abspath(path)), p)
-                                for p in (obj.get("images") or [])]
+                    base = os.path.dirname(os.path.abspath(path))  # shard paths are relative to the shard
+                    s.images = [os.path.normpath(os.path.join(base, p)) for p in (obj.get("images") or [])]
                     out = self.proc.process_sample(s)
                     out["source"] = src
                     row.append(out)

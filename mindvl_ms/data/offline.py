@@ -2,6 +2,9 @@
 
 1. Metadata pass (multi-process, tqdm): every line is parsed; image token counts come from
    `image_sizes` when present, else from the image header (PIL opens lazily: no pixel decoding);
+   given `image_sizes` are checked against the headers (a line whose sizes disagree is dropped as
+   "image size mismatch" with the field named: its token count would be wrong) unless
+   `check_sizes=False` (`mindvl data pack --trust-image-sizes`, no image file is opened then);
    text token counts from the chat template via the tokenizer (`MindVLProcessor.count_tokens`,
    the same function the loader's lengths agree with). Bad lines become `dropped` entries with a
    reason, never silent skips.
@@ -27,18 +30,20 @@ from .packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
 from .schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
 
 _PROC = None  # per-worker processor (tokenizer loaded once per process)
+_CHECK = True  # per-worker: compare image_sizes with the image headers
 
 
-def _init_worker(config: DataConfig) -> None:
-    global _PROC
+def _init_worker(config: DataConfig, check_sizes: bool = True) -> None:
+    global _PROC, _CHECK
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from .processor import MindVLProcessor
 
-    _PROC = MindVLProcessor(config=config)
+    _PROC, _CHECK = MindVLProcessor(config=config), check_sizes
 
 
-def sample_meta(proc, sample: Sample) -> Tuple[int, int]:
-    """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers)."""
+def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, int]:
+    """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers); with
+    `check_sizes`, given image_sizes must match the headers."""
     from .processor import image_size, image_tokens, quality_errors
 
     n_ph = count_placeholders(sample)
@@ -46,11 +51,16 @@ def sample_meta(proc, sample: Sample) -> Tuple[int, int]:
         raise SampleError(sample.source, sample.line, "image count mismatch",
                           f"{n_ph} <image> placeholders for {len(sample.images)} images")
     sizes = sample.image_sizes
-    if sizes is None:
+    if sizes is None or check_sizes:
         try:
-            sizes = [image_size(p) for p in sample.images]
+            real = [image_size(p) for p in sample.images]
         except (OSError, FileNotFoundError) as e:
             raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+        for k, (given, got) in enumerate(zip(sizes or real, real)):
+            if tuple(given) != tuple(got):
+                raise SampleError(sample.source, sample.line, "image size mismatch",
+                                  f"field image_sizes[{k}]={list(given)} but {sample.images[k]} is {got[0]}x{got[1]}")
+        sizes = real
     field = "image_sizes" if sample.image_sizes is not None else "images"
     for k, (w, h) in enumerate(sizes):
         bad = quality_errors(w, h, proc.image_config, sample.images[k])
@@ -73,7 +83,7 @@ def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[Tup
             s = parse_raw(raw, path, line)
             if isinstance(s, SampleError):
                 raise s
-            out.append((line, sample_meta(_PROC, s), None))
+            out.append((line, sample_meta(_PROC, s, _CHECK), None))
         except SampleError as e:
             out.append((line, None, (e.reason, e.detail)))
         except Exception as e:  # any per-line failure costs the line, never the run
@@ -82,7 +92,7 @@ def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[Tup
 
 
 def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int = 2000,
-                     progress: bool = True) -> Tuple[List[Item], List[Dict[str, Any]]]:
+                     progress: bool = True, check_sizes: bool = True) -> Tuple[List[Item], List[Dict[str, Any]]]:
     """Items (key = 1-based line) and dropped entries for every line of `path`."""
     lines = read_raw_lines(path)
     chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
@@ -90,13 +100,13 @@ def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int
     items, dropped = [], []
     bar = tqdm(total=len(lines), desc="metadata", unit="sample", disable=not progress)
     if workers > 1 and len(chunks) > 1:
-        with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(config,)) as pool:
+        with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(config, check_sizes)) as pool:
             results = pool.imap(_meta_chunk, chunks)
             for res in results:
                 _collect(res, items, dropped)
                 bar.update(len(res))
     else:
-        _init_worker(config)
+        _init_worker(config, check_sizes)
         for c in chunks:
             res = _meta_chunk(c)
             _collect(res, items, dropped)
@@ -114,11 +124,11 @@ def _collect(res, items, dropped) -> None:
 
 
 def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int] = None,
-              progress: bool = True) -> Dict[str, Any]:
+              progress: bool = True, check_sizes: bool = True) -> Dict[str, Any]:
     """Pack `path` into per-rank shards under `out_dir`; returns the manifest (also written)."""
     t0 = time.perf_counter()
     items, dropped = compute_metadata(path, config, config.pack_workers if workers is None else workers,
-                                      progress=progress)
+                                      progress=progress, check_sizes=check_sizes)
     budget = config.visual_budget()
     if config.over_length == "error":
         _, bad = split_oversized(items, config.seq_length, budget)
