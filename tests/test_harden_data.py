@@ -114,6 +114,8 @@ def test_size_mismatch_costs_one_line_in_the_loader_and_is_named_everywhere(mixe
         rows = [r for batch in loader for r in batch]
     assert [str(x.message) for x in w if str(x.message).startswith("skipping")] == [f"skipping {src}:5: {mismatch}"]
     assert sorted(s["line"] for r in rows for s in r) == [1, 2, 4, 6]
+    st = loader.skip_stats()   # offline: the epoch is the 5 packed samples of the shard
+    assert (st["epoch_seen"], st["epoch_skipped"], st["epoch_total"]) == (5, 1, 5)
     bench = src.replace("train.jsonl", "bench.jsonl")
     _write(bench, [_obj("strip.png", image_sizes=[[112, 112]])])
     with pytest.raises(ValueError) as e:
