@@ -2,14 +2,23 @@
 
 Each area registers its own subcommands: a module listed in COMMAND_MODULES exposes
 `register(subparsers)`. Modules import MindSpore lazily inside their handlers so that `--help` is fast.
+
+Errors: user errors (a missing file, a bad value) print one line and exit 2; an output that cannot be
+written (no permission, read-only or full disk) prints one line naming the path and the remedy and
+exits 1 (`output_error`). Checkpoints and shards are written under temporary names and renamed, so such
+a failure leaves the previous outputs as they were.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 from typing import List, Optional
+
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+_NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
 
 COMMAND_MODULES = [
     "mindvl_ms.checkpoint.commands_convert",
@@ -50,6 +59,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (FileNotFoundError, ValueError) as e:  # user errors: one clear line, no traceback
         print(f"mindvl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        msg = output_error(e, args)
+        if msg is None:
+            raise
+        print(f"mindvl {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+
+
+def output_error(e: OSError, args=None) -> Optional[str]:
+    """One line for an output that cannot be written (None for other OS errors). A write that fails
+    for lack of space carries no file name, so the command's output argument names the place."""
+    if e.errno not in _NO_SPACE + _NO_WRITE:
+        return None
+    path = e.filename or next((getattr(args, k) for k in ("out", "out_dir", "output", "dst", "save_dir")
+                               if isinstance(getattr(args, k, None), str)), None) or "the output directory"
+    if e.errno in _NO_SPACE:
+        return (f"cannot write {path}: no space left on the device ({e.strerror}); free space there or choose "
+                f"another output directory. Files written before this one are intact (checkpoints are renamed "
+                f"into place only when complete).")
+    return (f"cannot access {path}: {e.strerror}; make it writable (outputs) or readable (inputs), or choose "
+            f"another output directory, and run again.")
 
 
 if __name__ == "__main__":

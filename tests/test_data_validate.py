@@ -56,7 +56,7 @@ EXPECTED = {2: {"missing image"}, 3: {"corrupt image"}, 4: {"blank image"}, 5: {
 def test_every_defect_is_reported_on_its_line(tmp_path):
     from mindvl_ms.config.data import ImageConfig
 
-    rep = validate_file(_planted(tmp_path), ImageConfig(max_aspect_ratio=100), workers=1, progress=False)
+    rep = validate_file(_planted(tmp_path), ImageConfig(max_aspect_ratio=100, min_side=4), workers=1, progress=False)
     got = {}
     for e in rep["errors"]:
         got.setdefault(e["line"], set()).add(e["reason"])
@@ -68,7 +68,7 @@ def test_every_defect_is_reported_on_its_line(tmp_path):
 def test_cli_validate_exit_codes_and_drop_bad(tmp_path, capsys):
     src = _planted(tmp_path)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("data:\n  image:\n    max_aspect_ratio: 100\n")
+    cfg.write_text("data:\n  image:\n    max_aspect_ratio: 100\n    min_side: 4\n")
     assert main(["data", "validate", src, "--config", str(cfg), "--quiet", "--workers", "1"]) == 1
     out = capsys.readouterr().out
     assert f"{src}:3: corrupt image" in out and "16 lines, 3 ok, 13 with errors" in out

@@ -178,7 +178,7 @@ def test_bad_lines_are_all_reported(tmp_path):
     msg = str(e.value)
     assert msg.startswith("9 bad line(s)")
     for n, text in [(2, "Expecting"), (3, "blank line"), (4, "no reference"), (5, "placeholder"),
-                    (6, "unknown field(s) ['answer']"), (7, "holds no box"), (8, "unknown metric 'bleu'"),
+                    (6, "no reference: give an 'answers' list or an assistant turn (unknown fields kept as metadata: answer)"), (7, "holds no box"), (8, "unknown metric 'bleu'"),
                     (9, "duplicate id 'a'"), (10, "image_sizes: expected 1 [width, height]")]:
         assert f"bad.jsonl:{n}: " in msg and text in msg, (n, text)
 

@@ -6,6 +6,11 @@
 - `write_tensors(dir, tensors, max_shard_bytes)`: one file or shards + index, HF naming.
 - `atomic_dir(path)`: write a directory under a temporary name and rename it into place, so a crash never
   leaves a directory that looks complete but is not.
+- Every read checks the header against the file before touching tensor bytes (`verified_header`): the
+  header length fits the file, each tensor's dtype is known, its shape's byte length equals its
+  `data_offsets` span, and the span ends inside the file. A truncated or corrupt file raises
+  `CheckpointError` naming the file and the tensor ("...: tensor 'x' needs 77,791,232 bytes, the file
+  ends after 40,199,484"), for every command that loads weights (resume, generate, eval, convert, export).
 """
 import contextlib
 import json
@@ -17,6 +22,10 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, Optional
 
 import numpy as np
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as written; the message names the file and the tensor."""
+
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
        "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -59,27 +68,51 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def verified_header(path: str, f) -> tuple:
+    """(header without __metadata__, byte offset of the data) of an open safetensors file, checked
+    against the file size before any tensor is read (see module doc)."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) != 8:
+        raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, the header length alone needs 8)")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+        raise CheckpointError(f"{path}: the header needs {n:,} bytes, the file ends after {max(size - 8, 0):,} "
+                              f"(truncated or not a safetensors file)")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    start = 8 + n
+    for name, info in header.items():
+        try:
+            dt, shape, (a, b) = info["dtype"], [int(x) for x in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor '{name}': corrupt header entry {info!r}") from None
+        if dt not in _NP:
+            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {dt}")
+        need = int(np.prod(shape, dtype=np.int64)) * np.dtype(_NP[dt]).itemsize
+        if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b) or b - a != need:
+            raise CheckpointError(f"{path}: tensor '{name}' of shape {shape} {dt} needs {need:,} bytes, its "
+                                  f"data_offsets are {[a, b]} (corrupt header)")
+        if start + b > size:
+            raise CheckpointError(f"{path}: tensor '{name}' needs {need:,} bytes, the file ends after "
+                                  f"{max(size - start - a, 0):,} (truncated: re-copy or re-save the checkpoint)")
+    return header, start
+
+
 def read_file(path: str) -> Dict[str, RawTensor]:
     with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: corrupt safetensors header: {e}") from None
-        blob = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dt = info["dtype"]
-        if dt not in _NP:
-            raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {dt}")
-        a, b = info["data_offsets"]
-        arr = np.frombuffer(blob[a:b], dtype=_NP[dt]).reshape(info["shape"])
-        out[name] = RawTensor(arr.copy(), dt)
+        header, start = verified_header(path, f)
+        out = {}
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            f.seek(start + a)
+            arr = np.frombuffer(f.read(b - a), dtype=_NP[info["dtype"]]).reshape(info["shape"])
+            out[name] = RawTensor(arr.copy(), info["dtype"])
     return out
 
 
@@ -109,7 +142,10 @@ def weight_files(path: str) -> Dict[str, str]:
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):
         with open(index) as f:
-            wm = json.load(f)["weight_map"]
+            try:
+                wm = json.load(f)["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
         return {k: os.path.join(path, v) for k, v in wm.items()}
     single = os.path.join(path, SINGLE)
     if os.path.isfile(single):
@@ -124,11 +160,9 @@ def weight_files(path: str) -> Dict[str, str]:
 
 
 def read_header(path: str) -> Dict[str, dict]:
+    """Tensor entries of a safetensors file, verified against the file size (see `verified_header`)."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
+        return verified_header(path, f)[0]
 
 
 def iter_tensors(path: str) -> Iterator[tuple]:

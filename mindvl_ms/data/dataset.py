@@ -18,6 +18,12 @@ so `state_dict()` is the consumed position even when a MindSpore pipeline prefet
 `load_state_dict()` restores it and the next batch is exactly the one that would have come.
 `to_mindspore()` wraps the same batches in a `mindspore.dataset.GeneratorDataset` (random access
 over the remaining batches of the epoch, order preserved).
+
+Bad samples: any failure of one line (undecodable bytes, schema, unreadable image, a size that
+disagrees with `image_sizes`, a quality filter, or any other exception while processing it) skips
+that line with a warning naming file:line; it is counted in `skips` (a `skiplog.SkipLog`) and in the
+epoch counters `skip_stats()` hands the trainer's `SkipGuard`, which stops a stage whose skipped
+fraction exceeds `data.max_skip_fraction`.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ import numpy as np
 
 from ..config.data import DataConfig
 from .packing import Item, OnlinePacker
-from .schema import SampleError, parse_line, parse_sample
+from .schema import SampleError, parse_raw, parse_sample
+from .skiplog import SkipLog, data_fingerprint
 
 Pack = List[Tuple[Dict[str, Any], str, int]]  # [(raw sample object, source path for relative images, line)]
 
@@ -47,10 +54,14 @@ def _line_offsets(path: str, keep: Optional[Callable[[int], bool]] = None) -> Li
     return out
 
 
-def _read_at(path: str, offset: int) -> str:
+def _read_raw(path: str, offset: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(offset)
-        return f.readline().decode("utf-8")
+        return f.readline()
+
+
+def _read_at(path: str, offset: int) -> str:
+    return _read_raw(path, offset).decode("utf-8")
 
 
 class PackedShardSource:
@@ -73,6 +84,10 @@ class PackedShardSource:
         self.offsets = [o for _, o in _line_offsets(self.shard)]
         if len(self.offsets) != man["rank_packs"][config.dp_rank]:
             raise ValueError(f"{self.shard}: {len(self.offsets)} packs, manifest says {man['rank_packs'][config.dp_rank]}")
+        packs = man.get("packs")
+        self.epoch_total = (sum(len(p["lines"]) for p in packs if p["rank"] == config.dp_rank)
+                            if packs is not None else None)
+        self.on_skip: Optional[Callable[[SampleError], None]] = None
 
     def skip(self, epoch: int, packs: int) -> Iterator[Pack]:
         """The epoch's packs after the first `packs` (cheap: the order is known up front)."""
@@ -102,6 +117,10 @@ class OnlinePackSource:
                 raise FileNotFoundError(f"data source not found: {s.path}")
             self.lines.append(_line_offsets(s.path, lambda n: (n - 1) % dp == r))
         self.dropped: Counter = Counter()
+        self.epoch_total: Optional[int] = None
+        self.on_skip: Optional[Callable[[SampleError], None]] = None  # set by the DataLoader
+        self._muted = False
+        self._counting = False
 
     def _epoch_order(self, epoch: int) -> List[Tuple[int, int, int]]:
         """[(source index, line, offset)] for the epoch: weight w gives floor(w) passes + a random fraction."""
@@ -118,32 +137,52 @@ class OnlinePackSource:
     def _items(self, epoch: int) -> Iterator[Item]:
         from .offline import sample_meta
 
-        for k, line, off in self._epoch_order(epoch):
+        order = self._epoch_order(epoch)
+        self.epoch_total = len(order)
+        for k, line, off in order:
             path = self.config.sources[k].path
-            s = parse_line(_read_at(path, off), path, line)
             try:
+                s = parse_raw(_read_raw(path, off), path, line)
                 if isinstance(s, SampleError):
                     raise s
                 tokens, img = sample_meta(self.proc, s)
-            except SampleError as e:
-                self.dropped[e.reason] += 1
-                warnings.warn(f"skipping {e}")
+            except Exception as e:  # any per-line failure costs the line, never the run
+                err = e if isinstance(e, SampleError) else SampleError(path, line, "error", f"{type(e).__name__}: {e}")
+                self.dropped[err.reason] += 1
+                self._skipped(err)
                 continue
             yield Item((k, line, off), tokens, img)
 
+    def _skipped(self, err: SampleError) -> None:
+        if not (self._muted or self._counting):  # a resume replays the epoch up to the saved pack: counted once
+            warnings.warn(f"skipping {err}")
+            if self.on_skip is not None:
+                self.on_skip(err)
+
     def skip(self, epoch: int, packs: int) -> Iterator[Pack]:
         self.dropped = Counter()  # per pass over the epoch (a resume replays the pass)
-        packer = OnlinePacker(self.config.seq_length, self.config.max_image_tokens, self.config.online_buffer)
+        packer = OnlinePacker(self.config.seq_length, self.config.visual_budget(), self.config.online_buffer)
+        self._muted = packs > 0
         for n, pack in enumerate(packer.pack_stream(self._items(epoch))):
             if n < packs:
+                self._muted = n < packs - 1
                 continue
+            self._muted = False
             yield [(json.loads(_read_at(self.config.sources[k].path, off)), self.config.sources[k].path, line)
                    for (k, line, off) in (it.key for it in pack.items)]
+        self._muted = False
         for it, reason in packer.dropped:
+            k, line, _ = it.key
             self.dropped[reason.split(" (")[0]] += 1
+            self._skipped(SampleError(self.config.sources[k].path, line, reason.split(" (")[0], reason))
 
     def epoch_packs(self, epoch: int) -> Iterator[Pack]:
-        return self.skip(epoch, 0)
+        """Every pack of an epoch, e.g. to count them; its skips are left to the loader's own pass."""
+        self._counting = True
+        try:
+            yield from self.skip(epoch, 0)
+        finally:
+            self._counting = False
 
 
 class DataLoader:
@@ -160,6 +199,27 @@ class DataLoader:
         self.collate = collate or (lambda rows: rows)
         self.epoch, self.position, self.consumed_samples = 0, 0, 0
         self.skipped: List[str] = []
+        self.skips = SkipLog()                      # every skip of this loader, by reason
+        self.epoch_seen, self.epoch_skipped = 0, 0  # this epoch (since the start or the resume)
+        source.on_skip = self._source_skip
+
+    def _source_skip(self, err: SampleError) -> None:
+        """A line the source dropped before packing (metadata pass, over-length): seen and skipped."""
+        self.epoch_seen += 1
+        self._skip(err)
+
+    def _skip(self, err: SampleError) -> None:
+        self.skipped.append(str(err))
+        self.epoch_skipped += 1
+        self.skips.add(err.reason, f"{err.source}:{err.line}")
+
+    def skip_stats(self) -> Dict[str, Any]:
+        """Counters for the trainer's SkipGuard (see skiplog.py)."""
+        return {"epoch_seen": self.epoch_seen, "epoch_skipped": self.epoch_skipped,
+                "epoch_total": getattr(self.source, "epoch_total", None), "reasons": self.skips.reasons}
+
+    def fingerprint(self) -> Dict[str, Any]:
+        return data_fingerprint(self.config)
 
     @classmethod
     def from_config(cls, config: DataConfig, processor=None, model_config=None, collate=None) -> "DataLoader":
@@ -178,14 +238,20 @@ class DataLoader:
         for pack in packs:
             row = []
             for obj, path, line in pack:
+                src = getattr(self.source, "source", path)  # the original JSONL, not the shard
+                self.epoch_seen += 1
                 try:
-                    s = parse_sample(obj, path, line)
+                    s = parse_sample(obj, src, line)
+                    base = os.path.dirname(os.path.abspath(path))  # shard paths are relative to the shard
+                    s.images = [os.path.normpath(os.path.join(base, p)) for p in (obj.get("images") or [])]
                     out = self.proc.process_sample(s)
-                    out["source"] = getattr(self.source, "source", path)  # the original JSONL, not the shard
+                    out["source"] = src
                     row.append(out)
-                except SampleError as e:  # counted and reported, never silent
-                    self.skipped.append(str(e))
-                    warnings.warn(f"skipping {e}")
+                except Exception as e:  # any per-line failure: counted and reported, never silent, never fatal
+                    err = e if isinstance(e, SampleError) else SampleError(src, line, "error",
+                                                                           f"{type(e).__name__}: {e}")
+                    self._skip(err)
+                    warnings.warn(f"skipping {err}")
             rows.append(row)
         return rows
 
@@ -202,6 +268,8 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """Batches from the saved position to the end of the epoch; then the epoch advances."""
+        if self.position == 0:
+            self.epoch_seen, self.epoch_skipped = 0, 0
         for packs in self._pack_batches(self.epoch, self.position):
             batch = self.collate(self._rows(packs))
             self.position += 1
@@ -214,7 +282,7 @@ class DataLoader:
         return {"kind": self.source.kind, "epoch": self.epoch, "position": self.position,
                 "consumed_samples": self.consumed_samples, "seed": c.seed, "dp_rank": c.dp_rank,
                 "dp_size": c.dp_size, "micro_batch_size": c.micro_batch_size, "skipped": len(self.skipped),
-                "dropped": dict(getattr(self.source, "dropped", {}))}
+                "dropped": dict(getattr(self.source, "dropped", {})), "skip_reasons": self.skips.reasons}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         c = self.config
@@ -225,6 +293,8 @@ class DataLoader:
                                  f"resuming would not continue the same data order")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.consumed_samples = int(state["consumed_samples"])
+        self.skips = SkipLog(state.get("skip_reasons"))
+        self.epoch_seen, self.epoch_skipped = 0, 0
 
     def to_mindspore(self, column_names: Sequence[str]):
         """A MindSpore GeneratorDataset over the rest of the current epoch (random access, order kept,

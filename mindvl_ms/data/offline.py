@@ -2,6 +2,9 @@
 
 1. Metadata pass (multi-process, tqdm): every line is parsed; image token counts come from
    `image_sizes` when present, else from the image header (PIL opens lazily: no pixel decoding);
+   given `image_sizes` are checked against the headers (a line whose sizes disagree is dropped as
+   "image size mismatch" with the field named: its token count would be wrong) unless
+   `check_sizes=False` (`mindvl data pack --trust-image-sizes`, no image file is opened then);
    text token counts from the chat template via the tokenizer (`MindVLProcessor.count_tokens`,
    the same function the loader's lengths agree with). Bad lines become `dropped` entries with a
    reason, never silent skips.
@@ -24,73 +27,86 @@ from tqdm import tqdm
 
 from ..config.data import DataConfig
 from .packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
-from .schema import Sample, SampleError, count_placeholders, parse_line
+from .schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
 
 _PROC = None  # per-worker processor (tokenizer loaded once per process)
+_CHECK = True  # per-worker: compare image_sizes with the image headers
 
 
-def _init_worker(config: DataConfig) -> None:
-    global _PROC
+def _init_worker(config: DataConfig, check_sizes: bool = True) -> None:
+    global _PROC, _CHECK
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from .processor import MindVLProcessor
 
-    _PROC = MindVLProcessor(config=config)
+    _PROC, _CHECK = MindVLProcessor(config=config), check_sizes
 
 
-def sample_meta(proc, sample: Sample) -> Tuple[int, int]:
-    """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers)."""
-    from .processor import image_size, image_tokens
+def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, int]:
+    """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers); with
+    `check_sizes`, given image_sizes must match the headers."""
+    from .processor import image_size, image_tokens, quality_errors
 
     n_ph = count_placeholders(sample)
     if n_ph != len(sample.images):
         raise SampleError(sample.source, sample.line, "image count mismatch",
                           f"{n_ph} <image> placeholders for {len(sample.images)} images")
     sizes = sample.image_sizes
-    if sizes is None:
+    if sizes is None or check_sizes:
         try:
-            sizes = [image_size(p) for p in sample.images]
+            real = [image_size(p) for p in sample.images]
         except (OSError, FileNotFoundError) as e:
             raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+        for k, (given, got) in enumerate(zip(sizes or real, real)):
+            if tuple(given) != tuple(got):
+                raise SampleError(sample.source, sample.line, "image size mismatch",
+                                  f"field image_sizes[{k}]={list(given)} but {sample.images[k]} is {got[0]}x{got[1]}")
+        sizes = real
+    field = "image_sizes" if sample.image_sizes is not None else "images"
+    for k, (w, h) in enumerate(sizes):
+        bad = quality_errors(w, h, proc.image_config, sample.images[k])
+        if bad:
+            raise SampleError(sample.source, sample.line, bad[0][0], f"field {field}[{k}]: {bad[0][1]}")
     try:
         counts = [image_tokens(w, h, proc.image_config) for w, h in sizes]
     except ValueError as e:
-        raise SampleError(sample.source, sample.line, "bad image size", str(e)) from None
+        raise SampleError(sample.source, sample.line, "bad image size", f"field {field}: {e}") from None
     return proc.count_tokens(sample.messages, counts), sum(counts)
 
 
-def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[str]]]:
-    """[(line, (tokens, image_tokens) or None, reason or None)] for a chunk of raw lines."""
+def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[Tuple[str, str]]]]:
+    """[(line, (tokens, image_tokens) or None, (reason, detail) or None)] for a chunk of raw lines
+    (plain tuples: they cross process boundaries)."""
     path, chunk = args
     out = []
-    for line, text in chunk:
-        s = parse_line(text, path, line)
-        if isinstance(s, SampleError):
-            out.append((line, None, s.reason))
-            continue
+    for line, raw in chunk:
         try:
-            out.append((line, sample_meta(_PROC, s), None))
+            s = parse_raw(raw, path, line)
+            if isinstance(s, SampleError):
+                raise s
+            out.append((line, sample_meta(_PROC, s, _CHECK), None))
         except SampleError as e:
-            out.append((line, None, e.reason))
+            out.append((line, None, (e.reason, e.detail)))
+        except Exception as e:  # any per-line failure costs the line, never the run
+            out.append((line, None, ("error", f"{type(e).__name__}: {e}")))
     return out
 
 
 def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int = 2000,
-                     progress: bool = True) -> Tuple[List[Item], List[Dict[str, Any]]]:
+                     progress: bool = True, check_sizes: bool = True) -> Tuple[List[Item], List[Dict[str, Any]]]:
     """Items (key = 1-based line) and dropped entries for every line of `path`."""
-    with open(path, encoding="utf-8") as f:
-        lines = list(enumerate(f, 1))
+    lines = read_raw_lines(path)
     chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
     workers = workers or os.cpu_count() or 1
     items, dropped = [], []
     bar = tqdm(total=len(lines), desc="metadata", unit="sample", disable=not progress)
     if workers > 1 and len(chunks) > 1:
-        with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(config,)) as pool:
+        with mp.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(config, check_sizes)) as pool:
             results = pool.imap(_meta_chunk, chunks)
             for res in results:
                 _collect(res, items, dropped)
                 bar.update(len(res))
     else:
-        _init_worker(config)
+        _init_worker(config, check_sizes)
         for c in chunks:
             res = _meta_chunk(c)
             _collect(res, items, dropped)
@@ -100,30 +116,39 @@ def compute_metadata(path: str, config: DataConfig, workers: int = 0, chunk: int
 
 
 def _collect(res, items, dropped) -> None:
-    for line, meta, reason in res:
+    for line, meta, err in res:
         if meta is None:
-            dropped.append({"line": line, "reason": reason})
+            dropped.append({"line": line, "reason": err[0], "detail": err[1]})
         else:
             items.append(Item(line, meta[0], meta[1]))
 
 
 def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int] = None,
-              progress: bool = True) -> Dict[str, Any]:
+              progress: bool = True, check_sizes: bool = True) -> Dict[str, Any]:
     """Pack `path` into per-rank shards under `out_dir`; returns the manifest (also written)."""
     t0 = time.perf_counter()
     items, dropped = compute_metadata(path, config, config.pack_workers if workers is None else workers,
-                                      progress=progress)
+                                      progress=progress, check_sizes=check_sizes)
+    budget = config.visual_budget()
     if config.over_length == "error":
-        _, bad = split_oversized(items, config.seq_length, config.max_image_tokens)
+        _, bad = split_oversized(items, config.seq_length, budget)
         if bad:
             raise ValueError(f"{path}:{bad[0][0].key}: {bad[0][1]} (over_length: error; "
                              f"{len(bad)} such samples)")
-    ok, bad = split_oversized(items, config.seq_length, config.max_image_tokens)
+    ok, bad = split_oversized(items, config.seq_length, budget)
     dropped += [{"line": it.key, "reason": reason} for it, reason in bad]
     t_meta = time.perf_counter() - t0
-    packs = pack_bfd(ok, config.seq_length, config.max_image_tokens)
+    packs = pack_bfd(ok, config.seq_length, budget)
     if len(packs) < config.dp_size:
-        raise ValueError(f"{path}: only {len(packs)} packs for {config.dp_size} ranks; add data or lower dp_size")
+        why = ""
+        if dropped:
+            dropped.sort(key=lambda d: d["line"])
+            shown = "; ".join(f"{path}:{d['line']}: {d['reason']}" + (f": {d['detail']}" if d.get("detail") else "")
+                              for d in dropped[:3])
+            why = (f": {len(dropped)} of {len(items) + len(dropped) - len(bad)} lines were dropped ({shown}"
+                   f"{'; ...' if len(dropped) > 3 else ''})")
+        raise ValueError(f"{path}: only {len(packs)} packs for {config.dp_size} ranks{why}; "
+                         f"add data or lower dp_size")
     ranks, stats = assign_ranks(packs, config.dp_size)
     t_pack = time.perf_counter() - t0 - t_meta
     os.makedirs(out_dir, exist_ok=True)
@@ -131,7 +156,7 @@ def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int
     all_packs = [p for r in ranks for p in r]
     dropped.sort(key=lambda d: d["line"])
     manifest = {
-        "seq_length": config.seq_length, "dp_size": config.dp_size, "max_image_tokens": config.max_image_tokens,
+        "seq_length": config.seq_length, "dp_size": config.dp_size, "max_image_tokens": budget,
         "source": os.path.abspath(path), "num_lines": len(items) + len(dropped) - len(bad),
         "num_samples": sum(len(p.items) for p in all_packs), "num_packs": len(all_packs),
         "efficiency": round(efficiency(all_packs, config.seq_length), 6),

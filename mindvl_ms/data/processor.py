@@ -15,6 +15,14 @@ assistant turn's content or its closing `<|im_end|>` (HF convention: aligned wit
 -100 elsewhere; the model shifts). The same rendering gives the metadata-only token count used by
 the offline packer (`count_tokens`), so packer and loader always agree on lengths.
 
+Quality filters vs hard limits: `data.image.min_side` (default 28, one merge unit) and
+`max_aspect_ratio` (default 50) are rule-based filters (the openPangu-VL report's data cleaning): a
+training sample whose image breaks them is skipped with a SampleError naming file:line
+(`quality_errors`, used by validate, the packers and `process_sample`). smart_resize's own limits
+(ratio 200, empty images) stay hard errors for direct calls. `process_sample` also checks each
+decoded image against the line's `image_sizes` (the packer counted tokens from them), so a wrong size
+costs that line, named by file:line and field, instead of the run.
+
 Usage:
     proc = MindVLProcessor.from_pretrained(dir_or_None)
     batch = proc(messages=[...], images=[PIL.Image...])           # HF-style numpy batch of one
@@ -76,6 +84,19 @@ def image_tokens(width: int, height: int, cfg: ImageConfig) -> int:
     """LLM tokens of one still image: grid_t*grid_h*grid_w / merge_size**2."""
     t, h, w = image_grid(width, height, cfg)
     return t * h * w // (cfg.merge_size ** 2)
+
+
+def quality_errors(width: int, height: int, cfg: ImageConfig, what: str = "") -> List[Tuple[str, str]]:
+    """[(reason, detail)] for an image that breaks the data.image quality filters (see module doc)."""
+    out = []
+    what = f"{what}: " if what else ""
+    if min(width, height) < cfg.min_side:
+        out.append(("below minimum resolution", f"{what}{width}x{height}, shortest side must be >= "
+                                                f"{cfg.min_side} (data.image.min_side)"))
+    if max(width, height) / max(min(width, height), 1) > cfg.max_aspect_ratio:
+        out.append(("extreme aspect ratio", f"{what}{width}x{height}, ratio above {cfg.max_aspect_ratio:g} "
+                                            f"(data.image.max_aspect_ratio)"))
+    return out
 
 
 def load_image(path: str) -> Image.Image:
@@ -249,7 +270,19 @@ class MindVLProcessor:
                 images = [load_image(p) for p in sample.images]
             except (OSError, FileNotFoundError) as e:
                 raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
-        pixel_values, grid = process_images(images, self.image_config)
+        for k, im in enumerate(images):
+            name = sample.images[k] if k < len(sample.images) else f"images[{k}]"
+            if sample.image_sizes is not None and tuple(sample.image_sizes[k]) != tuple(im.size):
+                raise SampleError(sample.source, sample.line, "image size mismatch",
+                                  f"field image_sizes[{k}]={list(sample.image_sizes[k])} but {name} is "
+                                  f"{im.size[0]}x{im.size[1]}")
+            bad = quality_errors(im.size[0], im.size[1], self.image_config, name)
+            if bad:
+                raise SampleError(sample.source, sample.line, bad[0][0], f"field images[{k}]: {bad[0][1]}")
+        try:
+            pixel_values, grid = process_images(images, self.image_config)
+        except ValueError as e:
+            raise SampleError(sample.source, sample.line, "bad image", f"field images: {e}") from None
         counts = [] if grid is None else [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in grid]
         input_ids, labels = self.encode(sample.messages, counts)
         return {"input_ids": input_ids, "labels": labels, "pixel_values": pixel_values, "image_grid_thw": grid,

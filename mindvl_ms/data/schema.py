@@ -10,17 +10,25 @@ Hugging Face style list of parts ({"type": "image"} / {"type": "text", "text": .
 normalised to the string form here so the rest of the pipeline sees one shape.
 
 Errors are `SampleError`s naming file, line and field; `iter_jsonl` never skips a line silently:
-blank and unparsable lines come out as errors for the caller to count.
+blank, undecodable (not UTF-8) and unparsable lines come out as errors for the caller to count.
+Lines are read as bytes and decoded one at a time (`parse_raw`), so a bad byte costs one line, and
+the error names the byte, its column and the JSON field it sits in.
+
+Top-level fields other than the schema's (e.g. a benchmark's `task` and `metric`) are kept in
+`Sample.extra` as metadata; one warning per file names them (`warn_unknown`).
 """
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 IMAGE_PLACEHOLDER = "<image>"
 ROLES = ("system", "user", "assistant")
+FIELDS = ("id", "images", "image_sizes", "messages", "source", "meta")
+_WARNED = set()  # (source, field names) already warned about in this process
 
 
 class SampleError(ValueError):
@@ -41,6 +49,7 @@ class Sample:
     id: str = ""
     source: str = ""
     line: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)  # unknown top-level fields, kept as metadata
 
 
 def content_to_text(content: Any, where: str) -> str:
@@ -86,9 +95,9 @@ def parse_sample(obj: Any, source: str, line: int) -> Sample:
     try:
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-        unknown = set(obj) - {"id", "images", "image_sizes", "messages", "source", "meta"}
+        unknown = sorted(set(obj) - set(FIELDS))
         if unknown:
-            raise ValueError(f"unknown field(s) {sorted(unknown)} (expected id, images, image_sizes, messages)")
+            warn_unknown(source, unknown, FIELDS)
         if "messages" not in obj:
             raise ValueError("missing field 'messages'")
         messages = normalise_messages(obj["messages"])
@@ -110,7 +119,61 @@ def parse_sample(obj: Any, source: str, line: int) -> Sample:
     base = os.path.dirname(os.path.abspath(source))
     paths = [p if os.path.isabs(p) else os.path.join(base, p) for p in images]
     return Sample(messages=messages, images=paths, image_sizes=sizes, id=str(obj.get("id", f"line{line}")),
-                  source=source, line=line)
+                  source=source, line=line, extra={k: obj[k] for k in unknown})
+
+
+def warn_unknown(source: str, names: List[str], known) -> None:
+    """One warning per (file, set of names) per process: unknown fields are kept as metadata."""
+    key = (source, tuple(names))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(f"{source}: unknown top-level field(s) {', '.join(names)} kept as metadata "
+                      f"(the schema reads {', '.join(known)})", stacklevel=3)
+
+
+def _surrogate_path(obj: Any, path: str = "") -> Optional[str]:
+    """Dotted path of the first string in `obj` holding an undecodable byte (a lone surrogate)."""
+    if isinstance(obj, str):
+        return path if any("\udc80" <= ch <= "\udcff" for ch in obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _surrogate_path(k) is not None:
+            return f"{path}.{k}".lstrip(".") + " (the key)"
+        sub = _surrogate_path(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}".lstrip("."))
+        if sub is not None:
+            return sub
+    return None
+
+
+def decode_line(raw: bytes, source: str, line: int):
+    """UTF-8 text of one raw line, or a SampleError (reason 'undecodable bytes') naming the byte,
+    its column and, when the line is otherwise valid JSON, the field that holds it."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = ""
+        try:
+            f = _surrogate_path(json.loads(raw.decode("utf-8", errors="surrogateescape")))
+            where = f" in field '{f}'" if f else ""
+        except ValueError:
+            pass
+        return SampleError(source, line, "undecodable bytes",
+                           f"byte 0x{raw[e.start]:02x} at column {e.start + 1}{where} is not UTF-8 "
+                           f"(re-save the file as UTF-8)")
+
+
+def parse_raw(raw: bytes, source: str, line: int):
+    """One raw (bytes) line -> Sample or SampleError (returned): decoding, then `parse_line`."""
+    text = decode_line(raw, source, line)
+    return text if isinstance(text, SampleError) else parse_line(text, source, line)
+
+
+def read_raw_lines(path: str) -> List[Tuple[int, bytes]]:
+    """[(1-based line, raw bytes)] of a JSONL file (decoding is per line: see `decode_line`)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    with open(path, "rb") as f:
+        return list(enumerate(f, 1))
 
 
 def count_placeholders(sample: Sample) -> int:
@@ -121,9 +184,9 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, Any]]:
     """Yield (1-based line, Sample or SampleError) for every line of `path`, blank lines included."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
-            yield n, parse_line(text, path, n)
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            yield n, parse_raw(raw, path, n)
 
 
 def parse_line(text: str, source: str, line: int):
@@ -144,9 +207,12 @@ def read_lines(path: str, lines: List[int]) -> Dict[int, str]:
     """Raw text of selected 1-based lines (one pass over the file)."""
     want = set(lines)
     out = {}
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             if n in want:
+                text = decode_line(raw, path, n)
+                if isinstance(text, SampleError):
+                    raise text
                 out[n] = text
     missing = want - set(out)
     if missing:

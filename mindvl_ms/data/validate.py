@@ -2,11 +2,12 @@
 
 Checks per line (reason keys in the report):
   blank line, invalid json, schema            the line cannot be a sample (see schema.py)
+  undecodable bytes                           the line is not UTF-8 (byte, column and field named)
   image count mismatch                        `<image>` placeholders != number of images
   raw vision token                            the text already contains <|image_pad|>/<|vision_start|>/...
   missing image, corrupt image                file absent, or PIL cannot decode it
   blank image                                 every pixel has the same value
-  below minimum resolution                    a side shorter than data.image.min_side
+  below minimum resolution                    a side shorter than data.image.min_side (quality filter)
   extreme aspect ratio                        long/short side above data.image.max_aspect_ratio
   image size mismatch                         `image_sizes` metadata differs from the file (the packer
                                               would count the wrong number of tokens)
@@ -14,7 +15,8 @@ Checks per line (reason keys in the report):
                                               coordinates, wrong point count for point/box/quad
 Images are checked once per path (many lines share images) and, with `decode=False`, only their
 headers are read. Work is spread over processes with a tqdm bar. `--drop-bad` writes the lines
-without errors to a new file and the report lists every dropped line with its reasons.
+without errors to a new file and the report lists every dropped line with its reasons. Unknown
+top-level fields are not errors: they are counted in the report (`unknown_fields`) and kept.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from tqdm import tqdm
 
 from ..config.data import ImageConfig
 from .grounding import grounding_errors
-from .schema import SampleError, count_placeholders, parse_line
+from .processor import quality_errors
+from .schema import FIELDS, SampleError, count_placeholders, parse_raw, read_raw_lines
 
 RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
 
@@ -50,16 +53,21 @@ def check_image(path: str, cfg: ImageConfig, decode: bool = True) -> Tuple[Optio
     errs = []
     if decode and all(lo == hi for lo, hi in lo_hi):
         errs.append(("blank image", f"{path}: every pixel is {lo_hi[0][0]}"))
-    if min(w, h) < cfg.min_side:
-        errs.append(("below minimum resolution", f"{path}: {w}x{h}, shortest side must be >= {cfg.min_side}"))
-    if max(w, h) / max(min(w, h), 1) > cfg.max_aspect_ratio:
-        errs.append(("extreme aspect ratio", f"{path}: {w}x{h}, ratio above {cfg.max_aspect_ratio:g}"))
-    return size, errs
+    return size, errs + quality_errors(w, h, cfg, path)
 
 
-def check_line(text: str, source: str, line: int, cfg: ImageConfig, decode: bool, cache: Dict) -> List[Tuple[str, str]]:
+def check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool,
+               cache: Dict) -> List[Tuple[str, str]]:
     """All problems of one raw JSONL line as (reason, detail)."""
-    s = parse_line(text, source, line)
+    try:
+        return _check_line(raw, source, line, cfg, decode, cache)
+    except Exception as e:  # any per-line failure is reported for the line, never aborts the file
+        return [("error", f"{type(e).__name__}: {e}")]
+
+
+def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool,
+                cache: Dict) -> List[Tuple[str, str]]:
+    s = parse_raw(raw, source, line)
     if isinstance(s, SampleError):
         return [(s.reason, s.detail)]
     errs = []
@@ -78,9 +86,18 @@ def check_line(text: str, source: str, line: int, cfg: ImageConfig, decode: bool
         size, img_errs = cache[p]
         errs += img_errs
         if size is not None and s.image_sizes is not None and tuple(s.image_sizes[k]) != tuple(size):
-            errs.append(("image size mismatch", f"image_sizes[{k}]={list(s.image_sizes[k])} but {p} is "
+            errs.append(("image size mismatch", f"field image_sizes[{k}]={list(s.image_sizes[k])} but {p} is "
                                                 f"{size[0]}x{size[1]}"))
     return errs
+
+
+def unknown_fields(raw: bytes) -> List[str]:
+    """Top-level fields of a line outside the schema (kept as metadata; reported, not errors)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return []
+    return sorted(set(obj) - set(FIELDS)) if isinstance(obj, dict) else []
 
 
 _CFG: Dict[str, Any] = {}
@@ -90,22 +107,24 @@ def _init(cfg: ImageConfig, decode: bool) -> None:
     _CFG.update(cfg=cfg, decode=decode, cache={})
 
 
-def _chunk(args) -> List[Tuple[int, List[Tuple[str, str]]]]:
+def _chunk(args) -> List[Tuple[int, List[Tuple[str, str]], List[str]]]:
+    import warnings
+
     source, lines = args
-    return [(n, check_line(t, source, n, _CFG["cfg"], _CFG["decode"], _CFG["cache"])) for n, t in lines]
+    with warnings.catch_warnings():  # unknown fields are counted in the report instead
+        warnings.simplefilter("ignore")
+        return [(n, check_line(t, source, n, _CFG["cfg"], _CFG["decode"], _CFG["cache"]), unknown_fields(t))
+                for n, t in lines]
 
 
 def validate_file(path: str, cfg: Optional[ImageConfig] = None, decode: bool = True, workers: int = 0,
                   drop_bad: Optional[str] = None, progress: bool = True, chunk: int = 500) -> Dict[str, Any]:
     """Check every line of `path`; returns {"file", "num_lines", "num_ok", "counts", "errors": [...]}."""
     cfg = cfg or ImageConfig()
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        lines = list(enumerate(f, 1))
+    lines = read_raw_lines(path)
     chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
     workers = workers or os.cpu_count() or 1
-    results: List[Tuple[int, List[Tuple[str, str]]]] = []
+    results: List[Tuple[int, List[Tuple[str, str]], List[str]]] = []
     bar = tqdm(total=len(lines), desc="validate", unit="line", disable=not progress)
     if workers > 1 and len(chunks) > 1:
         with mp.get_context("fork").Pool(workers, initializer=_init, initargs=(cfg, decode)) as pool:
@@ -119,16 +138,18 @@ def validate_file(path: str, cfg: Optional[ImageConfig] = None, decode: bool = T
             results += res
             bar.update(len(res))
     bar.close()
-    errors = [{"line": n, "reason": r, "detail": d} for n, errs in results for r, d in errs]
-    bad = sorted({n for n, errs in results if errs})
+    errors = [{"line": n, "reason": r, "detail": d} for n, errs, _ in results for r, d in errs]
+    bad = sorted({n for n, errs, _ in results if errs})
     report = {"file": path, "num_lines": len(lines), "num_ok": len(lines) - len(bad), "num_bad": len(bad),
-              "counts": dict(Counter(e["reason"] for e in errors)), "errors": errors}
+              "counts": dict(Counter(e["reason"] for e in errors)), "errors": errors,
+              "unknown_fields": dict(sorted(Counter(k for _, _, ks in results for k in ks).items()))}
     if drop_bad:
         bad_set = set(bad)
         base_in, base_out = os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.abspath(drop_bad))
         with open(drop_bad, "w", encoding="utf-8") as f:
-            for n, text in lines:
+            for n, raw in lines:
                 if n not in bad_set:
+                    text = raw.decode("utf-8")  # lines without errors decode
                     f.write(_rebase(text, base_in, base_out) if base_in != base_out else text.rstrip("\n") + "\n")
         report["dropped_lines"] = bad
         report["clean_file"] = drop_bad
@@ -149,6 +170,9 @@ def format_report(report: Dict[str, Any], max_list: int = 50) -> str:
     out = [f"{report['file']}: {report['num_lines']} lines, {report['num_ok']} ok, {report['num_bad']} with errors"]
     for reason, n in sorted(report["counts"].items(), key=lambda kv: -kv[1]):
         out.append(f"  {n:8d}  {reason}")
+    if report.get("unknown_fields"):
+        out.append("note: unknown top-level field(s) kept as metadata: "
+                   + ", ".join(f"{k} ({n} lines)" for k, n in report["unknown_fields"].items()))
     for e in report["errors"][:max_list]:
         out.append(f"{report['file']}:{e['line']}: {e['reason']}: {e['detail']}")
     if len(report["errors"]) > max_list:

@@ -153,7 +153,7 @@ class DemoRows:
                 rng.choice(len(pool), size=int(round((src.weight - reps) * len(pool))), replace=False)])
             chosen.extend(pool[int(i)] for i in idx)
         items = [Item(i, tokens, image_tokens) for i, (_, tokens, image_tokens) in enumerate(chosen)]
-        budget = min(data_cfg.max_image_tokens, stage.seq_length)
+        budget = min(data_cfg.visual_budget(), stage.seq_length)
         ok, dropped = split_oversized(items, stage.seq_length, budget)
         if dropped:
             log.warning("stage %s: %d sample(s) do not fit a %d-token row and are left out (first: %s)",

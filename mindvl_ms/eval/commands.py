@@ -20,6 +20,7 @@ _FORMAT = ("Benchmark lines use the training JSONL format; the reference answer 
 def _eval(args: argparse.Namespace) -> int:
     from .runner import evaluate, load_backend
 
+    os.makedirs(args.out, exist_ok=True)  # an unwritable output fails before the model is loaded
     backend = load_backend(args.ckpt, args.max_new_tokens)  # loaded once for all files
     for data in args.data:
         out = args.out if len(args.data) == 1 else os.path.join(args.out, os.path.splitext(os.path.basename(data))[0])

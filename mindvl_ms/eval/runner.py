@@ -22,6 +22,10 @@ Design:
 - Pixel limits: the flags, else the checkpoint's inference_config.json (written by
   `mindvl search-resolution --save`), else its preprocessor_config.json, else Qwen2-VL's defaults.
 - Bad lines are collected and reported together (file:line: problem); nothing is skipped silently.
+  Lines are decoded one at a time, so a non-UTF-8 byte is named with its line, column and field.
+  Unknown top-level fields are kept (one warning names them), so training files evaluate as they are.
+- Image sizes: the file header is read once per image; a line whose `image_sizes` disagrees with it
+  fails with file:line and the field (a wrong size would resize the image wrongly).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from tqdm import tqdm
 
 from ..config.data import ImageConfig
 from ..data.processor import image_size, smart_resize
-from ..data.schema import IMAGE_PLACEHOLDER, normalise_messages
+from ..data.schema import IMAGE_PLACEHOLDER, SampleError, decode_line, normalise_messages, warn_unknown
 from . import metrics as M
 
 INFERENCE_CONFIG = "inference_config.json"
@@ -59,6 +63,7 @@ class EvalItem:
     group: str
     sizes: Optional[List[Tuple[int, int]]] = None   # (width, height) per image when given
     extra: dict = field(default_factory=dict)
+    source: str = ""                        # the benchmark file (for file:line in errors)
 
 
 def _options_block(options: Dict[str, str]) -> str:
@@ -74,9 +79,9 @@ def _with_options(messages, options):
 def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    unknown = set(obj) - EVAL_FIELDS
+    unknown = sorted(set(obj) - EVAL_FIELDS)
     if unknown:
-        raise ValueError(f"unknown field(s) {sorted(unknown)} (expected {', '.join(sorted(EVAL_FIELDS))})")
+        warn_unknown(path, unknown, sorted(EVAL_FIELDS))
     msgs = normalise_messages(obj.get("messages"))
     last_a = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     prompt = msgs[:last_a] if last_a is not None else msgs
@@ -85,7 +90,8 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
     answers = obj.get("answers")
     if answers is None:
         if last_a is None:
-            raise ValueError("no reference: give an 'answers' list or an assistant turn")
+            raise ValueError("no reference: give an 'answers' list or an assistant turn"
+                             + (f" (unknown fields kept as metadata: {', '.join(unknown)})" if unknown else ""))
         answers = [msgs[last_a]["content"]]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, (str, int, float)) for a in answers):
         raise ValueError("answers: expected a non-empty list of strings")
@@ -119,7 +125,7 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
     if not options:
         if metric in ("multiple_choice", "circular") and M.answer_letter(answers[0]) is None:
             raise ValueError(f"multiple-choice answer {answers[0]!r} names no option letter")
-        return [EvalItem(uid, uid, line, task, metric, prompt, images, ref, group, sizes)]
+        return [EvalItem(uid, uid, line, task, metric, prompt, images, ref, group, sizes, source=path)]
     options = {str(k).strip().upper(): str(v) for k, v in options.items()}
     if metric not in ("multiple_choice", "circular"):
         if obj.get("metric"):
@@ -136,7 +142,7 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
         ans = letters[(letters.index(want) - k) % len(letters)]
         r = dict(ref, answers=[ans], options=shifted)
         items.append(EvalItem(uid if passes == 1 else f"{uid}#{k}", uid, line, task, metric,
-                              _with_options(prompt, shifted), images, r, group, sizes, {"pass": k}))
+                              _with_options(prompt, shifted), images, r, group, sizes, {"pass": k}, source=path))
     return items
 
 
@@ -146,10 +152,14 @@ def load_benchmark(path: str, limit: Optional[int] = None) -> List[EvalItem]:
         raise FileNotFoundError(f"benchmark file not found: {path}")
     default_task = os.path.splitext(os.path.basename(path))[0]
     items, errors, seen = [], [], set()
-    with open(path, encoding="utf-8") as f:
-        for n, text in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             if limit is not None and n > limit:
                 break
+            text = decode_line(raw, path, n)
+            if isinstance(text, SampleError):
+                errors.append(str(text))
+                continue
             if not text.strip():
                 errors.append(f"{path}:{n}: blank line")
                 continue
@@ -230,11 +240,21 @@ class Sizes:
 
     def resized(self, item: EvalItem, min_pixels: int, max_pixels: int, factor: int = 28) -> List[Tuple[int, int]]:
         out = []
+        where = f"{item.source}:{item.line}"
         for i, p in enumerate(item.images):
             if p not in self.known:
-                self.known[p] = item.sizes[i] if item.sizes else image_size(p)
+                try:
+                    self.known[p] = image_size(p)
+                except (OSError, FileNotFoundError) as e:
+                    raise ValueError(f"{where}: field images[{i}]: unreadable image ({e})") from None
             w, h = self.known[p]
-            out.append(smart_resize(h, w, factor, min_pixels, max_pixels))
+            if item.sizes and tuple(item.sizes[i]) != (w, h):
+                raise ValueError(f"{where}: image size mismatch: field image_sizes[{i}]={list(item.sizes[i])} but "
+                                 f"{p} is {w}x{h}")
+            try:
+                out.append(smart_resize(h, w, factor, min_pixels, max_pixels))
+            except ValueError as e:
+                raise ValueError(f"{where}: field images[{i}]: {p} ({w}x{h}): {e}") from None
         return out
 
 
@@ -309,10 +329,10 @@ def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pix
     """Run one benchmark file; writes out_dir/predictions.jsonl and out_dir/scores.json; returns the scores."""
     items = load_benchmark(data, limit)
     lo, hi, src = resolve_pixels(ckpt, min_pixels, max_pixels)
+    os.makedirs(out_dir, exist_ok=True)  # an unwritable output fails before any generation
     backend = backend if backend is not None else load_backend(ckpt, max_new_tokens)
     preds, hws, stats = predict(items, backend, lo, hi, batch_size, max_new_tokens, progress=progress)
     per, tasks = score(items, preds)
-    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "predictions.jsonl"), "w", encoding="utf-8") as f:
         for it, p, s, hw in zip(items, preds, per, hws):
             rec = {"id": it.uid, "line": it.line, "task": it.task, "metric": it.metric, "prediction": p,

@@ -29,6 +29,9 @@ def register(subparsers) -> None:
                    help="override a config value, e.g. --set stages.0.max_lr=1e-4 --set seed=7 (repeatable)")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue from a run directory (its latest.json) or a checkpoint directory")
+    p.add_argument("--resume-allow-data-change", action="store_true",
+                   help="with --resume: continue even though the data sources differ from the checkpoint's "
+                        "(the change is logged and recorded in trainer_state.json)")
     p.add_argument("--out", default="runs/train", help="output directory (default: runs/train)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and metrics only)")
     p.set_defaults(func=_run)
@@ -43,9 +46,11 @@ def _run(args) -> int:
         from ..config.packaged import resolve_config
 
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
-        summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress)
+        summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress,
+                               allow_data_change=args.resume_allow_data_change)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        msg = str(e)
+        print(f"config error: {msg if msg.startswith(args.config) else f'{args.config}: {msg}'}", file=sys.stderr)
         return 2
     except TrainingStopped as e:
         print(f"training stopped: {e}", file=sys.stderr)

@@ -12,7 +12,12 @@ Faults and resume:
   one stays the resume point;
 - checkpoints every `save_every` steps and at stage end (`checkpoint.trainer_state`, atomic);
 - `resume=` restores weights, optimizer moments, loss scale, step, data position and RNG, cuts the
-  metrics log back to the checkpoint, and continues with bit-identical losses.
+  metrics log back to the checkpoint, and continues with bit-identical losses. The checkpoint records
+  a fingerprint of the stage's data sources (`data.skiplog.data_fingerprint`); a resume on other data
+  stops before anything is touched unless `allow_data_change` (then the change is logged and kept);
+- a global batch with no supervised token is never stepped, and a stage whose loader skips more than
+  `data.max_skip_fraction` of an epoch stops with the reasons (`data.skiplog.SkipGuard`); the stage
+  report carries the skipped-sample count.
 
 Python use (the `mindvl demo` command calls this):
     from mindvl_ms.train import run_training, load_run_config
@@ -66,7 +71,7 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     raw = deep_merge(to_dict(run_cfg.data), stage.data)
     cfg = load(DataConfig, raw, source=f"stage '{stage.name}' data")
     cfg = dataclasses.replace(cfg, seq_length=stage.seq_length, micro_batch_size=stage.micro_batch_size,
-                              dp_size=dist.dp, dp_rank=dist.dp_rank, global_batch_size=stage.global_batch_size)
+                              dp_size=dist.dp, dp_rank=dist.dp_rank)
     loader = DataLoader.from_config(cfg, model_config=run_cfg.model)
     rows = None
     if isinstance(loader.source, PackedShardSource):
@@ -137,7 +142,7 @@ def _restore(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
 
 def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None,
                  data_factory: Optional[Callable] = None, collate: Optional[Callable] = None,
-                 progress: bool = True) -> Dict[str, Any]:
+                 progress: bool = True, allow_data_change: bool = False) -> Dict[str, Any]:
     """Run every stage of `run_cfg`; returns the run summary (also written to OUT/summary.json).
 
     model: a Cell taking INPUT_NAMES arrays (default: MindVL from run_cfg.model / init_from);
@@ -145,6 +150,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     collate(rows, stage) -> arrays dict (default: models.inputs.build_model_inputs).
     """
     from ..checkpoint.hf import load_into
+    from ..data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
 
     t_start = time.perf_counter()
     dist = setup(run_cfg)
@@ -158,10 +164,21 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     names = list(getattr(model, "INPUT_NAMES"))
     metrics = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), enabled=dist.is_main)
     allreduce = HostAllReduce(dist.world)
-    start_stage, start_step, state, optim = 0, 0, None, None
+    start_stage, start_step, state, optim, data_changes = 0, 0, None, None, []
     if resume:
         ck = ts.find_latest(resume)
         state, tensors, optim = ts.load_checkpoint(ck)
+        data_changes = list(state.get("data_changes", []))
+        if "data_fingerprint" in state and not state["stage_done"]:  # checked before anything is changed
+            diff = fingerprint_diff(state["data_fingerprint"],
+                                    stage_fingerprint(run_cfg, run_cfg.stages[state["stage_index"]]))
+            if diff and not allow_data_change:
+                raise TrainingStopped(f"--resume {resume}: the data of stage '{state['stage']}' is not the data "
+                                      f"of {ck} ({diff}); resuming would continue its saved position on other "
+                                      f"data. Restore the original data, or pass --resume-allow-data-change")
+            if diff:
+                log.warning("resuming stage %s on changed data (%s)", state["stage"], diff)
+                data_changes.append({"stage": state["stage"], "step": state["step"], "change": diff})
         load_into(model, tensors)
         start_stage, start_step = state["stage_index"], state["step"]
         metrics.truncate_after(start_stage, start_step - 1 if not state["stage_done"] else start_step)
@@ -197,6 +214,10 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
             source.load_state_dict(data_state)
             step, skipped = start_step, state.get("skipped", 0)
             nonfinite_run = state.get("nonfinite_run", 0)
+        data_cfg = getattr(getattr(source, "loader", None), "config", run_cfg.data)
+        guard = SkipGuard(stage.name, data_cfg.max_skip_fraction, allreduce, getattr(source, "rows_per_epoch", None),
+                          stage.global_batch_size, (lambda o: gather_json(o, dist.world)) if dist.world > 1 else None)
+        fingerprint = stage_fingerprint(run_cfg, stage)
         log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
                  stage.name, total, accum, stage.micro_batch_size, len(params))
         bar = ProgressBar(total, step, f"{stage.name}", enabled=progress and dist.is_main)
@@ -212,7 +233,8 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         def save(step_now: int, done: bool) -> str:
             st = {"stage_index": si, "stage": stage.name, "step": step_now, "total_steps": total,
                   "stage_done": done, "data": data_states(source), "skipped": skipped,
-                  "nonfinite_run": nonfinite_run, "seed": run_cfg.seed}
+                  "nonfinite_run": nonfinite_run, "seed": run_cfg.seed, "data_fingerprint": fingerprint,
+                  "data_changes": data_changes}
             path = os.path.join(stage_dir, f"checkpoint-{step_now:06d}")
             if dist.is_main:
                 ts.save_checkpoint(path, model, engine.state_parameters(), st, out_dir, extra=write_processor)
@@ -223,10 +245,20 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
             while step < total:
                 t0 = time.perf_counter()
                 if hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
-                    mbs = source.next_micro_batches(accum)
+                    try:
+                        mbs = source.next_micro_batches(accum)
+                    except RuntimeError as e:  # no batch in a whole epoch: say why, no traceback
+                        raise TrainingStopped(guard.no_data_message(getattr(source, "loader", source), e)) from None
                 else:
                     local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.dp_rank, dist.dp)
                     mbs = [collate(rows, stage) for rows in micro_batches(local, stage.micro_batch_size)]
+                g_sup, stop = guard.check(mbs, getattr(source, "loader", source))
+                if stop:
+                    raise TrainingStopped(stop)
+                if g_sup == 0:  # never step on nothing (weight decay alone would move the weights)
+                    log.warning("stage %s step %d: the global batch has no supervised token (its samples were "
+                                "skipped): not stepped", stage.name, step)
+                    continue
                 lr = sched(step)
                 n_compiled = engine.compiles
                 res = engine.run(mbs, lr)
@@ -266,9 +298,13 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         recs = metrics.read(stage.name)
         png = plot_stage(recs, os.path.join(stage_dir, "loss_lr.png"), f"{stage.name}") if (
             run_cfg.plot and dist.is_main) else None
+        n_skip, by_reason = guard.skipped(getattr(source, "loader", source))
         stage_reports.append({"stage": stage.name, "steps": total, "checkpoint": final, "plot": png,
                               "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": skipped,
+                              "skipped_samples": n_skip, "skipped_by_reason": by_reason,
                               "compiled_graphs": engine.compiles})
+        log.info("stage %s done: %d steps, %d samples skipped%s", stage.name, total, n_skip,
+                 f" ({', '.join(f'{k}: {v}' for k, v in by_reason.items())})" if n_skip else "")
         state = None
     summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time,
                         peak_source)
