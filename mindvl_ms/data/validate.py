@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from ..config.data import ImageConfig
 from .grounding import grounding_errors
-from .schema import SampleError, count_placeholders, parse_line
+from .preference import parse_line_any
+from .schema import SampleError, count_placeholders
 
 RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
 
@@ -59,7 +60,7 @@ def check_image(path: str, cfg: ImageConfig, decode: bool = True) -> Tuple[Optio
 
 def check_line(text: str, source: str, line: int, cfg: ImageConfig, decode: bool, cache: Dict) -> List[Tuple[str, str]]:
     """All problems of one raw JSONL line as (reason, detail)."""
-    s = parse_line(text, source, line)
+    s = parse_line_any(text, source, line)  # SFT, preference (chosen/rejected) and RL prompt (answer) lines
     if isinstance(s, SampleError):
         return [(s.reason, s.detail)]
     errs = []
