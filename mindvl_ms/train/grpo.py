@@ -59,14 +59,15 @@ class GRPOObjective(nn.Cell):
     """construct(logits [B,L,V], targets [B,L], old_logp [B,L], ref_logp [B,L], adv [B,L], token_norm [])
     -> (loss share [], stats [4] = tokens, clipped tokens, entropy sum, KL sum)."""
 
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0):
+    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28, kl_coef: float = 0.0, temperature: float = 1.0):
         super().__init__()
         if not (0 <= clip_low < 1 and clip_high >= 0):
             raise ValueError(f"GRPO clip ranges: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
         self.lo, self.hi, self.kl_coef = 1.0 - float(clip_low), 1.0 + float(clip_high), float(kl_coef)
+        self.temperature = float(temperature)
 
     def construct(self, logits, targets, old_logp, ref_logp, adv, token_norm):
-        logp, mask, entropy = target_logp(logits, targets)              # [B, L] each
+        logp, mask, entropy = target_logp(logits, targets, self.temperature)  # [B, L] each
         ratio = ops.exp(logp - old_logp)
         clipped_ratio = ops.clamp(ratio, self.lo, self.hi)
         surr = ops.minimum(ratio * adv, clipped_ratio * adv)

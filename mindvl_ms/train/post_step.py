@@ -21,15 +21,18 @@ from typing import Dict, List, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from .loss import IGNORE
 from .train_step import MicroStep, StepResult, TrainStep, _ms_dtype
 
 
-def target_logp(logits, targets):
+def target_logp(logits, targets, temperature: float = 1.0):
     """log p(target) per position and the supervised mask. [B, L, V], [B, L] -> ([B, L], [B, L]) fp32.
-    Also the entropy of the predictive distribution per position (stop-gradient; a metric)."""
+    Also the entropy of the predictive distribution per position (stop-gradient; a metric).
+    temperature != 1 scores the distribution softmax(logits / temperature) that sampling drew from."""
+    if temperature != 1.0:
+        logits = logits / temperature
     b, l, v = logits.shape
     mask = (targets != IGNORE).astype(ms.float32)                      # [B, L]
     safe = ops.select(targets != IGNORE, targets, ops.zeros_like(targets))
@@ -43,14 +46,14 @@ def target_logp(logits, targets):
 class LogProbs(nn.Cell):
     """(*model inputs, targets [B, L]) -> log p(target) [B, L] (0 at IGNORE targets), forward only."""
 
-    def __init__(self, model: nn.Cell, n_model: int):
+    def __init__(self, model: nn.Cell, n_model: int, temperature: float = 1.0):
         super().__init__(auto_prefix=False)
-        self.model, self.n_model = model, n_model
+        self.model, self.n_model, self.temperature = model, n_model, float(temperature)
 
     def construct(self, *args):
         out = self.model(*args[:self.n_model])
         logits = out[0] if isinstance(out, tuple) else out             # [B, L, V]
-        logp, _, _ = target_logp(logits, args[self.n_model])
+        logp, _, _ = target_logp(logits, args[self.n_model], self.temperature)
         return logp
 
 
@@ -76,15 +79,19 @@ class PostTrainStep(TrainStep):
 
     def __init__(self, model, params, input_names, objective: nn.Cell, stage, dp: int = 1, allreduce_host=None,
                  precision: str = "float32", loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0,
-                 loss_scale_window: int = 1000, aux_weight: float = 1.0):
+                 loss_scale_window: int = 1000, aux_weight: float = 1.0, temperature: float = 1.0):
         super().__init__(model, params, input_names, stage.loss, stage, dp, allreduce_host, precision,
                          loss_scale_value, loss_scale_factor, loss_scale_window)
         n_model = len(self.input_names)
         self.objective = objective
         self.micro = MicroStep(PolicyForward(model, objective, n_model, aux_weight), params, self.accum)
-        self.logprobs = LogProbs(model, n_model)
+        self.logprobs = LogProbs(model, n_model, temperature)
         self._lp_shaped = False
         self.bias_updater = None
+        self.extra_state: Dict[str, Parameter] = {}  # objective state checkpointed with the optimizer
+
+    def state_parameters(self) -> Dict[str, Parameter]:
+        return {**super().state_parameters(), **self.extra_state}
 
     def model_arrays(self, mb: Dict[str, np.ndarray]) -> List[np.ndarray]:
         return [np.ascontiguousarray(mb[k]) for k in self.input_names]
