@@ -53,12 +53,13 @@ def low_ids(response, answer):
     return sum(int(t) < int(answer) for t in toks) / max(len(toks), 1)
 
 
-def run(tmp, stage, factory, resume=None, model=None):
-    cfg = load_run_config(data={"seed": 0, "model": MODEL, "plot": True, "stages": [stage]})
+def run(tmp, stage, factory, resume=None, model=None, plot=True):
+    cfg = load_run_config(data={"seed": 0, "model": MODEL, "plot": plot, "stages": [stage]})
     ms.set_seed(0)
     model = model or MindVLForConditionalGeneration(cfg.model)
     summary = run_training(cfg, tmp, model=model, data_factory=factory, progress=False, resume=resume)
-    recs = [json.loads(x) for x in open(os.path.join(tmp, "metrics.jsonl"))]
+    path = os.path.join(tmp, "metrics.jsonl")
+    recs = [json.loads(x) for x in open(path)] if os.path.isfile(path) else []  # rank 0 writes metrics
     return model, summary, recs
 
 
