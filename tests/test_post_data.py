@@ -68,3 +68,39 @@ def test_encode_response_layout():
     np.testing.assert_array_equal(s["labels"], [-100, -100, -100, 11, 12, 99])
     s = encode_response(prompt, [11, 99], end=[99])  # already ends with the end token: not doubled
     np.testing.assert_array_equal(s["input_ids"], [5, 6, 7, 11, 99])
+
+
+def test_post_data_factory_reads_files(tmp_path):
+    """The default data of a dpo/grpo stage: data.sources through the processor (real tokenizer), NTP rows
+    from dpo.ntp_sources; chosen and rejected share the prompt's tokens and pixels."""
+    from mindvl_ms.config.train import load_run_config
+    from mindvl_ms.data.processor import MindVLProcessor
+    from mindvl_ms.train.post_stage import post_data_factory
+
+    path = _lines(tmp_path)
+    lines = open(path).read().splitlines()
+    (tmp_path / "pairs.jsonl").write_text(lines[0] + "\n")
+    (tmp_path / "prompts.jsonl").write_text(lines[1] + "\n" + lines[10] + "\n")
+    sft = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (tmp_path / "sft.jsonl").write_text(json.dumps(sft) + "\n")
+    stage = {"name": "d", "type": "dpo", "epochs": None, "max_steps": 1, "global_batch_size": 1,
+             "data": {"sources": [{"path": str(tmp_path / "pairs.jsonl")}]},
+             "dpo": {"ntp_sources": [str(tmp_path / "sft.jsonl")], "ntp_batch_size": 1}}
+    cfg = load_run_config(data={"stages": [stage, dict(stage, name="g", type="grpo", dpo={},
+                                                       data={"sources": [{"path": str(tmp_path / "prompts.jsonl")}]})]})
+    proc = MindVLProcessor()
+    src = post_data_factory(cfg, cfg.stages[0], 0, None)
+    (c, r), = src.pairs
+    tok = proc.tokenizer
+    end = tok.token_to_id("<|im_end|>")
+    n_c, n_r = len(tok.encode(BOX)) + 1, len(tok.encode("nowhere")) + 1
+    prompt_len = len(c["input_ids"]) - n_c
+    np.testing.assert_array_equal(c["input_ids"][:prompt_len], r["input_ids"][:prompt_len])
+    assert proc.decode(c["input_ids"][prompt_len:], skip_special_tokens=False) == BOX + "<|im_end|>"
+    assert (c["labels"] != -100).sum() == n_c and (r["labels"] != -100).sum() == n_r and c["labels"][-1] == end
+    assert c["pixel_values"] is r["pixel_values"] and c["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert proc.decode(c["input_ids"][:prompt_len], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert len(src.ntp.rows) == 1 and (src.ntp.rows[0][0]["labels"] != -100).sum() > 0
+    g = post_data_factory(cfg, cfg.stages[1], 1, None)
+    assert [p["answer"] for p in g.prompts] == [BOX, "4"] and g.prompts[1]["pixel_values"] is None
+    assert g.prompts[0]["reward"] == "grounding_iou" and g.decode([end]) == "" and end in g.eos
