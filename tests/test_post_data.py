@@ -104,3 +104,20 @@ def test_post_data_factory_reads_files(tmp_path):
     g = post_data_factory(cfg, cfg.stages[1], 1, None)
     assert [p["answer"] for p in g.prompts] == [BOX, "4"] and g.prompts[1]["pixel_values"] is None
     assert g.prompts[0]["reward"] == "grounding_iou" and g.decode([end]) == "" and end in g.eos
+
+
+def test_sft_lines_serve_as_prompts(tmp_path):
+    sft = {"id": "s", "messages": [{"role": "user", "content": "Where is the cat?"},
+                                   {"role": "assistant", "content": BOX}]}
+    bad = {"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    p = tmp_path / "sft.jsonl"
+    p.write_text(json.dumps(sft) + "\n")
+    (s,) = read_post_file(str(p), "prompt")
+    assert s.kind == "prompt" and s.answer == BOX and [m["role"] for m in s.messages] == ["user"]
+    for b in (bad, dict(sft, messages=sft["messages"][1:])):  # two answers; an answer without a question
+        p.write_text(json.dumps(b) + "\n")
+        with pytest.raises(SampleError, match="must end with a user turn followed by"):
+            read_post_file(str(p), "prompt")
+    with pytest.raises(SampleError):
+        p.write_text(json.dumps(sft) + "\n")
+        read_post_file(str(p), "preference")

@@ -8,7 +8,8 @@ RL prompt line:
     {"id": "q1", "images": ["img/1.png"],
      "messages": [{"role": "user", "content": "<image>\\nHow many cats? Put the answer in \\\\boxed{}."}],
      "answer": "2", "reward": "numeric"}
-`messages` is the prompt: it must end with a user turn (the model answers next). `chosen`, `rejected`
+`messages` is the prompt: it must end with a user turn (the model answers next). Where prompts are read
+(GRPO stages, `mindvl rollout`) an SFT line also serves: its last assistant turn is the `answer`. `chosen`, `rejected`
 and `answer` are strings; `reward` (optional) names the verifier of that line (train/rewards.py).
 Image, placeholder, raw-token and grounding checks are the SFT ones (`data/validate.py` dispatches a
 line with `chosen`/`rejected` or `answer` here); the chosen/rejected answers are grounding-checked too.
@@ -105,9 +106,10 @@ def read_post_file(path: str, kind: str) -> List[PostSample]:
             if not text.strip():
                 continue
             try:
-                s = parse_post(json.loads(text), path, n)
+                obj = json.loads(text)
             except json.JSONDecodeError as e:
                 raise SampleError(path, n, "invalid json", str(e)) from None
+            s = prompt_from_sft(obj, path, n) if kind == "prompt" and not is_post_line(obj) else parse_post(obj, path, n)
             if s.kind != kind:
                 raise SampleError(path, n, "schema", f"expected a {kind} line, got a {s.kind} line")
             n_ph = sum(m["content"].count(IMAGE_PLACEHOLDER) for m in s.messages)
@@ -118,6 +120,16 @@ def read_post_file(path: str, kind: str) -> List[PostSample]:
     if not out:
         raise ValueError(f"{path}: no {kind} lines")
     return out
+
+
+def prompt_from_sft(obj: Any, source: str, line: int) -> PostSample:
+    """An SFT line used as an RL prompt: its last (assistant) turn is the answer, the turns before the prompt."""
+    smp = parse_sample(obj, source, line)
+    if len(smp.messages) < 2 or smp.messages[-1]["role"] != "assistant" or smp.messages[-2]["role"] != "user":
+        raise SampleError(source, line, "schema", "an SFT line used as a prompt must end with a user turn "
+                                                  "followed by the assistant's answer")
+    return PostSample("prompt", smp.messages[:-1], smp.images, smp.image_sizes, answer=smp.messages[-1]["content"],
+                      id=smp.id, source=source, line=line)
 
 
 def response_texts(s: PostSample) -> List[str]:
