@@ -160,6 +160,11 @@ class DPORunner(_Runner):
         from .dpo import DPOObjective, RunningMean
 
         d = self.stage.dpo
+        for i, (c, r) in enumerate(self.source.pairs):
+            n = len(c["input_ids"]) + len(r["input_ids"])
+            if n > self.stage.seq_length:
+                raise ValueError(f"stage '{self.stage.name}': pair {i} needs {n} tokens (chosen and rejected, each "
+                                 f"with the prompt, share a row) but seq_length is {self.stage.seq_length}")
         self.engine = self._engine(DPOObjective(d.beta, d.preference_weight, d.quality_weight))
         self.delta = RunningMean()
         self.engine.extra_state = {p.name: p for p in (self.delta.mean, self.delta.count)}
