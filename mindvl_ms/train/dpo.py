@@ -5,7 +5,8 @@ log-ratios to the reference policy lc = log pi(c) - log pi_ref(c), lr = log pi(r
 
     L_pref = -log sigmoid(beta (lc - lr))                                   sigmoid DPO (Rafailov et al.)
     L_qual = -log sigmoid(beta lc - delta) - log sigmoid(-(beta lr - delta))  BCO-style quality loss (MPO);
-             delta = running mean of the batch-mean rewards beta*(lc, lr) seen so far (TRL's bco_pair)
+             delta = running mean of the batch-mean rewards beta*(lc, lr) of the previous steps (0 at the
+             first; TRL's bco_pair also folds in the current batch)
     L_gen  = token-mean cross entropy of the chosen responses              SFT on chosen (MPO generation loss)
     L_ntp  = token-mean cross entropy of the mixed-in SFT rows             the report's NTP mix
     L      = w_pref mean_pairs(L_pref) + w_qual mean_pairs(L_qual) + w_gen L_gen + L_ntp
@@ -21,7 +22,7 @@ Reference log-probs: precomputed once per pair with the stage's starting weights
 over the preference set before the first update, `reference_logps.npy` in the stage directory, reloaded
 on resume). Memory: 8 bytes per pair on the host, nothing on the device; time: one forward pass over the
 pairs. The alternative, a frozen copy of the model inside the same graph, costs a second copy of every
-weight on each device (the full model size in the compute dtype, e.g. ~15 GB for a 7B model in bf16) plus
+weight on each device (the full model size in the compute dtype, e.g. ~14 GB for a 7B model in bf16) plus
 its forward activations at every step, and a second forward per step; it is not implemented.
 `delta` (the BCO running mean) is checkpointed with the optimizer state so resume is exact.
 """

@@ -143,7 +143,10 @@ class _Runner:
         """Arrays fixed at the stage's start (reference log-probs / weights): computed on a fresh stage,
         reloaded when resuming inside it."""
         path = os.path.join(self.stage_dir, name)
-        if self.resuming and os.path.isfile(path):
+        if self.resuming:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"resuming stage '{self.stage.name}' needs {path} (written at the stage's "
+                                        "start; the weights have moved since, so it cannot be recomputed)")
             with np.load(path) as z:
                 return {k: z[k] for k in z.files}
         out = compute()

@@ -58,19 +58,19 @@ class LogProbs(nn.Cell):
 
 
 class PolicyForward(nn.Cell):
-    """(*model inputs, *objective inputs, scale) -> (loss share * scale, stats)."""
+    """(*model inputs, *objective inputs, aux_weight [], scale []) -> (loss share * scale, stats).
+    aux_weight = 1 / (micro-batches x ranks) of this step: the MoE aux loss enters as a batch mean."""
 
-    def __init__(self, model: nn.Cell, objective: nn.Cell, n_model: int, aux_weight: float):
+    def __init__(self, model: nn.Cell, objective: nn.Cell, n_model: int):
         super().__init__(auto_prefix=False)
         self.model, self.objective, self.n_model = model, objective, n_model
-        self.aux_weight = float(aux_weight)
 
     def construct(self, *args):
         out = self.model(*args[:self.n_model])
         logits = out[0] if isinstance(out, tuple) else out             # [B, L, V]
-        loss, stats = self.objective(logits, *args[self.n_model:-1])
+        loss, stats = self.objective(logits, *args[self.n_model:-2])
         if isinstance(out, tuple):
-            loss = loss + out[1].astype(ms.float32) * self.aux_weight  # MoE sequence-wise aux loss
+            loss = loss + out[1].astype(ms.float32) * args[-2]         # MoE sequence-wise aux loss
         return loss * args[-1], stats
 
 
@@ -79,12 +79,12 @@ class PostTrainStep(TrainStep):
 
     def __init__(self, model, params, input_names, objective: nn.Cell, stage, dp: int = 1, allreduce_host=None,
                  precision: str = "float32", loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0,
-                 loss_scale_window: int = 1000, aux_weight: float = 1.0, temperature: float = 1.0):
+                 loss_scale_window: int = 1000, temperature: float = 1.0):
         super().__init__(model, params, input_names, stage.loss, stage, dp, allreduce_host, precision,
                          loss_scale_value, loss_scale_factor, loss_scale_window)
         n_model = len(self.input_names)
         self.objective = objective
-        self.micro = MicroStep(PolicyForward(model, objective, n_model, aux_weight), params, self.accum)
+        self.micro = MicroStep(PolicyForward(model, objective, n_model), params, self.accum)
         self.logprobs = LogProbs(model, n_model, temperature)
         self._lp_shaped = False
         self.bias_updater = None
@@ -109,13 +109,14 @@ class PostTrainStep(TrainStep):
         Returns the step result and the stats summed over micro-batches (this rank only)."""
         if not self._shaped:
             dyn = [Tensor(shape=[None] * a.ndim, dtype=_ms_dtype(a)) for a in arrays[0]]
-            self.micro.set_inputs(*dyn, Tensor(shape=[], dtype=ms.float32))
+            self.micro.set_inputs(*dyn, Tensor(shape=[], dtype=ms.float32), Tensor(shape=[], dtype=ms.float32))
             self._shaped = True
         scale = Tensor(self.scale.asnumpy(), ms.float32)
+        aux = Tensor(1.0 / (len(arrays) * self.dp), ms.float32)
         loss_sum, stats = 0.0, None
         before = len(self.micro.compile_cache)
         for arr in arrays:
-            loss, st = self.micro(*[Tensor(a) for a in arr], scale)
+            loss, st = self.micro(*[Tensor(a) for a in arr], aux, scale)
             loss_sum += float(loss.asnumpy())
             stats = st.asnumpy() if stats is None else stats + st.asnumpy()
         self.compiles += len(self.micro.compile_cache) - before
