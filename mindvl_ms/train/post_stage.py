@@ -268,7 +268,7 @@ class GRPORunner(_Runner):
             sel = np.flatnonzero(q % self.updates == u)
             if not sel.size:
                 raise ValueError(f"stage '{st.name}': {len(samples)} responses on this rank cannot fill "
-                                 f"{self.updates} mini-batches; lower grpo.mini_batch_size's count or the ranks")
+                                 f"{self.updates} mini-batches; raise grpo.mini_batch_size or use fewer ranks")
             mbs, off, sub_adv = [], 0, adv[sel]
             for rows in micro_batches(pack_rows([samples[i] for i in sel], st.seq_length), st.micro_batch_size):
                 mb = self.collate(rows, st)
