@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from .base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
 from .model import MindVLConfig
+from .post import DPOConfig, GRPOConfig
 
 try:  # the data pipeline's config; a minimal stand-in keeps this module usable without it
     from .data import DataConfig  # type: ignore
@@ -93,8 +94,22 @@ class StageConfig:
     keep_last: int = F(2, "periodic checkpoints kept per stage (the stage-end one is always kept)")
     max_nonfinite: int = F(5, "stop when this many steps in a row have a non-finite loss/gradient")
     log_every: int = F(1, "write a metrics line every N steps")
+    # ---- post-training (config/post.py, train/dpo.py, train/grpo.py) --------------------------------
+    type: str = F("sft", "sft (next-token loss), dpo (preference pairs) or grpo (RL with verifiable rewards)")
+    dpo: DPOConfig = sub(DPOConfig, "DPO / MPO settings (type: dpo)")
+    grpo: GRPOConfig = sub(GRPOConfig, "GRPO settings (type: grpo)")
+
+    def validate_post(self) -> None:
+        if self.type not in ("sft", "dpo", "grpo"):
+            raise ConfigError(f"stage '{self.name}': type '{self.type}': expected sft, dpo or grpo")
+        if self.type == "dpo":
+            self.dpo.check(self.name)
+        if self.type == "grpo":
+            self.grpo.check(self.name, self.global_batch_size)
+    # ---- end of post-training block -------------------------------------------------------------------
 
     def validate(self) -> None:
+        self.validate_post()
         for k in ("seq_length", "global_batch_size", "micro_batch_size", "max_nonfinite", "log_every"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"stage '{self.name}': {k} must be >= 1, got {getattr(self, k)}")

@@ -31,8 +31,9 @@ from tqdm import tqdm
 
 from ..config.data import ImageConfig
 from .grounding import grounding_errors
+from .preference import parse_line_any
 from .processor import quality_errors
-from .schema import FIELDS, SampleError, count_placeholders, parse_raw, read_raw_lines
+from .schema import FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
 
 RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
 
@@ -67,7 +68,9 @@ def check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: boo
 
 def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool,
                 cache: Dict) -> List[Tuple[str, str]]:
-    s = parse_raw(raw, source, line)
+    text = decode_line(raw, source, line)
+    # SFT, preference (chosen/rejected) and RL prompt (answer) lines
+    s = text if isinstance(text, SampleError) else parse_line_any(text, source, line)
     if isinstance(s, SampleError):
         return [(s.reason, s.detail)]
     errs = []

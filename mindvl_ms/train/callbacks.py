@@ -32,8 +32,9 @@ class ProgressBar:
                         dynamic_ncols=True)
 
     def update(self, rec: Dict[str, Any]) -> None:
+        post = {k: f"{rec[k]:.3f}" for k in ("reward_mean", "clip_frac", "margin", "pref_accuracy") if k in rec}
         self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", lr=f"{rec['lr']:.2e}",
-                             refresh=False)
+                             **post, refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:

@@ -197,14 +197,26 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         stage = run_cfg.stages[si]
         stage_dir = os.path.join(out_dir, stage.name)
         ts.clean_partial(stage_dir)
-        source = data_factory(run_cfg, stage, si, dist)
+        factory = data_factory
+        if stage.type != "sft" and data_factory is default_data_factory:  # preference / prompt files
+            from .post_stage import post_data_factory as factory
+        source = factory(run_cfg, stage, si, dist)
         total = stage.total_steps(getattr(source, "rows_per_epoch", None))
         accum = stage.accumulation(dist.dp)
         sched = WarmupCosine(stage.max_lr, stage.min_lr, total, stage.warmup_ratio)
         params = select_trainable(model, stage.trainable_prefixes())
         ctx = run_cfg.context
-        engine = TrainStep(net, params, names, stage.loss, stage, dist.dp, allreduce, ctx.precision,
-                           ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window)
+        runner = None
+        if stage.type != "sft":  # DPO / GRPO: a runner with its own step (post_stage.py)
+            from .post_stage import make_runner
+
+            runner = make_runner(dict(run_cfg=run_cfg, stage=stage, dist=dist, model=model, net=net, params=params,
+                                      names=names, source=source, allreduce=allreduce, collate=collate,
+                                      stage_dir=stage_dir, resuming=state is not None and si == state["stage_index"]))
+            engine = runner.engine
+        else:
+            engine = TrainStep(net, params, names, stage.loss, stage, dist.dp, allreduce, ctx.precision,
+                               ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window)
         step, nonfinite_run, skipped = 0, 0, 0
         if state is not None and si == state["stage_index"]:
             _restore(engine, optim)
@@ -244,7 +256,9 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         try:
             while step < total:
                 t0 = time.perf_counter()
-                if hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
+                if runner is not None:  # DPO / GRPO draw and collate their own data
+                    mbs = None
+                elif hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
                     try:
                         mbs = source.next_micro_batches(accum)
                     except RuntimeError as e:  # no batch in a whole epoch: say why, no traceback
@@ -252,16 +266,17 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                 else:
                     local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.dp_rank, dist.dp)
                     mbs = [collate(rows, stage) for rows in micro_batches(local, stage.micro_batch_size)]
-                g_sup, stop = guard.check(mbs, getattr(source, "loader", source))
-                if stop:
-                    raise TrainingStopped(stop)
-                if g_sup == 0:  # never step on nothing (weight decay alone would move the weights)
-                    log.warning("stage %s step %d: the global batch has no supervised token (its samples were "
-                                "skipped): not stepped", stage.name, step)
-                    continue
+                if mbs is not None:
+                    g_sup, stop = guard.check(mbs, getattr(source, "loader", source))
+                    if stop:
+                        raise TrainingStopped(stop)
+                    if g_sup == 0:  # never step on nothing (weight decay alone would move the weights)
+                        log.warning("stage %s step %d: the global batch has no supervised token (its samples "
+                                    "were skipped): not stepped", stage.name, step)
+                        continue
                 lr = sched(step)
                 n_compiled = engine.compiles
-                res = engine.run(mbs, lr)
+                res, extra = runner.step(step, lr) if runner is not None else (engine.run(mbs, lr), {})
                 dt = time.perf_counter() - t0
                 if engine.compiles != n_compiled:
                     compile_time += dt
@@ -276,7 +291,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
                        "grad_norm": res.grad_norm, "loss_scale": res.loss_scale, "applied": res.applied,
                        "tokens": res.tokens, "patches": res.patches, "supervised": res.supervised,
                        "step_time": dt, "tokens_per_s": res.tokens * dist.dp / max(dt, 1e-9),
-                       "skipped_total": skipped}
+                       "skipped_total": skipped, **extra}
                 if res.expert_load is not None:  # MoE: balance of routed tokens (max/mean per layer)
                     ld = res.expert_load
                     rec["expert_max_over_mean"] = float((ld.max(-1) / np.maximum(ld.mean(-1), 1e-9)).max())
@@ -299,6 +314,10 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         png = plot_stage(recs, os.path.join(stage_dir, "loss_lr.png"), f"{stage.name}") if (
             run_cfg.plot and dist.is_main) else None
         n_skip, by_reason = guard.skipped(getattr(source, "loader", source))
+        if runner is not None and run_cfg.plot and dist.is_main:  # reward / margin panels
+            from .post_stage import plot_post
+
+            plot_post(recs, os.path.join(stage_dir, "post_metrics.png"), stage.type, stage.name)
         stage_reports.append({"stage": stage.name, "steps": total, "checkpoint": final, "plot": png,
                               "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": skipped,
                               "skipped_samples": n_skip, "skipped_by_reason": by_reason,

@@ -1,0 +1,153 @@
+"""Rollouts: sample k responses per prompt with the KV-cache engine, score them, build preference pairs.
+
+Reproducibility: the G responses of a prompt are sampled in one engine call (the prompt repeated G
+times) with a seed drawn from (run seed, step, the prompt's index in its dataset) only, so a prompt's
+rollouts do not depend on which rank samples it, on the data-parallel size, or on the other prompts of
+the batch: N ranks produce exactly the rollouts of one process with the same global batch.
+
+Pair rule (openPangu-VL report 4.2: "at least one response scored above four and another scored below
+two" on a 1-5 scale): a prompt yields a pair when its best candidate scores strictly above `high` and its
+worst strictly below `low`; chosen is the first best-scoring candidate, rejected the first worst. The
+verifiers' scores are in [0, 1] (accuracy_weight 1, no format reward), so the defaults 0.75 / 0.25 are
+the report's thresholds mapped by (score - 1) / 4.
+
+`mindvl rollout --ckpt DIR --data PROMPTS.jsonl --out PAIRS.jsonl -k 4` writes preference lines
+(data/preference.py) with the prompt's messages and images and the chosen/rejected texts.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+def rollout_seed(seed: int, step: int, index: int) -> int:
+    return int(np.random.SeedSequence([int(seed) % 2**32, int(step), int(index)]).generate_state(1)[0])
+
+
+def sample_group(model, prompt: Dict[str, Any], k: int, seed: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_token_ids: Sequence[int] = ()) -> List[List[int]]:
+    """k sampled responses (token ids, an emitted eos kept) for one prompt sample."""
+    from ..infer.generate import get_engine, generate
+
+    sample = {key: prompt[key] for key in ("input_ids", "pixel_values", "image_grid_thw")
+              if prompt.get(key) is not None}
+    get_engine(model).image_cache.clear()  # the weights may have changed since the last call
+    return generate(model, [sample] * k, max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
+                    eos_token_ids=tuple(eos_token_ids), seed=seed)
+
+
+def strip_eos(ids: Sequence[int], eos: Sequence[int]) -> List[int]:
+    return list(ids[:-1]) if ids and ids[-1] in eos else list(ids)
+
+
+def choose_pair(scores: Sequence[float], high: float, low: float) -> Optional[Tuple[int, int]]:
+    """(chosen index, rejected index) by the report's rule, or None."""
+    s = np.asarray(scores, np.float64)
+    best, worst = int(np.argmax(s)), int(np.argmin(s))
+    if s[best] > high and s[worst] < low:
+        return best, worst
+    return None
+
+
+def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_new_tokens: int,
+                  temperature: float = 1.0, top_p: float = 1.0, high: float = 0.75, low: float = 0.25,
+                  progress: bool = False) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Preference lines and a summary for parsed prompt lines (`PostSample`s of kind 'prompt')."""
+    from tqdm import tqdm
+
+    from ..data.preference import encode_prompt
+    from ..infer.generate import stop_token_ids
+
+    eos = stop_token_ids(processor)
+    lines, all_scores = [], []
+    for i, s in enumerate(tqdm(prompts, desc="rollout", unit="prompt", disable=not progress)):
+        p = encode_prompt(processor, s)
+        outs = sample_group(model, p, k, rollout_seed(seed, 0, i), max_new_tokens, temperature, top_p, eos)
+        texts = [processor.decode(strip_eos(o, eos)).strip() for o in outs]
+        scores = [verifier(t, s.answer, s.reward or None) for t in texts]
+        all_scores.append(scores)
+        pick = choose_pair(scores, high, low)
+        if pick is None:
+            continue
+        line = {"id": f"{s.id}-pair", "messages": s.messages,
+                "chosen": texts[pick[0]], "rejected": texts[pick[1]],
+                "meta": {"scores": [float(x) for x in scores], "prompt_id": s.id}}
+        if s.images:
+            line["images"] = list(s.images)  # absolute here; relative to the output file when written
+        lines.append(line)
+    sc = np.asarray(all_scores, np.float64)
+    summary = {"prompts": len(prompts), "pairs": len(lines), "k": k,
+               "mean_score": float(sc.mean()) if sc.size else 0.0,
+               "best_of_k": float(sc.max(1).mean()) if sc.size else 0.0}
+    return lines, summary
+
+
+def write_pairs(lines: List[Dict[str, Any]], out: str) -> None:
+    """Preference JSONL with image paths relative to the output file."""
+    out_dir = os.path.dirname(os.path.abspath(out))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            if line.get("images"):
+                line = dict(line, images=[os.path.relpath(p, out_dir) for p in line["images"]])
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+
+
+# -- `mindvl rollout` ------------------------------------------------------------------------------------
+
+def register(subparsers) -> None:
+    import argparse
+
+    p = subparsers.add_parser(
+        "rollout", help="sample k answers per prompt, score them with a verifier, write preference pairs",
+        description="Sample k candidates per RL prompt line (messages + images + answer [+ reward]) with the "
+                    "KV-cache engine, score each with a verifier, and write a preference pair (chosen above "
+                    "--high, rejected below --low) for every prompt that has both. The output is a DPO "
+                    "stage's data.sources file.",
+        epilog="example:\n  mindvl rollout --ckpt runs/x/sft/checkpoint-000100 --data prompts.jsonl "
+               "--out pairs.jsonl -k 4 --reward grounding_iou",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint directory (native or HF)")
+    p.add_argument("--data", required=True, help="RL prompt JSONL (see `mindvl data validate`)")
+    p.add_argument("--out", required=True, help="preference JSONL to write")
+    p.add_argument("-k", type=int, default=4, help="candidates per prompt (default 4, as the report)")
+    p.add_argument("--reward", default="exact_match",
+                   help="verifier when a line names none: exact_match, numeric, grounding_iou, boxed_format "
+                        "or package.module:function (default exact_match)")
+    p.add_argument("--format-weight", type=float, default=0.0, help="add this x the \\boxed{} format reward")
+    p.add_argument("--high", type=float, default=0.75, help="chosen must score above this (default 0.75)")
+    p.add_argument("--low", type=float, default=0.25, help="rejected must score below this (default 0.25)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed, line index)")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    import logging
+
+    from ..data.preference import read_post_file
+    from ..infer.generate import load_model, load_processor
+    from .rewards import Verifier
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.k < 2:
+        raise ValueError(f"-k {args.k}: a pair needs at least 2 candidates")
+    if args.low > args.high:
+        raise ValueError(f"--low {args.low} is above --high {args.high}")
+    verifier = Verifier(args.reward, 1.0, args.format_weight)
+    prompts = read_post_file(args.data, "prompt")
+    model = load_model(args.ckpt)
+    proc = load_processor(args.ckpt, model.config)
+    lines, summary = rollout_pairs(model, proc, prompts, verifier, args.k, args.seed, args.max_new_tokens,
+                                   args.temperature, args.top_p, args.high, args.low, progress=True)
+    write_pairs(lines, args.out)
+    summary["out"] = args.out
+    print(json.dumps(summary, indent=2))
+    return 0
