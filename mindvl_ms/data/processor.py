@@ -203,6 +203,47 @@ def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: 
     return np.repeat(ids, reps), np.repeat(out_labels, reps)
 
 
+# ----------------------------------------------------------------------------------------------
+# videos of a sample (metadata only; decoding is data/video.py's load_video)
+
+def video_metas(sample: Sample, check: bool = True) -> list:
+    """VideoMeta per video of a sample: the line's `video_meta`, checked against the container header
+    with `check` (or read from the header when the line has none). SampleErrors name file:line, field."""
+    from .video import VideoMeta, probe_video
+
+    n_ph = count_placeholders(sample, VIDEO_PLACEHOLDER)
+    if n_ph != len(sample.videos):
+        raise SampleError(sample.source, sample.line, "video count mismatch",
+                          f"{n_ph} <video> placeholders for {len(sample.videos)} videos")
+    metas = []
+    for k, path in enumerate(sample.videos):
+        given = None if sample.video_meta is None else VideoMeta(**sample.video_meta[k])
+        real = None
+        if given is None or check:
+            try:
+                real = probe_video(path)
+            except (OSError, ValueError) as e:
+                raise SampleError(sample.source, sample.line, "unreadable video", f"field videos[{k}]: {e}") from None
+        if given is not None and real is not None and (
+                (given.frames, given.width, given.height) != (real.frames, real.width, real.height)
+                or abs(given.fps - real.fps) > 1e-3 * real.fps):
+            raise SampleError(sample.source, sample.line, "video metadata mismatch",
+                              f"field video_meta[{k}]={sample.video_meta[k]} but {path} has frames={real.frames}, "
+                              f"fps={real.fps:g}, width={real.width}, height={real.height}")
+        metas.append(given or real)
+    return metas
+
+
+def video_token_counts(sample: Sample, metas, image: ImageConfig, video, seed: int) -> List[int]:
+    """Merged tokens per video from metadata (the fps draw is seeded by (data seed, line, index))."""
+    from .video import video_rng, video_tokens
+
+    try:
+        return [video_tokens(m, image, video, video_rng(seed, sample.line, k)) for k, m in enumerate(metas)]
+    except ValueError as e:
+        raise SampleError(sample.source, sample.line, "bad video", f"field videos: {e}") from None
+
+
 class MindVLProcessor:
     """Tokenizer + image processor + chat template; see the module docstring."""
 
@@ -268,41 +309,10 @@ class MindVLProcessor:
 
     # -- videos -------------------------------------------------------------------------------
     def video_metas(self, sample: Sample, check: bool = True) -> list:
-        """VideoMeta per video of a sample: the line's `video_meta`, checked against the container header
-        with `check` (or read from the header when the line has none). SampleErrors name file:line, field."""
-        from .video import VideoMeta, probe_video
-
-        n_ph = count_placeholders(sample, VIDEO_PLACEHOLDER)
-        if n_ph != len(sample.videos):
-            raise SampleError(sample.source, sample.line, "video count mismatch",
-                              f"{n_ph} <video> placeholders for {len(sample.videos)} videos")
-        metas = []
-        for k, path in enumerate(sample.videos):
-            given = None if sample.video_meta is None else VideoMeta(**sample.video_meta[k])
-            real = None
-            if given is None or check:
-                try:
-                    real = probe_video(path)
-                except (OSError, ValueError) as e:
-                    raise SampleError(sample.source, sample.line, "unreadable video", f"field videos[{k}]: {e}") from None
-            if given is not None and real is not None and (
-                    (given.frames, given.width, given.height) != (real.frames, real.width, real.height)
-                    or abs(given.fps - real.fps) > 1e-3 * real.fps):
-                raise SampleError(sample.source, sample.line, "video metadata mismatch",
-                                  f"field video_meta[{k}]={sample.video_meta[k]} but {path} has frames={real.frames}, "
-                                  f"fps={real.fps:g}, width={real.width}, height={real.height}")
-            metas.append(given or real)
-        return metas
+        return video_metas(sample, check)
 
     def video_token_counts(self, sample: Sample, metas) -> List[int]:
-        """Merged tokens per video from metadata (the fps draw is seeded by (data seed, line, index))."""
-        from .video import video_rng, video_tokens
-
-        try:
-            return [video_tokens(m, self.image_config, self.config.video, video_rng(self.config.seed, sample.line, k))
-                    for k, m in enumerate(metas)]
-        except ValueError as e:
-            raise SampleError(sample.source, sample.line, "bad video", f"field videos: {e}") from None
+        return video_token_counts(sample, metas, self.image_config, self.config.video, self.config.seed)
 
     def process_videos(self, sample: Sample) -> Dict:
         """Decode, sample and patchify a sample's videos: pixel_values_videos, video_grid_thw,
