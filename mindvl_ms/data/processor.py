@@ -276,6 +276,9 @@ class MindVLProcessor:
                    "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
                    "image_std": d.get("image_std")}
             cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
+            from ..checkpoint.processor_files import read_video_config
+
+            cfg.video = read_video_config(path)  # the training run's data.video section
         from ..checkpoint.processor_files import read_system_prompt
 
         system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
