@@ -142,7 +142,7 @@ def test_unknown_fields_kept_as_metadata_with_one_warning(tmp_path, capsys):
     assert [s.extra for s in samples] == [{"metric": "exact_match", "task": "vqa"}] * 3
     msgs = [str(x.message) for x in w]
     assert msgs == [f"{src}: unknown top-level field(s) metric, task kept as metadata (the schema reads id, "
-                    f"images, image_sizes, messages, source, meta)"]
+                    f"images, image_sizes, videos, video_meta, messages, source, meta)"]
     assert main(["data", "validate", src, "--quiet", "--workers", "1"]) == 0
     assert "note: unknown top-level field(s) kept as metadata: metric (3 lines), task (3 lines)" in \
         capsys.readouterr().out

@@ -94,3 +94,26 @@ def test_eval_backend_and_text_generation(small_ckpt, tmp_path):
     a = generate(backend.model, [enc], 6, do_sample=True, temperature=2.0, seed=1)
     assert a == generate(backend.model, [feat_sample], 6, do_sample=True, temperature=2.0, seed=1)
     assert backend.engine.stats["images_encoded"] == 1
+
+
+def test_generate_with_a_video(small_ckpt, tmp_path, capsys):
+    """`mindvl generate --video` on a generated clip, with the checkpoint's own video settings (a small
+    frame budget written into its preprocessor_config.json, as a training run writes it)."""
+    import json
+
+    from video_helpers import write_video
+
+    pre = os.path.join(small_ckpt, "preprocessor_config.json")
+    d = json.load(open(pre)) if os.path.isfile(pre) else {}
+    d["video"] = {"fps": 2.0, "fps_range": [], "min_frames": 2, "max_frames": 4, "video_min_pixels": 784,
+                  "video_max_pixels": 4 * 784, "video_total_pixels": 8 * 784}
+    with open(pre, "w") as f:
+        json.dump(d, f)
+    clip = tmp_path / "clip.mkv"
+    write_video(clip, frames=12, fps=6, width=56, height=56)
+    assert main(["generate", "--ckpt", small_ckpt, "--video", str(clip), "--prompt", "What moves?",
+                 "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" or "error" not in out.err
+    assert main(["generate", "--ckpt", small_ckpt, "--video", str(tmp_path / "nope.mp4"), "--prompt", "x"]) == 2
+    assert "video not found" in capsys.readouterr().err

@@ -53,6 +53,15 @@ def test_graphcell_runner_equals_eager_model(exported):
     third = [{"input_ids": infer_tiny.image_prompt(grid), "pixel_frames": frames, "image_grid_thw": grid[None]}]
     assert runner.generate(third, 4) == generate(model, third, 4)  # a new image size through the vision graph
     assert [len(g) for g in got] == [N_NEW] * 3
+    # a video (float temporal patches through the vision_video graph) next to an image
+    rng = np.random.default_rng(5)
+    vid = {"input_ids": np.array([3, 4, infer_tiny.hf_tiny.VSTART] + [253] * 12 + [infer_tiny.hf_tiny.VEND, 7],
+                                 np.int64),
+           "pixel_values_videos": rng.standard_normal((48, 3 * 2 * 14 * 14)).astype(np.float32),
+           "video_grid_thw": np.array([[2, 4, 6]]), "second_per_grid_ts": np.array([1.0])}
+    mixed = dict(vid, input_ids=np.concatenate([third[0]["input_ids"], vid["input_ids"]]),
+                 pixel_frames=third[0]["pixel_frames"], image_grid_thw=third[0]["image_grid_thw"])
+    assert runner.generate([vid, mixed], 4) == generate(model, [vid, mixed], 4)
     print("exported bytes:", {k: g["bytes"] for k, g in meta["graphs"].items()}, "total", meta["total_bytes"])
 
 
@@ -60,7 +69,7 @@ def test_export_json_describes_dynamic_graphs(exported):
     _, out, meta = exported
     with open(os.path.join(out, "export.json")) as f:
         assert json.load(f) == meta
-    for name in ("vision", "prefill", "decode"):
+    for name in ("vision", "vision_video", "prefill", "decode"):
         g = meta["graphs"][name]
         assert os.path.getsize(os.path.join(out, g["file"])) == g["bytes"] > 0
     vis = {i["name"]: i for i in meta["graphs"]["vision"]["inputs"]}

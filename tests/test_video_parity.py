@@ -139,3 +139,21 @@ def test_accumulated_video_positions_by_hand():
                        second_per_grid_ts=[1.0])
     np.testing.assert_array_equal(plain[1, 4:10], plain[1, 10:16])
     np.testing.assert_array_equal(plain[0, 4:22:6], [4, 6, 8])
+
+
+def test_greedy_generation_with_videos_equals_transformers():
+    """KV-cache generation (the infer tests' shared tiny model) on a video and an image + video prompt gives
+    transformers' greedy tokens, batched with left padding."""
+    import infer_tiny
+    from mindvl_ms.infer.generate import generate
+
+    _, hf, model, _ = infer_tiny.setup()
+    rng = np.random.default_rng(11)
+    samples = [_sample(rng, items) for items in SAMPLES[:2]]
+    refs = []
+    for s in samples:
+        with torch.no_grad():
+            out = hf.generate(**_hf_kwargs(s), max_new_tokens=5, do_sample=False)
+        refs.append(out[0, len(s["input_ids"]):].tolist())
+    assert generate(model, samples, 5) == refs
+    assert [generate(model, [s], 5)[0] for s in samples] == refs

@@ -26,6 +26,7 @@ PREPROCESSOR = "preprocessor_config.json"
 CHAT_TEMPLATE = "chat_template.json"
 PROCESSOR_FILES = TOKENIZER_FILES + (PREPROCESSOR, CHAT_TEMPLATE)
 IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_TAG = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def _lit(text: str) -> str:
@@ -35,21 +36,23 @@ def _lit(text: str) -> str:
 
 def chat_template(system_prompt: str) -> str:
     """Jinja chat template equal to `data.processor.render` with this system prompt (string contents with
-    `<image>` placeholders, or transformers-style lists of {"type": "text"|"image"} parts)."""
+    `<image>` / `<video>` placeholders, or transformers-style lists of {"type": "text"|"image"|"video"} parts)."""
     system = ""
     if system_prompt:  # a system turn only when the conversation has none, as render() does
         turn = _lit(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
         system = f"{{%- if messages[0]['role'] != 'system' %}}{{{{- {turn} }}}}{{%- endif %}}"
-    image = _lit(IMAGE_TAG)
+    image, video = _lit(IMAGE_TAG), _lit(VIDEO_TAG)
     return (
         system
         + "{%- for message in messages %}"
         + "{{- '<|im_start|>' + message['role'] + '\\n' }}"
         + "{%- if message['content'] is string %}"
-        + f"{{{{- message['content'] | replace('<image>', {image}) }}}}"
+        + f"{{{{- message['content'] | replace('<image>', {image}) | replace('<video>', {video}) }}}}"
         + "{%- else %}{%- for part in message['content'] %}"
         + f"{{%- if part['type'] == 'image' %}}{{{{- {image} }}}}"
-        + f"{{%- elif part['type'] == 'text' %}}{{{{- part['text'] | replace('<image>', {image}) }}}}{{%- endif %}}"
+        + f"{{%- elif part['type'] == 'video' %}}{{{{- {video} }}}}"
+        + f"{{%- elif part['type'] == 'text' %}}{{{{- part['text'] | replace('<image>', {image}) "
+        + f"| replace('<video>', {video}) }}}}{{%- endif %}}"
         + "{%- endfor %}{%- endif %}"
         + "{{- '<|im_end|>\\n' }}"
         + "{%- endfor %}"
@@ -57,9 +60,13 @@ def chat_template(system_prompt: str) -> str:
     )
 
 
-def preprocessor_dict(image_cfg) -> dict:
-    """transformers' Qwen2VLImageProcessor configuration for an `ImageConfig`."""
-    return {
+def preprocessor_dict(image_cfg, video_cfg=None) -> dict:
+    """transformers' Qwen2VLImageProcessor configuration for an `ImageConfig`, plus this project's `video`
+    section (data.video: fps and frame budget) when given."""
+    import dataclasses
+
+    extra = {} if video_cfg is None else {"video": dataclasses.asdict(video_cfg)}
+    return {**extra,
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
         "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": list(image_cfg.image_mean), "image_std": list(image_cfg.image_std),
@@ -97,7 +104,7 @@ def save_processor(dst: str, processor=None, data_cfg=None) -> List[str]:
             shutil.copyfile(src, os.path.join(dst, name))
         written.append(name)
     with open(os.path.join(dst, PREPROCESSOR), "w", encoding="utf-8") as f:
-        json.dump(preprocessor_dict(cfg.image), f, indent=2)
+        json.dump(preprocessor_dict(cfg.image, cfg.video), f, indent=2)
     with open(os.path.join(dst, CHAT_TEMPLATE), "w", encoding="utf-8") as f:
         json.dump({"chat_template": chat_template(cfg.system_prompt), "system_prompt": cfg.system_prompt}, f,
                   indent=2, ensure_ascii=False)
@@ -140,6 +147,20 @@ def read_image_config(ckpt: Optional[str]):
     return cfg
 
 
+def read_video_config(ckpt: Optional[str]):
+    """VideoConfig from the `video` section of ckpt/preprocessor_config.json, defaults otherwise."""
+    from ..config.base import load
+    from ..config.video import VideoConfig
+
+    fn = os.path.join(ckpt, PREPROCESSOR) if ckpt else ""
+    if fn and os.path.isfile(fn):
+        with open(fn, encoding="utf-8") as f:
+            d = json.load(f)
+        if "video" in d:
+            return load(VideoConfig, d["video"], source=fn)
+    return VideoConfig()
+
+
 def processor_of(ckpt: Optional[str]):
     """The MindVLProcessor a checkpoint records: its tokenizer (else the bundled Qwen3 one), pixel limits and
     system prompt (each else the default)."""
@@ -149,6 +170,7 @@ def processor_of(ckpt: Optional[str]):
         return MindVLProcessor.from_pretrained(ckpt)
     proc = MindVLProcessor.from_pretrained(None)
     proc.config.image = read_image_config(ckpt)
+    proc.config.video = read_video_config(ckpt)
     system_prompt = read_system_prompt(ckpt)
     if system_prompt is not None:
         proc.config.system_prompt = system_prompt

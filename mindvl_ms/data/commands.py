@@ -28,7 +28,7 @@ def _validate(args) -> int:
 
     cfg = load_data_config(args.config)
     report = validate_file(args.file, cfg.image, decode=not args.headers_only, workers=args.workers,
-                           drop_bad=args.drop_bad, progress=not args.quiet)
+                           drop_bad=args.drop_bad, progress=not args.quiet, video=cfg.video, seed=cfg.seed)
     print(format_report(report, args.max_list))
     if args.report:
         with open(args.report, "w", encoding="utf-8") as f:

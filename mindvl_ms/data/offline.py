@@ -70,7 +70,8 @@ def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, in
         counts = [image_tokens(w, h, proc.image_config) for w, h in sizes]
     except ValueError as e:
         raise SampleError(sample.source, sample.line, "bad image size", f"field {field}: {e}") from None
-    return proc.count_tokens(sample.messages, counts), sum(counts)
+    vcounts = proc.video_token_counts(sample, proc.video_metas(sample, check=check_sizes))
+    return proc.count_tokens(sample.messages, counts, vcounts), sum(counts) + sum(vcounts)
 
 
 def _meta_chunk(args) -> List[Tuple[int, Optional[Tuple[int, int]], Optional[Tuple[str, str]]]]:

@@ -41,11 +41,13 @@ from PIL import Image
 
 from ..config.base import load
 from ..config.data import DataConfig, ImageConfig
-from .schema import IMAGE_PLACEHOLDER, Sample, SampleError, count_placeholders, normalise_messages
+from .schema import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleError, count_placeholders,
+                     normalise_messages)
 from .tokenizer import TextTokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 MAX_RATIO = 200
 
@@ -152,7 +154,8 @@ def process_images(images: Sequence[Image.Image], cfg: ImageConfig) -> Tuple[Opt
 
 def render(messages: List[Dict[str, str]], system_prompt: str = "You are a helpful assistant.",
            add_generation_prompt: bool = False) -> Tuple[str, List[Tuple[int, int]]]:
-    """Template text with one <|image_pad|> per image, and the supervised character spans."""
+    """Template text with one <|image_pad|> per image and one <|video_pad|> per video, and the supervised
+    character spans."""
     parts: List[str] = []
     spans: List[Tuple[int, int]] = []
     pos = 0
@@ -168,6 +171,7 @@ def render(messages: List[Dict[str, str]], system_prompt: str = "You are a helpf
         put(f"{IM_START}system\n{system_prompt}{IM_END}\n")
     for m in messages:
         content = m["content"].replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
+        content = content.replace(VIDEO_PLACEHOLDER, VISION_START + VIDEO_PAD + VISION_END)
         put(f"{IM_START}{m['role']}\n")
         if m["role"] == "assistant":
             put(content + IM_END, supervised=True)
@@ -187,16 +191,57 @@ def _supervised_mask(offsets, spans) -> np.ndarray:
     return mask
 
 
-def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: Sequence[int]):
-    """Repeat the k-th <|image_pad|> id counts[k] times (labels there are IGNORE_INDEX)."""
+def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: Sequence[int], kind: str = "image"):
+    """Repeat the k-th <|image_pad|> (or <|video_pad|>) id counts[k] times (labels there are IGNORE_INDEX)."""
     where = np.flatnonzero(ids == pad_id)
     if len(where) != len(counts):
-        raise ValueError(f"text has {len(where)} image pad tokens but there are {len(counts)} images")
+        raise ValueError(f"text has {len(where)} {kind} pad tokens but there are {len(counts)} {kind}s")
     reps = np.ones(len(ids), dtype=np.int64)
     reps[where] = np.asarray(counts, dtype=np.int64)
     out_labels = labels.copy()
     out_labels[where] = IGNORE_INDEX
     return np.repeat(ids, reps), np.repeat(out_labels, reps)
+
+
+# ----------------------------------------------------------------------------------------------
+# videos of a sample (metadata only; decoding is data/video.py's load_video)
+
+def video_metas(sample: Sample, check: bool = True) -> list:
+    """VideoMeta per video of a sample: the line's `video_meta`, checked against the container header
+    with `check` (or read from the header when the line has none). SampleErrors name file:line, field."""
+    from .video import VideoMeta, probe_video
+
+    n_ph = count_placeholders(sample, VIDEO_PLACEHOLDER)
+    if n_ph != len(sample.videos):
+        raise SampleError(sample.source, sample.line, "video count mismatch",
+                          f"{n_ph} <video> placeholders for {len(sample.videos)} videos")
+    metas = []
+    for k, path in enumerate(sample.videos):
+        given = None if sample.video_meta is None else VideoMeta(**sample.video_meta[k])
+        real = None
+        if given is None or check:
+            try:
+                real = probe_video(path)
+            except (OSError, ValueError) as e:
+                raise SampleError(sample.source, sample.line, "unreadable video", f"field videos[{k}]: {e}") from None
+        if given is not None and real is not None and (
+                (given.frames, given.width, given.height) != (real.frames, real.width, real.height)
+                or abs(given.fps - real.fps) > 1e-3 * real.fps):
+            raise SampleError(sample.source, sample.line, "video metadata mismatch",
+                              f"field video_meta[{k}]={sample.video_meta[k]} but {path} has frames={real.frames}, "
+                              f"fps={real.fps:g}, width={real.width}, height={real.height}")
+        metas.append(given or real)
+    return metas
+
+
+def video_token_counts(sample: Sample, metas, image: ImageConfig, video, seed: int) -> List[int]:
+    """Merged tokens per video from metadata (the fps draw is seeded by (data seed, line, index))."""
+    from .video import video_rng, video_tokens
+
+    try:
+        return [video_tokens(m, image, video, video_rng(seed, sample.line, k)) for k, m in enumerate(metas)]
+    except ValueError as e:
+        raise SampleError(sample.source, sample.line, "bad video", f"field videos: {e}") from None
 
 
 class MindVLProcessor:
@@ -206,6 +251,7 @@ class MindVLProcessor:
         self.config = config or DataConfig()
         self.tokenizer = tokenizer or load_tokenizer(self.config.tokenizer or None)
         self.image_pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
+        self.video_pad_id = self.tokenizer.token_to_id(VIDEO_PAD)
         for t in (VISION_START, VISION_END, IM_START, IM_END):
             self.tokenizer.token_to_id(t)  # fail early on a tokenizer without the chat/vision tokens
 
@@ -230,6 +276,9 @@ class MindVLProcessor:
                    "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
                    "image_std": d.get("image_std")}
             cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
+            from ..checkpoint.processor_files import read_video_config
+
+            cfg.video = read_video_config(path)  # the training run's data.video section
         from ..checkpoint.processor_files import read_system_prompt
 
         system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
@@ -245,18 +294,46 @@ class MindVLProcessor:
 
     # -- text ---------------------------------------------------------------------------------
     def encode(self, messages: List[Dict[str, str]], image_counts: Sequence[int],
-               add_generation_prompt: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-        """Conversation -> (input_ids int64[n], labels int64[n]) with image pads expanded."""
+               add_generation_prompt: bool = False, video_counts: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
+        """Conversation -> (input_ids int64[n], labels int64[n]) with image and video pads expanded."""
         text, spans = render(messages, self.config.system_prompt, add_generation_prompt)
         ids, offsets = self.tokenizer.encode_offsets(text)
         ids = np.asarray(ids, dtype=np.int64)
         labels = np.where(_supervised_mask(offsets, spans), ids, IGNORE_INDEX) if len(ids) else ids
-        return expand_image_pads(ids, labels.astype(np.int64), self.image_pad_id, image_counts)
+        ids, labels = expand_image_pads(ids, labels.astype(np.int64), self.image_pad_id, image_counts)
+        return expand_image_pads(ids, labels, self.video_pad_id, video_counts, "video")
 
-    def count_tokens(self, messages: List[Dict[str, str]], image_counts: Sequence[int]) -> int:
+    def count_tokens(self, messages: List[Dict[str, str]], image_counts: Sequence[int],
+                     video_counts: Sequence[int] = ()) -> int:
         """Sequence length from metadata alone (no image decoding): equals len(encode(...)[0])."""
         text, _ = render(messages, self.config.system_prompt)
-        return len(self.tokenizer.encode(text)) + int(sum(image_counts)) - len(image_counts)
+        return (len(self.tokenizer.encode(text)) + int(sum(image_counts)) - len(image_counts)
+                + int(sum(video_counts)) - len(video_counts))
+
+    # -- videos -------------------------------------------------------------------------------
+    def video_metas(self, sample: Sample, check: bool = True) -> list:
+        return video_metas(sample, check)
+
+    def video_token_counts(self, sample: Sample, metas) -> List[int]:
+        return video_token_counts(sample, metas, self.image_config, self.config.video, self.config.seed)
+
+    def process_videos(self, sample: Sample) -> Dict:
+        """Decode, sample and patchify a sample's videos: pixel_values_videos, video_grid_thw,
+        second_per_grid_ts (absent when the sample has none)."""
+        from .video import load_video, video_rng
+
+        if not sample.videos and not count_placeholders(sample, VIDEO_PLACEHOLDER):
+            return {}
+        clips = []
+        for k, (path, meta) in enumerate(zip(sample.videos, self.video_metas(sample))):
+            try:
+                clips.append(load_video(path, self.image_config, self.config.video,
+                                        video_rng(self.config.seed, sample.line, k), meta))
+            except (OSError, ValueError) as e:
+                raise SampleError(sample.source, sample.line, "unreadable video", f"field videos[{k}]: {e}") from None
+        return {"pixel_values_videos": np.concatenate([c.pixel_values for c in clips]),
+                "video_grid_thw": np.stack([c.grid_thw for c in clips]),
+                "second_per_grid_ts": np.array([c.second_per_grid for c in clips], np.float64)}
 
     # -- samples ------------------------------------------------------------------------------
     def process_sample(self, sample: Sample, images: Optional[Sequence[Image.Image]] = None) -> Dict:
@@ -284,17 +361,21 @@ class MindVLProcessor:
         except ValueError as e:
             raise SampleError(sample.source, sample.line, "bad image", f"field images: {e}") from None
         counts = [] if grid is None else [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in grid]
-        input_ids, labels = self.encode(sample.messages, counts)
+        videos = self.process_videos(sample)
+        vcounts = [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in videos.get("video_grid_thw", [])]
+        input_ids, labels = self.encode(sample.messages, counts, video_counts=vcounts)
         return {"input_ids": input_ids, "labels": labels, "pixel_values": pixel_values, "image_grid_thw": grid,
-                "id": sample.id, "source": sample.source, "line": sample.line}
+                **videos, "id": sample.id, "source": sample.source, "line": sample.line}
 
     def __call__(self, messages, images: Optional[Sequence[Image.Image]] = None,
-                 add_generation_prompt: Optional[bool] = None, return_tensors: str = "np") -> Dict:
+                 add_generation_prompt: Optional[bool] = None, return_tensors: str = "np",
+                 videos: Optional[Sequence[str]] = None) -> Dict:
         """HF-style call for one conversation: a batch of one (input_ids [1, n], attention_mask [1, n],
         labels [1, n], and pixel_values [N, C*T*P*P] + image_grid_thw [k, 3] when there are images), as
         numpy arrays (return_tensors="np") or MindSpore Tensors ("ms"); `model(**batch)` takes either.
         Adds the generation prompt when the last turn is not the assistant's (inference) unless told
-        otherwise."""
+        otherwise. `videos` are file paths (one `<video>` placeholder each); they add pixel_values_videos,
+        video_grid_thw and second_per_grid_ts, sampled as in training."""
         if return_tensors not in ("np", "ms"):
             raise ValueError(f"return_tensors must be 'np' or 'ms', got {return_tensors!r}")
         msgs = normalise_messages(messages)
@@ -306,9 +387,11 @@ class MindVLProcessor:
             add_generation_prompt = msgs[-1]["role"] != "assistant"
         pixel_values, grid = process_images(images, self.image_config)
         counts = [] if grid is None else [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in grid]
-        ids, labels = self.encode(msgs, counts, add_generation_prompt)
+        vids = self.process_videos(Sample(messages=msgs, videos=list(videos or []), source="<call>", line=0))
+        vcounts = [int(np.prod(g)) // self.image_config.merge_size ** 2 for g in vids.get("video_grid_thw", [])]
+        ids, labels = self.encode(msgs, counts, add_generation_prompt, video_counts=vcounts)
         out = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), dtype=np.int64),
-               "labels": labels[None]}
+               "labels": labels[None], **vids}
         if pixel_values is not None:
             out["pixel_values"], out["image_grid_thw"] = pixel_values, grid
         if return_tensors == "ms":

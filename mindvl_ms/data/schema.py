@@ -8,6 +8,9 @@ A line is one sample:
 packing without decoding. `content` is a string with one `<image>` placeholder per image, or a
 Hugging Face style list of parts ({"type": "image"} / {"type": "text", "text": ...}), which is
 normalised to the string form here so the rest of the pipeline sees one shape.
+Videos: `"videos": ["clip.mp4"]` with one `<video>` placeholder each ({"type": "video"} as a part), and
+optional `"video_meta": [{"frames": 300, "fps": 30, "width": 640, "height": 360}]` so packing and
+validation count tokens without opening the file (mindvl_ms/data/video.py).
 
 Errors are `SampleError`s naming file, line and field; `iter_jsonl` never skips a line silently:
 blank, undecodable (not UTF-8) and unparsable lines come out as errors for the caller to count.
@@ -26,8 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 ROLES = ("system", "user", "assistant")
-FIELDS = ("id", "images", "image_sizes", "messages", "source", "meta")
+FIELDS = ("id", "images", "image_sizes", "videos", "video_meta", "messages", "source", "meta")
+META_KEYS = ("frames", "fps", "width", "height")
 _WARNED = set()  # (source, field names) already warned about in this process
 
 
@@ -50,6 +55,8 @@ class Sample:
     source: str = ""
     line: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)  # unknown top-level fields, kept as metadata
+    videos: List[str] = field(default_factory=list)
+    video_meta: Optional[List[Dict[str, Any]]] = None  # {frames, fps, width, height} per video
 
 
 def content_to_text(content: Any, where: str) -> str:
@@ -63,12 +70,14 @@ def content_to_text(content: Any, where: str) -> str:
                 raise ValueError(f"{where}.content[{i}]: expected {{'type': 'image'|'text', ...}}, got {part!r}")
             if part["type"] == "image":
                 out.append(IMAGE_PLACEHOLDER)
+            elif part["type"] == "video":
+                out.append(VIDEO_PLACEHOLDER)
             elif part["type"] == "text":
                 if not isinstance(part.get("text"), str):
                     raise ValueError(f"{where}.content[{i}]: text part needs a string 'text'")
                 out.append(part["text"])
             else:
-                raise ValueError(f"{where}.content[{i}]: unsupported part type {part['type']!r} (image or text)")
+                raise ValueError(f"{where}.content[{i}]: unsupported part type {part['type']!r} (image, video or text)")
         return "".join(out)
     raise ValueError(f"{where}.content: expected a string or a list of parts, got {type(content).__name__}")
 
@@ -114,12 +123,26 @@ def parse_sample(obj: Any, source: str, line: int) -> Sample:
             if not ok:
                 raise ValueError(f"image_sizes: expected {len(images)} [width, height] pairs of positive integers")
             sizes = [(int(w), int(h)) for w, h in sizes]
+        videos, vmeta = obj.get("videos") or [], obj.get("video_meta")
+        if not isinstance(videos, list) or not all(isinstance(p, str) and p for p in videos):
+            raise ValueError("videos: expected a list of non-empty path strings")
+        if vmeta is not None:
+            if not isinstance(vmeta, list) or len(vmeta) != len(videos):
+                raise ValueError(f"video_meta: expected {len(videos)} objects {{frames, fps, width, height}}")
+            for k, m in enumerate(vmeta):
+                if not isinstance(m, dict) or set(m) != set(META_KEYS) or not all(
+                        isinstance(m[x], (int, float)) and not isinstance(m[x], bool) and m[x] > 0 for x in META_KEYS) \
+                        or not all(isinstance(m[x], int) for x in ("frames", "width", "height")):
+                    raise ValueError(f"video_meta[{k}]: expected {{frames: int, fps: number, width: int, height: int}}, "
+                                     f"all > 0, got {m!r}")
     except ValueError as e:
         raise SampleError(source, line, "schema", str(e)) from None
     base = os.path.dirname(os.path.abspath(source))
     paths = [p if os.path.isabs(p) else os.path.join(base, p) for p in images]
+    vpaths = [p if os.path.isabs(p) else os.path.join(base, p) for p in videos]
     return Sample(messages=messages, images=paths, image_sizes=sizes, id=str(obj.get("id", f"line{line}")),
-                  source=source, line=line, extra={k: obj[k] for k in unknown})
+                  source=source, line=line, extra={k: obj[k] for k in unknown}, videos=vpaths,
+                  video_meta=None if vmeta is None else [dict(m) for m in vmeta])
 
 
 def warn_unknown(source: str, names: List[str], known) -> None:
@@ -176,8 +199,8 @@ def read_raw_lines(path: str) -> List[Tuple[int, bytes]]:
         return list(enumerate(f, 1))
 
 
-def count_placeholders(sample: Sample) -> int:
-    return sum(m["content"].count(IMAGE_PLACEHOLDER) for m in sample.messages)
+def count_placeholders(sample: Sample, placeholder: str = IMAGE_PLACEHOLDER) -> int:
+    return sum(m["content"].count(placeholder) for m in sample.messages)
 
 
 def iter_jsonl(path: str) -> Iterator[Tuple[int, Any]]:

@@ -13,6 +13,12 @@ Checks per line (reason keys in the report):
                                               would count the wrong number of tokens)
   grounding                                   unbalanced tags, non-integer or out-of-range (0..999)
                                               coordinates, wrong point count for point/box/quad
+  video count mismatch                        `<video>` placeholders != number of videos
+  unreadable video                            missing file, no video stream, or (decoding) frames missing
+  video metadata mismatch                     `video_meta` differs from the container header
+  bad video                                   too short for the frame sampling (min_frames, temporal patch)
+  video token count mismatch                  (decoding) the sampled clip's tokens differ from the count
+                                              the packer derives from metadata
 Images are checked once per path (many lines share images) and, with `decode=False`, only their
 headers are read. Work is spread over processes with a tqdm bar. `--drop-bad` writes the lines
 without errors to a new file and the report lists every dropped line with its reasons. Unknown
@@ -29,11 +35,12 @@ from typing import Any, Dict, List, Optional, Tuple
 from PIL import Image
 from tqdm import tqdm
 
-from ..config.data import ImageConfig
+from ..config.data import DataConfig, ImageConfig
+from ..config.video import VideoConfig
 from .grounding import grounding_errors
 from .preference import parse_line_any
 from .processor import quality_errors
-from .schema import FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
+from .schema import VIDEO_PLACEHOLDER, FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
 
 RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
 
@@ -91,6 +98,35 @@ def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bo
         if size is not None and s.image_sizes is not None and tuple(s.image_sizes[k]) != tuple(size):
             errs.append(("image size mismatch", f"field image_sizes[{k}]={list(s.image_sizes[k])} but {p} is "
                                                 f"{size[0]}x{size[1]}"))
+    if s.videos or count_placeholders(s, VIDEO_PLACEHOLDER):
+        errs += check_videos(s, cfg, _CFG.get("video") or VideoConfig(), decode)
+    return errs
+
+
+def check_videos(s, image: ImageConfig, video: VideoConfig, decode: bool) -> List[Tuple[str, str]]:
+    """Video problems of a sample: counts, readable containers, metadata against headers, and (decoding)
+    the sampled clip's token count against the one derived from metadata."""
+    from .processor import video_metas, video_token_counts
+    from .video import load_video, video_rng
+
+    seed = _CFG.get("seed", DataConfig().seed)
+    try:
+        metas = video_metas(s)
+        counts = video_token_counts(s, metas, image, video, seed)
+    except SampleError as e:
+        return [(e.reason, e.detail)]
+    errs = []
+    if decode:
+        for k, (path, meta) in enumerate(zip(s.videos, metas)):
+            try:
+                clip = load_video(path, image, video, video_rng(seed, s.line, k), meta)
+            except (OSError, ValueError) as e:
+                errs.append(("unreadable video", f"field videos[{k}]: {e}"))
+                continue
+            got = clip.pixel_values.shape[0] // image.merge_size ** 2
+            if got != counts[k]:
+                errs.append(("video token count mismatch", f"field videos[{k}]: {path} gives {got} tokens, "
+                                                           f"metadata gives {counts[k]}"))
     return errs
 
 
@@ -106,8 +142,9 @@ def unknown_fields(raw: bytes) -> List[str]:
 _CFG: Dict[str, Any] = {}
 
 
-def _init(cfg: ImageConfig, decode: bool) -> None:
-    _CFG.update(cfg=cfg, decode=decode, cache={})
+def _init(cfg: ImageConfig, decode: bool, video: Optional[VideoConfig] = None, seed: Optional[int] = None) -> None:
+    _CFG.update(cfg=cfg, decode=decode, cache={}, video=video or VideoConfig(),
+                seed=DataConfig().seed if seed is None else seed)
 
 
 def _chunk(args) -> List[Tuple[int, List[Tuple[str, str]], List[str]]]:
@@ -121,8 +158,10 @@ def _chunk(args) -> List[Tuple[int, List[Tuple[str, str]], List[str]]]:
 
 
 def validate_file(path: str, cfg: Optional[ImageConfig] = None, decode: bool = True, workers: int = 0,
-                  drop_bad: Optional[str] = None, progress: bool = True, chunk: int = 500) -> Dict[str, Any]:
-    """Check every line of `path`; returns {"file", "num_lines", "num_ok", "counts", "errors": [...]}."""
+                  drop_bad: Optional[str] = None, progress: bool = True, chunk: int = 500,
+                  video: Optional[VideoConfig] = None, seed: Optional[int] = None) -> Dict[str, Any]:
+    """Check every line of `path`; returns {"file", "num_lines", "num_ok", "counts", "errors": [...]}.
+    `video` and `seed` (the data section's) size the video frame sampling as training does."""
     cfg = cfg or ImageConfig()
     lines = read_raw_lines(path)
     chunks = [(path, lines[i:i + chunk]) for i in range(0, len(lines), chunk)]
@@ -130,12 +169,12 @@ def validate_file(path: str, cfg: Optional[ImageConfig] = None, decode: bool = T
     results: List[Tuple[int, List[Tuple[str, str]], List[str]]] = []
     bar = tqdm(total=len(lines), desc="validate", unit="line", disable=not progress)
     if workers > 1 and len(chunks) > 1:
-        with mp.get_context("fork").Pool(workers, initializer=_init, initargs=(cfg, decode)) as pool:
+        with mp.get_context("fork").Pool(workers, initializer=_init, initargs=(cfg, decode, video, seed)) as pool:
             for res in pool.imap(_chunk, chunks):
                 results += res
                 bar.update(len(res))
     else:
-        _init(cfg, decode)
+        _init(cfg, decode, video, seed)
         for c in chunks:
             res = _chunk(c)
             results += res

@@ -40,15 +40,21 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    g = sub.add_parser("generate", help="answer one prompt (optionally about images)",
+    g = sub.add_parser("generate", help="answer one prompt (optionally about images and videos)",
                        description="Generate one answer with the KV-cache graphs. Images are resized with "
-                                   "smart_resize and enter the vision graph as uint8. " + HELP_SAMPLING + ".",
-                       epilog="example:\n  mindvl generate --ckpt ckpt/sft --image cat.png --prompt 'Describe it.'",
+                                   "smart_resize and enter the vision graph as uint8; videos are decoded with "
+                                   "PyAV and sampled as in training (the checkpoint's data.video settings: fps, "
+                                   "frame budget). " + HELP_SAMPLING + ".",
+                       epilog="examples:\n  mindvl generate --ckpt ckpt/sft --image cat.png --prompt 'Describe it.'"
+                              "\n  mindvl generate --ckpt ckpt/sft --video clip.mp4 --prompt 'What happens?'",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_sampling(g)
     g.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="image file (repeatable); an <image> placeholder is added per image unless the "
                         "prompt already holds them")
+    g.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="video file (repeatable); a <video> placeholder is added per video unless the prompt "
+                        "already holds them")
     g.add_argument("--prompt", required=True, help="the user message")
     g.set_defaults(func=_generate)
 
@@ -90,12 +96,12 @@ class _Session:
         self.proc.image_config.validate()
         self.args = args
 
-    def answer(self, messages, images) -> str:
+    def answer(self, messages, images, videos=()) -> str:
         from .generate import decode_answer, encode_chat, generate, stop_token_ids
 
         a = self.args
         show = getattr(a, "show_special_tokens", False)
-        sample = encode_chat(self.proc, messages, images)
+        sample = encode_chat(self.proc, messages, images, videos=videos)
         shown, ids = "", []
 
         def on_token(_row, tok):
@@ -118,19 +124,27 @@ class _Session:
         return text.strip()
 
 
-def _with_placeholders(prompt: str, n_images: int) -> str:
-    have = prompt.count("<image>")
-    if have not in (0, n_images):
-        raise ValueError(f"the prompt has {have} <image> placeholders but {n_images} images were given")
-    return prompt if have else "<image>\n" * n_images + prompt
+def _with_placeholders(prompt: str, n_images: int, n_videos: int = 0) -> str:
+    for tag, n in (("<image>", n_images), ("<video>", n_videos)):
+        have = prompt.count(tag)
+        if have not in (0, n):
+            raise ValueError(f"the prompt has {have} {tag} placeholders but {n} {tag[1:-1]}s were given")
+        if not have:
+            prompt = f"{tag}\n" * n + prompt
+    return prompt
 
 
 def _generate(args) -> int:
     from .generate import open_image
 
-    images = [open_image(p) for p in args.image]  # fail on a bad image before loading the model
+    from ..data.video import probe_video
+
+    images = [open_image(p) for p in args.image]  # fail on a bad image or video before loading the model
+    for v in args.video:
+        probe_video(v)
     session = _Session(args)
-    session.answer([{"role": "user", "content": _with_placeholders(args.prompt, len(images))}], images)
+    session.answer([{"role": "user", "content": _with_placeholders(args.prompt, len(images), len(args.video))}],
+                   images, args.video)
     return 0
 
 

@@ -7,7 +7,9 @@ MindIR graphs (runner.py) are two such backends, so both run exactly this code.
 
 Everything value-dependent is computed here, in numpy: M-RoPE positions (`rope_index`; decode positions
 continue from each prompt's max position + 1, transformers' rope_deltas), vision window metadata, the
-gather index that puts image features at the <|image_pad|> tokens, cache slots and the valid-slot mask.
+gather index that puts image and video features at the <|image_pad|> / <|video_pad|> tokens (items in
+the order the prompt places them; videos as float temporal patches with `second_per_grid_ts`), cache
+slots and the valid-slot mask.
 Prompts of different lengths share one batch with left (default) or right padding: with left padding all
 rows write the same decode slot; with right padding each row writes its own; the graphs are the same.
 
@@ -21,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..data.rope_index import rope_index, vision_metadata
+from ..data.rope_index import rope_index, vision_metadata, visual_order
 from .sampling import SamplingConfig, choose, stop_reason
 
 
@@ -41,13 +43,35 @@ class EngineSpec:
     vocab_size: int
     max_positions: int
     cache_dtype: str = "float32"
+    video_token_id: int = -1         # <|video_pad|> (-1: the model takes no videos)
+    mrope_accumulate: bool = False   # text.mrope_accumulate (video positions frame by frame)
 
     @classmethod
     def from_config(cls, cfg, cache_dtype: str = "float32") -> "EngineSpec":
         v, t = cfg.vision, cfg.text
         return cls(cfg.image_token_id, v.spatial_merge_size, v.tokens_per_second, v.window_size, v.patch_size,
                    t.num_hidden_layers, t.num_key_value_heads, t.head_dim_, t.hidden_size, t.vocab_size,
-                   t.max_position_embeddings, cache_dtype)
+                   t.max_position_embeddings, cache_dtype, cfg.video_token_id, t.mrope_accumulate)
+
+
+def _visual_parts(sample: Dict, spec: "EngineSpec"):
+    """Per-image and per-video (kind, pixels or features, grid) of one sample in prompt order; videos are
+    'float' temporal patches."""
+    parts = _image_parts(sample, spec.spatial_merge_size)
+    vgrid = sample.get("video_grid_thw")
+    if vgrid is None:
+        return parts
+    vgrid = np.asarray(vgrid, np.int64).reshape(-1, 3)
+    pix = np.asarray(sample["pixel_values_videos"], np.float32)
+    counts = vgrid.prod(1)
+    if pix.shape[0] != counts.sum():
+        raise ValueError(f"{pix.shape[0]} video patch rows but video_grid_thw {vgrid.tolist()} needs {int(counts.sum())}")
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    videos = [("float", pix[starts[i]:starts[i + 1]], vgrid[i]) for i in range(len(vgrid))]
+    igrid = Engine._grids(sample) if parts else None
+    order = visual_order(np.asarray(sample["input_ids"]).reshape(-1), igrid, spec.image_token_id, vgrid,
+                         spec.video_token_id, spec.spatial_merge_size)
+    return [(parts if kind == "image" else videos)[k] for kind, k, _ in order]
 
 
 def _image_parts(sample: Dict, merge: int):
@@ -84,8 +108,7 @@ class Engine:
     # -- vision ---------------------------------------------------------------------------------
     def image_features(self, samples: Sequence[Dict]) -> List[List[np.ndarray]]:
         """Merged visual tokens [m_i, D] for every image of every sample, encoding only unseen images."""
-        m = self.spec.spatial_merge_size
-        parts = [_image_parts(s, m) for s in samples]
+        parts = [_visual_parts(s, self.spec) for s in samples]
         todo: Dict[str, tuple] = {}
         keys = []
         for sp in parts:
@@ -166,9 +189,12 @@ class Engine:
         next_pos, next_slot, last = np.zeros(b, np.int64), np.zeros(b, np.int64), np.zeros(b, np.int64)
         n_feat = 0
         for r, (x, fl) in enumerate(zip(ids, feats)):
-            grid = self._grids(samples[r]) if fl else None
+            grid = self._grids(samples[r]) if _image_parts(samples[r], s.spatial_merge_size) else None
             try:
-                p = rope_index(x, grid, s.image_token_id, s.spatial_merge_size, s.tokens_per_second)  # [3, n]
+                p = rope_index(x, grid, s.image_token_id, s.spatial_merge_size, s.tokens_per_second,
+                               video_grid_thw=samples[r].get("video_grid_thw"), video_token_id=s.video_token_id,
+                               second_per_grid_ts=samples[r].get("second_per_grid_ts"),
+                               accumulate=s.mrope_accumulate)  # [3, n]
             except ValueError as e:
                 raise ValueError(f"sample {r}: {e}") from None
             start = length - x.size if padding_side == "left" else 0
@@ -179,7 +205,7 @@ class Engine:
             last[r] = r * length + start + x.size - 1
             next_pos[r] = int(p.max()) + 1  # decode positions continue here (rope_deltas)
             next_slot[r] = start + x.size
-            where = start + np.flatnonzero(x == s.image_token_id)
+            where = start + np.flatnonzero((x == s.image_token_id) | (x == s.video_token_id))
             need = sum(f.shape[0] for f in fl)
             if where.size != need:
                 raise ValueError(f"sample {r}: {where.size} image tokens but its images give {need} features")

@@ -2,6 +2,8 @@
 
     out/vision.mindir    uint8 single-frame patches [N, C*P*P] + window metadata -> image_embeds float32[M, D]
                          (rescale, normalise and temporal patching happen inside, see preprocess.py)
+    out/vision_video.mindir  normalised float temporal patches [N, C*T*P*P] (videos, data/video.py) + window
+                         metadata -> video_embeds float32[M, D]
     out/prefill.mindir   prompt ids, M-RoPE positions, image_embeds, gather index, cache slots, cache in
                          -> last-token logits float32[B, V], cache out
     out/decode.mindir    one token per row, positions, slot, cache in -> logits float32[B, V], cache out
@@ -65,9 +67,12 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
         raise ValueError("preprocessing patch/merge/temporal sizes disagree with the model's vision config")
     dtype = param_dtype(model)
     vision = VisionEncoder(model, img.image_mean, img.image_std, uint8=True)
+    video = VisionEncoder(model)
     prefill, decode = Prefill(model), Decode(model)
     graphs = [("vision", vision, ("pixel_frames",) + VISION_META, vision.dynamic_inputs(),
                [("image_embeds", [-1, cfg.text.hidden_size], "float32")]),
+              ("vision_video", video, ("pixel_values_videos",) + VISION_META, video.dynamic_inputs(),
+               [("video_embeds", [-1, cfg.text.hidden_size], "float32")]),
               ("prefill", prefill, PREFILL_NAMES + ("cache_k", "cache_v"), prefill.dynamic_inputs(dtype), None),
               ("decode", decode, DECODE_NAMES + ("cache_k", "cache_v"), decode.dynamic_inputs(dtype), None)]
     t = cfg.text

@@ -131,9 +131,11 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
 
 # -- text level ----------------------------------------------------------------------------------
 
-def encode_chat(processor, messages, images: Sequence = (), image_hw: Optional[Sequence] = None) -> Dict:
-    """Chat messages + images (PIL or paths) -> a generation sample with uint8 patches."""
-    from ..data.schema import normalise_messages
+def encode_chat(processor, messages, images: Sequence = (), image_hw: Optional[Sequence] = None,
+                videos: Sequence[str] = ()) -> Dict:
+    """Chat messages + images (PIL or paths) + video paths -> a generation sample: images as uint8 patches,
+    videos sampled and patchified as in training (float temporal patches, second_per_grid_ts)."""
+    from ..data.schema import Sample, normalise_messages
     from .preprocess import uint8_patches
 
     msgs = normalise_messages(messages)
@@ -146,8 +148,11 @@ def encode_chat(processor, messages, images: Sequence = (), image_hw: Optional[S
         grids.append(g)
     m2 = processor.image_config.merge_size ** 2
     counts = [int(np.prod(g)) // m2 for g in grids]
-    ids, _ = processor.encode(msgs, counts, add_generation_prompt=msgs[-1]["role"] != "assistant")
-    out = {"input_ids": ids}
+    vids = processor.process_videos(Sample(messages=msgs, videos=[str(v) for v in videos], source="<prompt>"))
+    vcounts = [int(np.prod(g)) // m2 for g in vids.get("video_grid_thw", [])]
+    ids, _ = processor.encode(msgs, counts, add_generation_prompt=msgs[-1]["role"] != "assistant",
+                              video_counts=vcounts)
+    out = {"input_ids": ids, **vids}
     if frames:
         out.update(pixel_frames=np.concatenate(frames), image_grid_thw=np.stack(grids))
     return out

@@ -100,8 +100,11 @@ class GraphBackend:
         self.cache_shape = self.meta["kv_cache"]["shape"]
 
     def vision(self, pixels: np.ndarray, meta: Dict[str, np.ndarray], uint8: bool) -> np.ndarray:
-        if not uint8:
-            raise ValueError("the exported vision graph takes uint8 pixel_frames (see infer/preprocess.py)")
+        if not uint8:  # videos: float temporal patches
+            if "vision_video" not in self.graphs:
+                raise ValueError("this export has no vision_video graph (re-export to run videos); images take "
+                                 "uint8 pixel_frames (see infer/preprocess.py)")
+            return _np(self.graphs["vision_video"](pixels.astype(np.float32), *[meta[k] for k in VISION_META])[0])
         return _np(self.graphs["vision"](pixels.astype(np.uint8), *[meta[k] for k in VISION_META])[0])
 
     def new_cache(self, batch: int, length: int):
