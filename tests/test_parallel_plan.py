@@ -155,7 +155,9 @@ def test_cli_options_change_the_plan(capsys):
     cfg = load_run_config(os.path.join(RUN, "mindvl-8b-64npu.yaml"))
     a, b = plan_run(cfg, logits_chunk=4096)[-1], plan_run(cfg, logits_chunk=1024)[-1]
     assert a.memory["logits chunk"] == 4 * b.memory["logits chunk"] == 8 * 4096 * 151936
-    dp, tp = plan_run(cfg, vit_parallel="dp")[-1], plan_run(cfg, vit_parallel="tp")[-1]
+    dp = plan_run(cfg)[-1]
+    cfg.parallel_config.vision_parallel = "tp"
+    tp = plan_run(cfg)[-1]
     assert tp.memory["weights"] < dp.memory["weights"]  # the ViT's linears split by 4 instead of replicated
     assert parse_memory("58GB") == 58 * GB and parse_memory("512MB") == 0.5 * GB and parse_memory("") is None
 
@@ -218,10 +220,15 @@ def test_frozen_vit_keeps_one_block():
     cfg = load_run_config(os.path.join(RUN, "mindvl-8b-64npu.yaml"))
     d = {x.training_stage: x for x in plan_run(cfg)}
     vit = LayerShape(h=1280, heads=16, q=1280, k=1280, v=1280, ffn=3456)
-    one = sum(layer_activation_terms(vit, 2048 * 4 // 4, 1).values())  # 2048 merged tokens x 4 patches / TP 4
+    # the visual budget is data.max_image_tokens, 0 = the stage's seq_length; 4 patches per merged token; with
+    # vision_parallel dp every TP rank encodes all of them
+    w, m = cfg.stages[0], cfg.stages[1]
+    assert cfg.data.max_image_tokens == 0 and cfg.parallel_config.vision_parallel == "dp"
+    one = sum(layer_activation_terms(vit, w.seq_length * 4, 1).values())
     assert d["warmup"].memory["ViT activations"] == one  # only the projector trains
-    full = sum(layer_activation_terms(vit, 2048, 1, recompute="full").values())
-    assert d["multitask"].memory["ViT activations"] == pytest.approx(32 * full + one)  # 32 blocks + one recomputed
+    one_m = sum(layer_activation_terms(vit, m.seq_length * 4, 1).values())
+    full = sum(layer_activation_terms(vit, m.seq_length * 4, 1, recompute="full").values())
+    assert d[m.name].memory["ViT activations"] == pytest.approx(32 * full + one_m)  # 32 blocks + one recomputed
 
 
 def test_hand_computed_expert_shards_671b():

@@ -42,9 +42,9 @@ table for a GPT layer (tested):
   activations (the layer being recomputed).
 Pipeline: stage i holds layers `layers // p + offset[i]`; embedding, ViT and projector on stage 0; final norm,
 lm_head and MTP on the last. Under 1F1B, stage i holds min(p - i, micro_batch_num) micro-batches in flight.
-ViT (stage 0): the same terms with the ViT shapes over P = b * data.max_image_tokens * merge^2 patches; with
-the ViT data-parallel inside the TP group (`--vit-parallel dp`, balanced encoder DP) each rank encodes P/t
-patches, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
+ViT (stage 0): the same terms with the ViT shapes over P = b * visual budget * merge^2 patches (the budget is
+data.max_image_tokens, or seq_length when 0); with `parallel_config.vision_parallel: dp` every rank of a TP
+group encodes all P patches with whole weights, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
 backward: one block's activations at a time. Logits (last stage): the LM head runs in chunks of
 `--logits-chunk` tokens: fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
 vocab-parallel: `vocab_emb_dp: false`).
@@ -319,10 +319,11 @@ def _stack_activations(shapes: List[LayerShape], s: int, b: int, t: int, sp: boo
     return act
 
 
-def plan_run(run_cfg, logits_chunk: int = 4096, vit_parallel: str = "dp") -> List[DevicePlan]:
-    """A DevicePlan per (training stage, pipeline stage)."""
-    if vit_parallel not in ("dp", "tp"):
-        raise ConfigError(f"vit_parallel '{vit_parallel}': expected dp or tp")
+def plan_run(run_cfg, logits_chunk: int = 4096) -> List[DevicePlan]:
+    """A DevicePlan per (training stage, pipeline stage). The ViT layout is `parallel_config.vision_parallel`:
+    `tp` splits its linears over the TP group; `dp` keeps them whole, and every rank of a TP group then
+    encodes the micro-batch's images (the balanced split of parallel/vit_balance.py is not counted)."""
+    vit_parallel = run_cfg.parallel_config.vision_parallel
     layout = Layout.from_run_config(run_cfg)
     model, text = run_cfg.model, run_cfg.model.text
     t, pp, ep = layout.tp, layout.pp, layout.ep
@@ -336,7 +337,7 @@ def plan_run(run_cfg, logits_chunk: int = 4096, vit_parallel: str = "dp") -> Lis
     plans = []
     for st in run_cfg.stages:
         s, b, m = st.seq_length, st.micro_batch_size, st.accumulation(layout.dp)
-        image_tokens = dict(st.data).get("max_image_tokens", run_cfg.data.max_image_tokens)
+        image_tokens = dict(st.data).get("max_image_tokens", run_cfg.data.max_image_tokens) or s  # 0: seq_length
         for p in range(pp):
             dev = DevicePlan(st.name, p, range(p * layout.stage_size, (p + 1) * layout.stage_size))
             mine = [g for g in groups if (g.place == "layer" and g.layer in layers[p]) or
@@ -348,7 +349,7 @@ def plan_run(run_cfg, logits_chunk: int = 4096, vit_parallel: str = "dp") -> Lis
             dev.memory["activations"] = _stack_activations(shapes, s, b, t, sp, rc, inflight)
             if p == 0:
                 patches = b * image_tokens * model.vision.spatial_merge_size ** 2
-                vs, vt = (math.ceil(patches / t), 1) if vit_parallel == "dp" else (patches, t)
+                vs, vt = (patches, 1) if vit_parallel == "dp" else (patches, t)
                 vshape = vit_layer_shape(model.vision)
                 if any("visual.blocks.".startswith(x) for x in st.trainable_prefixes()):
                     dev.memory["ViT activations"] = _stack_activations(
@@ -426,8 +427,6 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--logits-chunk", type=int, default=4096, metavar="TOKENS",
                    help="tokens per LM-head chunk (default 4096)")
-    p.add_argument("--vit-parallel", choices=("dp", "tp"), default="dp",
-                   help="ViT data-parallel inside the TP group (balanced encoder DP, default) or tensor-parallel")
     p.set_defaults(func=_run)
 
 
@@ -440,7 +439,7 @@ def _run(args) -> int:
         lay = Layout.from_run_config(cfg)
         validate_strategy(cfg.model, cfg.parallel_config, lay.world)
         limit = parse_memory(cfg.context.max_device_memory)
-        plans = plan_run(cfg, args.logits_chunk, args.vit_parallel)
+        plans = plan_run(cfg, args.logits_chunk)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
