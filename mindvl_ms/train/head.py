@@ -48,14 +48,15 @@ def chunk_grid(n_sup: int, chunk: int) -> Tuple[int, int]:
 
 
 def supervised_layout(targets: np.ndarray, segment_ids: np.ndarray, token_index: np.ndarray,
-                      chunk: int) -> Dict[str, np.ndarray]:
-    """Host side: targets/segment_ids/token_index [B, L] -> the compact chunk grid (see module doc).
+                      chunk: int, min_slots: int = 0) -> Dict[str, np.ndarray]:
+    """Host side: targets/segment_ids/token_index [B, L] -> the compact chunk grid (see module doc),
+    sized for at least `min_slots` positions (pipeline micro-batches share one grid).
 
     Returns logit_index int32 [n, c] (flat positions into B*L), sup_targets int32 [n, c],
     sup_segment_ids int32 [n, c], sup_token_index int32 [n, c]."""
     flat_t = np.asarray(targets).reshape(-1)
     pos = np.flatnonzero(flat_t != IGNORE)
-    n, c = chunk_grid(pos.size, chunk)
+    n, c = chunk_grid(max(pos.size, min_slots), chunk)
     size = n * c
     index = np.zeros(size, np.int32)
     out_t = np.full(size, IGNORE, np.int32)

@@ -286,24 +286,25 @@ class TrainStep:
         self.weight_sum.set_inputs(*dyn(arrays))
         self._shaped = True
 
-    def _micro_arrays(self, mb: Dict[str, np.ndarray]) -> List[np.ndarray]:
+    def _micro_arrays(self, mb: Dict[str, np.ndarray], min_slots: int = 0) -> List[np.ndarray]:
         missing = [k for k in self.input_names + ["targets", "token_index"] if k not in mb]
         if missing:
             raise KeyError(f"micro-batch lacks arrays {missing}; has {sorted(mb)}")
         model_in = [np.ascontiguousarray(mb[k]) for k in self.input_names]
         if self.sparse:  # LM head only at supervised positions, chunked (train/head.py)
-            lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], self.chunk)
+            lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], self.chunk, min_slots)
             return model_in + [lay["sup_targets"], lay["sup_segment_ids"], lay["sup_token_index"],
                                lay["logit_index"]]
         return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
 
     def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
         """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
-        arrays = [self._micro_arrays(mb) for mb in micro_batches]
-        feeds = arrays
+        feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
         if self.pipeline is not None:  # one call: the pipeline cell slices the stacked micro-batches
             from .pipeline import stack_micro_batches
 
+            slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)  # one head grid for all
+            arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
             feeds = [stack_micro_batches(arrays, self.pipeline[1])]
         if not self._shaped:
             self._set_inputs(feeds[0], arrays[0])
