@@ -4,10 +4,15 @@ global batch all-reduce + unscale + finite check + clipping + AdamW + loss-scale
 Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompiles are counted):
 - `MicroStep`: forward, loss share (+ MoE aux loss), gradients of the trainable parameters only (frozen ones are
   not in the weight list, so autodiff produces no gradient for them), added into fp32
-  accumulators. No communication here.
+  accumulators. No communication here. For models with `hidden_states` + `head_weight` (MindVL) the
+  LM head runs only at the supervised positions, in chunks of `loss.logits_chunk_tokens`
+  (`train/head.py`; the host computes the gather grid); other models return full [B, L, V] logits.
 - `ReduceStep`: once per global batch: all-reduce (sum, in place) of the accumulated gradients and
   the loss across data-parallel ranks (the single gradient synchronisation of openPangu-VL's
-  asynchronous accumulation) and the global gradient norm.
+  asynchronous accumulation), divided by dp when `parallel.gradients_mean`, and the global gradient
+  norm. Under semi/auto parallel (`parallel_mode` 1/2) the compiler inserts the reduction, so this
+  step reduces nothing (`compiler_reduces`).
+- `PipelineMicroStep` (train/pipeline.py) replaces `MicroStep` when pipeline stages > 1 (Ascend).
 - `AdamWUpdate` (optim.py): unscale x clip folded into one multiplier, fused in-place AdamW with
   per-parameter LR coefficients, accumulators zeroed. It runs only when loss and norm are finite;
   otherwise `ZeroAccum` clears the accumulators, so a non-finite step leaves every parameter and
