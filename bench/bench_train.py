@@ -232,6 +232,8 @@ def main():
                     med[impl] = float(np.median(r["times"]))
                     info[impl] = r
                 per_round.append(med["torch"] / med["ms"])
+                print(f"  {size} round {len(per_round)}: step ms {1e3 * med['ms']:.0f} / torch {1e3 * med['torch']:.0f}"
+                      f" -> ratio {per_round[-1]:.2f}", file=sys.stderr, flush=True)
             peak = max(c.ask("PEAK", "PEAK ") for c in kids.values())
             rss = {impl: c.ask("DONE", "RESULT ")["peak_rss_mb"] for impl, c in kids.items()}
             flops = useful_flops(d, args.rows)
