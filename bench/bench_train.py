@@ -1,15 +1,26 @@
-"""Train-step throughput of mindvl-ms (compiled MindSpore graphs: forward, token-mean loss,
-backward, accumulation, clipping, AdamW) against the transformers torch Qwen2.5-VL reference doing the
-same packed batch and the same optimizer step on the same machine, in the same run.
+"""Train-step throughput of mindvl-ms (compiled MindSpore graphs: forward, token-mean loss, backward,
+accumulation, clipping, AdamW) against the transformers torch Qwen2.5-VL reference doing the same
+packed batch and the same optimizer step on the same machine, in the same run, interleaved.
 
-    python bench/bench_train.py [--configs tiny small] [--steps 3] [--rows 1]
+    python bench/bench_train.py [--configs tiny small] [--rounds 8] [--steps 3] [--rows 1]
 
-Each implementation runs in its own child process (so peak memory is its own), loading the same
-random Qwen2.5-VL weights from a temporary directory. The batch: `--rows` rows, each packing two
-samples (text + two images); mindvl-ms pads rows to one length and uses block-diagonal attention,
-torch gets the same tokens (causal attention over the row; same matmul work). Reported: tokens/s
-after the first step, the ratio ours/torch (> 1: mindvl-ms is faster), the first step's time
-(graph compile for mindvl-ms), and peak resident memory of each process.
+Configs (bench_model.SIZES, vocabulary 151,936): tiny (2-layer LLM, hidden 64, 3-block ViT) and small
+(4-layer LLM, hidden 512, 4-block ViT). The batch: `--rows` rows, each packing two samples; a sample is
+text, a 224x224 image, text, a 112x168 image (mixed sizes), then the answer text. As in SFT, only the
+answer carries labels (prompt text and image tokens are -100: ~20% of the positions); both
+implementations get the same tokens and labels. mindvl-ms pads rows to one length and uses
+block-diagonal attention; torch gets the same tokens (causal attention over the row; same matmul work)
+and computes logits at every position, as transformers does.
+
+Each implementation runs in its own child process (so peak memory is its own), loading the same random
+Qwen2.5-VL weights. Both stay alive and the parent alternates them: `--warmup` steps each (compile),
+then `--rounds` rounds of `--steps` steps of mindvl-ms followed by `--steps` of torch, so machine load
+hits both alike. Reported per config: median step time of each (over rounds x steps steps) -> tokens/s
+and the ratio ours/torch (> 1: mindvl-ms is faster), the ratio's spread over rounds, peak RSS of each
+process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3 matmul in
+MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
+parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
+attention score FLOPs are left out.
 """
 import argparse
 import json
@@ -29,13 +40,46 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 
 def packed_rows(cfg, rows: int):
+    """rows x 2 samples of bench_model.make_batch; labels only on the final text segment (the answer)."""
     from bench_model import make_batch
 
     rng = np.random.default_rng(0)
-    return [[make_batch(cfg, rng, text_len=48) for _ in range(2)] for _ in range(rows)]
+    out = []
+    for _ in range(rows):
+        row = []
+        for _ in range(2):
+            s = make_batch(cfg, rng, text_len=48)
+            s["labels"][:-48] = -100
+            row.append(s)
+        out.append(row)
+    return out
 
 
-def child_ms(path: str, rows: int, steps: int) -> dict:
+def _peak_matmul_ms(n=1024, repeats=10):
+    from mindspore import Tensor, ops
+
+    a = Tensor(np.random.RandomState(0).rand(n, n).astype(np.float32))
+    ops.matmul(a, a).asnumpy()
+    best = min(_timed(lambda: ops.matmul(a, a).asnumpy()) for _ in range(repeats))
+    return 2.0 * n ** 3 / best
+
+
+def _peak_matmul_torch(n=1024, repeats=10):
+    import torch
+
+    a = torch.rand(n, n)
+    torch.mm(a, a)
+    best = min(_timed(lambda: torch.mm(a, a)) for _ in range(repeats))
+    return 2.0 * n ** 3 / best
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def setup_ms(path: str, rows: int):
     import mindspore as ms
 
     from mindvl_ms.config.base import load
@@ -50,21 +94,19 @@ def child_ms(path: str, rows: int, steps: int) -> dict:
     model = MindVLForConditionalGeneration.from_pretrained(path)
     data = packed_rows(model.config, rows)
     length = max(sum(len(s["input_ids"]) for s in r) for r in data)
-    batch = build_model_inputs(data, model.config, pad_to=length)
     stage = load(StageConfig, {"name": "bench", "global_batch_size": rows, "micro_batch_size": rows,
-                               "seq_length": length, "max_steps": steps, "max_lr": 1e-4})
-    params = select_trainable(model, stage.trainable_prefixes())
-    eng = TrainStep(model, params, model.INPUT_NAMES, stage.loss, stage)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        res = eng.run([batch], 1e-4)
-        times.append(time.perf_counter() - t)
-    tokens = int((batch["segment_ids"] > 0).sum())
-    return {"first_s": times[0], "step_s": float(np.mean(times[1:])), "tokens": tokens, "loss": res.loss}
+                               "seq_length": length, "max_steps": 1, "max_lr": 1e-4})
+    eng = TrainStep(model, select_trainable(model, stage.trainable_prefixes()), model.INPUT_NAMES, stage.loss, stage)
+    state = {}
+
+    def step():  # host batch prep is part of the step, as in the trainer
+        batch = build_model_inputs(data, model.config, pad_to=length)
+        state["loss"] = eng.run([batch], 1e-4).loss
+        state["tokens"] = int((batch["segment_ids"] > 0).sum())
+    return step, state, _peak_matmul_ms
 
 
-def child_torch(path: str, rows: int, steps: int) -> dict:
+def setup_torch(path: str, rows: int):
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -79,57 +121,130 @@ def child_torch(path: str, rows: int, steps: int) -> dict:
     mask = np.zeros((rows, length), np.int64)
     for r, row in enumerate(data):
         cat = np.concatenate([s["input_ids"] for s in row])
-        ids[r, :cat.size], labels[r, :cat.size], mask[r, :cat.size] = cat, cat, 1
+        lab = np.concatenate([s["labels"] for s in row])
+        ids[r, :cat.size], labels[r, :cat.size], mask[r, :cat.size] = cat, lab, 1
     kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels),
               pixel_values=torch.tensor(np.concatenate([s["pixel_values"] for r in data for s in r])),
               image_grid_thw=torch.tensor(np.concatenate([s["image_grid_thw"] for r in data for s in r])))
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    state = {"tokens": int(mask.sum())}
+
+    def step():
         opt.zero_grad(set_to_none=True)
         loss = hf(**kw).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
-        times.append(time.perf_counter() - t)
-    return {"first_s": times[0], "step_s": float(np.mean(times[1:])), "tokens": int(mask.sum()),
-            "loss": float(loss.item())}
+        state["loss"] = float(loss.item())
+    return step, state, _peak_matmul_torch
+
+
+def child(impl: str, path: str, rows: int) -> None:
+    """Serve the parent: 'RUN k' -> k timed steps; 'PEAK' -> matmul peak; 'DONE' -> peak RSS and exit."""
+    step, state, peak = (setup_ms if impl == "ms" else setup_torch)(path, rows)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "RUN":
+            times = [_timed(step) for _ in range(int(cmd[1]))]
+            print("TIMES " + json.dumps({"times": times, "loss": state["loss"], "tokens": state["tokens"]}),
+                  flush=True)
+        elif cmd[0] == "PEAK":
+            print("PEAK " + json.dumps(peak()), flush=True)
+        else:
+            print("RESULT " + json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
+                  flush=True)
+            return
+
+
+class Child:
+    def __init__(self, impl, path, rows):
+        self.p = subprocess.Popen([sys.executable, __file__, "--child", impl, path, "--rows", str(rows)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.impl = impl
+        self._expect("READY")
+
+    def _expect(self, tag):
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise SystemExit(f"{self.impl} child failed:\n{self.p.stderr.read()[-4000:]}")
+            if line.startswith(tag):
+                return json.loads(line[len(tag):]) if line[len(tag):].strip() else None
+
+    def ask(self, cmd, tag):
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self._expect(tag)
+
+
+def useful_flops(path: str, rows: int) -> float:
+    """6 x (non-embedding LLM params x tokens + head params x supervised + vision params x patches)."""
+    from transformers import AutoConfig
+
+    from bench_model import make_batch  # noqa: F401  (same batch as the children)
+
+    cfg = AutoConfig.from_pretrained(path)
+    t, v = cfg.text_config, cfg.vision_config
+    d, i, h, kv = t.hidden_size, t.intermediate_size, t.num_attention_heads, t.num_key_value_heads
+    hd = d // h
+    llm = t.num_hidden_layers * (d * hd * (h + 2 * kv) + h * hd * d + 3 * d * i)
+    head = d * t.vocab_size
+    vd, vi = v.hidden_size, v.intermediate_size
+    vis = v.depth * (4 * vd * vd + 3 * vd * vi) + 1176 * vd + (4 * vd) * (4 * vd) + 4 * vd * v.out_hidden_size
+    data = packed_rows(cfg, rows)
+    tokens = sum(len(s["input_ids"]) for r in data for s in r)
+    sup = sum(int((s["labels"] != -100).sum()) for r in data for s in r)
+    patches = sum(len(s["pixel_values"]) for r in data for s in r)
+    return 6.0 * (llm * tokens + head * sup + vis * patches)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--steps", type=int, default=3, help="train steps per implementation (first one = warm-up)")
+    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds per config")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (graph compile)")
     ap.add_argument("--rows", type=int, default=1, help="packed rows per batch")
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        impl, path = args.child
-        out = (child_ms if impl == "ms" else child_torch)(path, args.rows, args.steps)
-        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print("RESULT " + json.dumps(out))
+        child(args.child[0], args.child[1], args.rows)
         return
     from bench_model import build_hf
 
-    print(f"{'config':6s} {'tokens':>6s} | {'mindvl-ms tok/s':>15s} {'torch tok/s':>11s} {'ratio':>6s} | "
-          f"{'first step ms/torch (s)':>23s} | {'peak RSS ms/torch (MB)':>22s}")
+    print(f"{'config':6s} {'tokens':>6s} | {'ms tok/s':>8s} {'torch tok/s':>11s} {'ratio':>6s} {'(rounds min-max)':>16s} | "
+          f"{'peak RSS ms/torch MB':>20s} | {'GFLOP/s ms/torch (peak)':>24s}")
     for size in args.configs:
         with tempfile.TemporaryDirectory() as d:
             build_hf(size, vocab=151936).save_pretrained(d)
-            res = {}
-            for impl in ("ms", "torch"):
-                r = subprocess.run([sys.executable, __file__, "--child", impl, d, "--rows", str(args.rows),
-                                    "--steps", str(args.steps)], capture_output=True, text=True)
-                line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-                if r.returncode or not line:
-                    raise SystemExit(f"{impl} child failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-                res[impl] = json.loads(line[0][7:])
-        ms_r, th = res["ms"], res["torch"]
-        tps_ms, tps_th = ms_r["tokens"] / ms_r["step_s"], th["tokens"] / th["step_s"]
-        print(f"{size:6s} {ms_r['tokens']:6d} | {tps_ms:15.1f} {tps_th:11.1f} {tps_ms / tps_th:6.2f} | "
-              f"{ms_r['first_s']:10.1f} / {th['first_s']:10.1f} | {ms_r['peak_rss_mb']:10.0f} / {th['peak_rss_mb']:9.0f}"
-              f"   (loss {ms_r['loss']:.4f} / {th['loss']:.4f})")
+            kids = {impl: Child(impl, d, args.rows) for impl in ("ms", "torch")}
+            for c in kids.values():
+                c.ask(f"RUN {args.warmup}", "TIMES ")
+            times = {"ms": [], "torch": []}
+            per_round = []
+            info = {}
+            for _ in range(args.rounds):
+                med = {}
+                for impl, c in kids.items():
+                    r = c.ask(f"RUN {args.steps}", "TIMES ")
+                    times[impl] += r["times"]
+                    med[impl] = float(np.median(r["times"]))
+                    info[impl] = r
+                per_round.append(med["torch"] / med["ms"])
+                print(f"  {size} round {len(per_round)}: step ms {1e3 * med['ms']:.0f} / torch {1e3 * med['torch']:.0f}"
+                      f" -> ratio {per_round[-1]:.2f}", file=sys.stderr, flush=True)
+            peak = max(c.ask("PEAK", "PEAK ") for c in kids.values())
+            rss = {impl: c.ask("DONE", "RESULT ")["peak_rss_mb"] for impl, c in kids.items()}
+            flops = useful_flops(d, args.rows)
+        step = {k: float(np.median(v)) for k, v in times.items()}
+        tps = {k: info[k]["tokens"] / step[k] for k in step}
+        gf = {k: flops / step[k] / 1e9 for k in step}
+        print(f"{size:6s} {info['ms']['tokens']:6d} | {tps['ms']:8.1f} {tps['torch']:11.1f} "
+              f"{tps['ms'] / tps['torch']:6.2f} {'(' + f'{min(per_round):.2f}-{max(per_round):.2f}' + ')':>16s} | "
+              f"{rss['ms']:9.0f} / {rss['torch']:8.0f} | {gf['ms']:7.1f} / {gf['torch']:6.1f} ({peak / 1e9:6.1f})"
+              f"   step ms {1e3 * step['ms']:.0f} / {1e3 * step['torch']:.0f}, loss {info['ms']['loss']:.4f} / "
+              f"{info['torch']['loss']:.4f}, {len(times['ms'])} steps each", flush=True)
 
 
 if __name__ == "__main__":

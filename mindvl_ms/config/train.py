@@ -56,6 +56,8 @@ class LossConfig:
     lambda2: float = F(1.0, "balanced: weight of the per-sample term L_s")
     tau1: float = F(0.1, "balanced: order weight 1/ln(e + tau1*i), i = index of the target in its sample")
     tau2: float = F(2.0, "balanced: magnitude weight 2*sigmoid(tau2*CE - 0.5)")
+    logits_chunk_tokens: int = F(1024, "most positions whose [tokens, vocab] logits exist at once: the LM head "
+                                       "runs only at supervised positions, this many at a time (train/head.py)")
 
     def validate(self) -> None:
         if self.type not in ("token_mean", "balanced"):
@@ -64,6 +66,8 @@ class LossConfig:
             raise ConfigError(f"loss lambda1={self.lambda1}, lambda2={self.lambda2}: need >= 0 and not both 0")
         if self.tau1 < 0 or self.tau2 < 0:
             raise ConfigError(f"loss tau1={self.tau1}, tau2={self.tau2}: must be >= 0")
+        if self.logits_chunk_tokens < 1:
+            raise ConfigError(f"loss.logits_chunk_tokens {self.logits_chunk_tokens}: must be >= 1")
 
 
 @dataclass

@@ -19,9 +19,9 @@ Design:
   samples are parsed once and measured from metadata, mix weights repeat/subsample a source
   deterministically, and `data.packing.pack_bfd` packs them into rows of the stage's sequence
   length; the trainer gets them as an in-memory `RowSource`, and images are decoded per batch.
-- Training uses `sparse_logits.SupervisedLogitsMindVL` (same weights and names, logits only at
-  supervised positions: the LM head over the 151,936-token vocabulary is almost all of the tiny
-  model's compute); checkpoints are ordinary MindVL checkpoints.
+- Training uses the plain MindVL model; the train step runs the LM head only at supervised positions,
+  in chunks (`train.head`: the head over the 151,936-token vocabulary is almost all of the tiny
+  model's compute).
 - Evaluation runs `eval.runner.evaluate` (batched greedy generation through
   `mindvl_ms.infer.generate`) on each task's held-out split for the two SFT variants and the merged
   checkpoint, and `eval.resolution_search.search` on the OCR split of the merged checkpoint.
@@ -127,14 +127,13 @@ class DemoRows:
         return self.parsed[path]
 
     def collate(self, model_cfg):
-        """Trainer collate: process the row's samples, `build_model_inputs` (padded to the longest row),
-        then the supervised-logits layout of `sparse_logits`."""
+        """Trainer collate: process the row's samples, `build_model_inputs` (padded to the longest row);
+        the train step compacts the supervised positions itself (`train.head`)."""
         from ..models.inputs import build_model_inputs
-        from .sparse_logits import compact_targets
 
         def collate(rows, stage):
             done = [[self.proc.process_sample(s) for s in row] for row in rows]
-            return compact_targets(build_model_inputs(done, model_cfg))
+            return build_model_inputs(done, model_cfg)
         return collate
 
     def __call__(self, run_cfg, stage, stage_index: int, dist):
@@ -190,10 +189,10 @@ def _stage_loss(summary: Dict[str, Any], metrics_path: str) -> Dict[str, Dict[st
 def train_model(run_cfg, init_from: Optional[str] = None):
     import mindspore as ms
 
-    from .sparse_logits import SupervisedLogitsMindVL
+    from ..models.mindvl import MindVLForConditionalGeneration as MindVL
 
     ms.set_seed(run_cfg.seed)
-    return SupervisedLogitsMindVL.from_pretrained(init_from) if init_from else SupervisedLogitsMindVL(run_cfg.model)
+    return MindVL.from_pretrained(init_from) if init_from else MindVL(run_cfg.model)
 
 
 def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) -> Dict[str, Any]:

@@ -1,4 +1,10 @@
-"""Training-time MindVL that computes logits only at supervised positions (the demo's speed-up).
+"""MindVL whose forward returns logits only at supervised positions, per row ([B, K, V]).
+
+Training no longer needs it: the train step does this for every model with `hidden_states` and
+`head_weight` (MindVL), in bounded chunks over a flat supervised-position grid (`mindvl_ms.train.head`;
+`mindvl demo` trains the plain model). This module stays for code that wants the kept logits from a
+model forward; `TrainStep` runs it on the full-logits path, since its inputs differ from
+`hidden_states`'.
 
 With the real Qwen3 vocabulary (151,936 rows) the LM head is ~99% of the tiny model's FLOPs, and in
 the demo data only ~20% of positions carry a target (prompts and image tokens are unsupervised). This

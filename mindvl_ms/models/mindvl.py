@@ -68,6 +68,11 @@ class MindVLForConditionalGeneration(nn.Cell):
         embeds = ops.gather(table, embed_index, 0).reshape(b, l, d)  # [B, L, D]
         return self.model(embeds, position_ids, segment_ids, actual_seq_len)
 
+    def head_weight(self):
+        """The LM head's [V, D] weight (the embedding table when tied): the train step's chunked head
+        (`train.head`) multiplies the supervised hidden states by it."""
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
     def logits(self, hidden):
         """[..., D] -> float32 [..., V] through lm_head (or the tied embedding table)."""
         return lm_logits(hidden, self.model.embed_tokens.weight, self.lm_head, self.tied_head)

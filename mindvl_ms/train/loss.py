@@ -65,6 +65,8 @@ class TrainLoss(nn.Cell):
 
     construct(logits [B,L,V], targets [B,L], segment_ids [B,L], token_index [B,L],
               token_norm [] float32, num_samples [] float32) -> loss []
+    from_ce(ce [B,L], mask [B,L], segment_ids, token_index, token_norm, num_samples) -> loss []
+      (the train step's path: CE from `train.head.ChunkedHeadCE` on the supervised-only grid)
     """
 
     def __init__(self, kind: str = "token_mean", lambda1: float = 1.0, lambda2: float = 1.0,
@@ -77,6 +79,11 @@ class TrainLoss(nn.Cell):
 
     def construct(self, logits, targets, segment_ids, token_index, token_norm, num_samples):
         ce, mask = token_ce(logits, targets)                          # [B, L]
+        return self.from_ce(ce, mask, segment_ids, token_index, token_norm, num_samples)
+
+    def from_ce(self, ce, mask, segment_ids, token_index, token_norm, num_samples):
+        """The loss share from per-position CE (0 where unsupervised) and its mask, any [B, L] layout
+        (the full one, or the compact supervised-only grid of `train.head`)."""
         if not self.balanced:
             return ce.sum() / ops.maximum(token_norm, 1.0)
         w = balanced_weights(ce, mask, token_index, self.tau1, self.tau2)
@@ -90,4 +97,7 @@ class TrainLoss(nn.Cell):
     def weight_sum(self, logits, targets, token_index):
         """Sum of balanced weights in this micro-batch (the pre-pass for a split global batch)."""
         ce, mask = token_ce(logits, targets)
+        return self.weight_sum_ce(ce, mask, token_index)
+
+    def weight_sum_ce(self, ce, mask, token_index):
         return balanced_weights(ce, mask, token_index, self.tau1, self.tau2).sum()

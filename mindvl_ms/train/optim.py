@@ -10,7 +10,9 @@ Design:
   `StageConfig.lr_coefficients` (e.g. `visual.` x0.1 in openPangu-VL SFT); the projector
   `visual.merger.` matches before `visual.`.
 - `AdamWUpdate` runs MindSpore's fused in-place AdamWeightDecay kernel per parameter (bias correction
-  folded into its scalar inputs), so the update holds no optimizer-sized temporaries. A step with a
+  folded into its scalar inputs), so the update holds no optimizer-sized temporaries. It is an
+  `nn.Optimizer` with moments cloned from the parameters, so `parallel.enable_parallel_optimizer`
+  can shard its states on Ascend (MindSpore's optimizer parallel). A step with a
   non-finite gradient never calls it (the host decides from `GradNorm`), so parameters and moments
   stay bit-identical.
 """
@@ -72,11 +74,14 @@ _adamw_kernel = ops.AdamWeightDecay()
 
 
 @_adamw.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                 "Tensor", "Tensor", "Tensor", "Tensor")
-def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v):
-    """One parameter: fused in-place AdamW on the scaled accumulated gradient, then zero the accumulator."""
-    done = _adamw_kernel(param, m, v, lr * coef, b1, b2, eps, wd * wd_on, acc * mult)
-    return ops.depend(ops.assign(acc, ops.zeros_like(acc)), done)
+                 "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
+def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v, mine):
+    """One parameter: fused in-place AdamW on the scaled accumulated gradient, then zero the accumulator.
+    `mine` False (parallel optimizer in data-parallel mode: another rank owns it): only the zeroing."""
+    if mine:
+        done = _adamw_kernel(param, m, v, lr * coef, b1, b2, eps, wd * wd_on, acc * mult)
+        return ops.depend(ops.assign(acc, ops.zeros_like(acc)), done)
+    return ops.assign(acc, ops.zeros_like(acc))
 
 
 _sq = ops.MultitypeFuncGraph("sq")
@@ -99,7 +104,7 @@ def _zero_one(acc):
     return ops.assign(acc, ops.zeros_like(acc))
 
 
-class AdamWUpdate(nn.Cell):
+class AdamWUpdate(nn.Optimizer):
     """Fused AdamW (MindSpore's in-place `AdamWeightDecay` kernel) over `params` from the accumulators.
 
     construct(mult [], lr [], eps [], wd []): grad = accum * mult (unscale x clip), then per parameter
@@ -107,30 +112,43 @@ class AdamWUpdate(nn.Cell):
     lr = lr0 * sqrt(1 - b2^t) / (1 - b1^t), eps = eps0 * sqrt(1 - b2^t), wd = wd0 * (1 - b1^t) / sqrt(1 - b2^t)
     gives exactly  p -= lr0 * (m_hat / (sqrt(v_hat) + eps0) + wd0 * p)  (`bias_corrected`).
     Written in place, one parameter at a time, so the update needs no optimizer-sized temporaries.
+
+    An `nn.Optimizer` subclass (declared `_support_parallel_optimizer`) with its moments cloned from the
+    parameters (`ParameterTuple.clone`, names `adam_m.<param>` / `adam_v.<param>`), which is what
+    MindSpore's optimizer parallel (`parallel.enable_parallel_optimizer`) recognises to shard optimizer
+    states: under semi/auto parallel the compiler splits the cloned states like their parameters; in
+    data-parallel mode on Ascend the base class assigns each parameter to one rank (`optim_filter`),
+    only that rank updates it and `broadcast_params` shares the result. Both are Ascend-only; on CPU
+    every `optim_filter` entry is True and the update is the plain fused AdamW.
     """
+
+    _support_parallel_optimizer = True
 
     def __init__(self, params: Sequence[Parameter], accum: ParameterTuple, lr_coefs: Dict[str, float],
                  weight_decay: float, beta1: float, beta2: float, eps: float):
-        super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.params = ParameterTuple(params)
+        super().__init__(0.0, list(params), 0.0)  # LR and decay come in per call (bias-corrected scalars)
+        self.params = self._parameters
         self.accum = accum
-        self.m = zeros_like_params(params, "adam_m")
-        self.v = zeros_like_params(params, "adam_v")
+        self.m = self._parameters.clone(prefix="adam_m", init="zeros")
+        self.v = self._parameters.clone(prefix="adam_v", init="zeros")
+        for p in list(self.m) + list(self.v):
+            p.requires_grad = False
         self.step = Parameter(Tensor(0, ms.int32), name="adam_step", requires_grad=False)
         self.coefs = tuple(Tensor(lr_coefficient(p.name, lr_coefs), ms.float32) for p in params)
         self.wd_on = tuple(Tensor(1.0 if decays(p) else 0.0, ms.float32) for p in params)
-        self.weight_decay, self.beta1, self.beta2, self.eps = weight_decay, beta1, beta2, eps
+        self.weight_decay_value, self.beta1, self.beta2, self.eps = weight_decay, beta1, beta2, eps
         self.b1, self.b2 = Tensor(beta1, ms.float32), Tensor(beta2, ms.float32)
-        self.hyper_map = ops.HyperMap()
 
     def bias_corrected(self, lr: float, t: int):
         """(lr, eps, wd) for the kernel at optimizer step t (1-based), with bias correction folded in."""
         bc1, bc2 = 1.0 - self.beta1 ** t, math.sqrt(1.0 - self.beta2 ** t)
-        return lr * bc2 / bc1, self.eps * bc2, self.weight_decay * bc1 / bc2
+        return lr * bc2 / bc1, self.eps * bc2, self.weight_decay_value * bc1 / bc2
 
     def construct(self, mult, lr, eps, wd):
         done = self.hyper_map(ops.partial(_adamw, mult, lr, self.b1, self.b2, eps, wd),
-                              self.coefs, self.wd_on, self.accum, self.params, self.m, self.v)
+                              self.coefs, self.wd_on, self.accum, self.params, self.m, self.v, self.optim_filter)
+        if self.use_parallel:
+            done = self.broadcast_params(done)
         inc = ops.assign(self.step, self.step + 1)
         return ops.depend(mult, ops.depend(inc, done))
 

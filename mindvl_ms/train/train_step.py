@@ -4,10 +4,15 @@ global batch all-reduce + unscale + finite check + clipping + AdamW + loss-scale
 Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompiles are counted):
 - `MicroStep`: forward, loss share (+ MoE aux loss), gradients of the trainable parameters only (frozen ones are
   not in the weight list, so autodiff produces no gradient for them), added into fp32
-  accumulators. No communication here.
+  accumulators. No communication here. For models with `hidden_states` + `head_weight` (MindVL) the
+  LM head runs only at the supervised positions, in chunks of `loss.logits_chunk_tokens`
+  (`train/head.py`; the host computes the gather grid); other models return full [B, L, V] logits.
 - `ReduceStep`: once per global batch: all-reduce (sum, in place) of the accumulated gradients and
   the loss across data-parallel ranks (the single gradient synchronisation of openPangu-VL's
-  asynchronous accumulation) and the global gradient norm.
+  asynchronous accumulation), divided by dp when `parallel.gradients_mean`, and the global gradient
+  norm. Under semi/auto parallel (`parallel_mode` 1/2) the compiler inserts the reduction, so this
+  step reduces nothing (`compiler_reduces`).
+- `PipelineMicroStep` (train/pipeline.py) replaces `MicroStep` when pipeline stages > 1 (Ascend).
 - `AdamWUpdate` (optim.py): unscale x clip folded into one multiplier, fused in-place AdamW with
   per-parameter LR coefficients, accumulators zeroed. It runs only when loss and norm are finite;
   otherwise `ZeroAccum` clears the accumulators, so a non-finite step leaves every parameter and
@@ -31,6 +36,7 @@ compiled once per stage; nothing runs op by op.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -40,7 +46,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .loss import IGNORE, TrainLoss
+from .head import ChunkedHeadCE, supervised_layout
+from .loss import IGNORE, TrainLoss, token_ce
 from .optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
 
 log = logging.getLogger(__name__)
@@ -55,25 +62,66 @@ def _acc_one(acc, g):
     return ops.assign_add(acc, g)
 
 
-class ForwardLoss(nn.Cell):
-    """(*model_inputs, targets, token_index, token_norm, num_samples, scale) -> loss share * scale."""
+def backbone(model: nn.Cell) -> nn.Cell:
+    """The model under an AMP wrapper (`auto_mixed_precision` O2 wraps it in `_OutputTo32`)."""
+    return getattr(model, "_backbone", model)
 
-    def __init__(self, model: nn.Cell, loss: TrainLoss, n_model: int, seg_pos: int, aux_weight: float = 1.0):
+
+def has_sparse_head(model: nn.Cell) -> bool:
+    """True when the model exposes `hidden_states(*inputs)` and `head_weight()` (MindVL does): the
+    step then runs the LM head only at supervised positions, in chunks (train/head.py)."""
+    net = backbone(model)
+    hs, hw = getattr(net, "hidden_states", None), getattr(net, "head_weight", None)
+    if not (callable(hs) and callable(hw)):
+        return False
+    names = getattr(net, "INPUT_NAMES", ())  # a subclass with other inputs (its own logits layout) opts out
+    return len(inspect.signature(hs).parameters) == len(names)
+
+
+class ForwardLoss(nn.Cell):
+    """(*model_inputs, *loss_inputs, token_norm, num_samples, scale) -> (loss share * scale, expert load).
+
+    loss_inputs: sparse head (`has_sparse_head`): sup_targets, sup_segment_ids, sup_token_index,
+    logit_index, all [n, c] (`head.supervised_layout`); otherwise targets, token_index [B, L] (the model
+    returns full [B, L, V] logits and segment_ids is the model input at `seg_pos`)."""
+
+    def __init__(self, model: nn.Cell, loss: TrainLoss, n_model: int, seg_pos: int, aux_weight: float = 1.0,
+                 sparse: bool = False):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.model, self.loss, self.n_model, self.seg_pos = model, loss, n_model, seg_pos
+        self.sparse = sparse
+        if sparse:
+            self.net = backbone(model)
+            self.head = ChunkedHeadCE()
         self.aux_weight = float(aux_weight)  # 1 / (micro-batches x ranks): the MoE aux loss is a batch mean
 
-    def construct(self, *args):
+    def ce_and_aux(self, *args):
+        """-> (ce, mask, segment_ids, token_index [n, c] or [B, L], model output tuple or None)."""
         model_args = args[:self.n_model]
+        n = self.n_model
+        if self.sparse:
+            targets, seg, tok, index = args[n], args[n + 1], args[n + 2], args[n + 3]
+            hidden, aux, load = self.net.hidden_states(*model_args)          # [B, L, D]
+            d = hidden.shape[-1]
+            kept = ops.gather(hidden.reshape(-1, d), index.reshape(-1), 0)    # [n*c, D]
+            kept = kept.reshape(index.shape[0], index.shape[1], d)            # [n, c, D]
+            ce = self.head(kept, self.net.head_weight(), targets)             # [n, c]
+            return ce, (targets != IGNORE).astype(ms.float32), seg, tok, (aux, load)
         out = self.model(*model_args)
-        logits = out[0] if isinstance(out, tuple) else out                 # [B, L, V]
-        loss = self.loss(logits, args[self.n_model], model_args[self.seg_pos], args[self.n_model + 1],
-                         args[self.n_model + 2], args[self.n_model + 3])
+        logits = out[0] if isinstance(out, tuple) else out                   # [B, L, V]
+        ce, mask = token_ce(logits, args[n])
+        extra = (out[1], out[2]) if isinstance(out, tuple) else None
+        return ce, mask, model_args[self.seg_pos], args[n + 1], extra
+
+    def construct(self, *args):
+        ce, mask, seg, tok, extra = self.ce_and_aux(*args)
+        token_norm, num_samples, scale = args[-3], args[-2], args[-1]
+        loss = self.loss.from_ce(ce, mask, seg, tok, token_norm, num_samples)
         load = ops.zeros((1, 1), ms.float32)
-        if isinstance(out, tuple):
-            loss = loss + out[1].astype(ms.float32) * self.aux_weight      # MoE sequence-wise aux loss
-            load = out[2].astype(ms.float32)                               # [moe layers, E] routed tokens
-        return loss * args[self.n_model + 4], load
+        if extra is not None:
+            loss = loss + extra[0].astype(ms.float32) * self.aux_weight      # MoE sequence-wise aux loss
+            load = extra[1].astype(ms.float32)                               # [moe layers, E] routed tokens
+        return loss * scale, load
 
 
 class MicroStep(nn.Cell):
@@ -94,16 +142,16 @@ class MicroStep(nn.Cell):
 
 
 class WeightSumStep(nn.Cell):
-    """Forward only: the sum of balanced-loss token weights of one micro-batch."""
+    """Forward only: the sum of balanced-loss token weights of one micro-batch (same inputs as ForwardLoss
+    without the three scalars)."""
 
-    def __init__(self, model: nn.Cell, loss: TrainLoss, n_model: int):
+    def __init__(self, forward: ForwardLoss):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.model, self.loss, self.n_model = model, loss, n_model
+        self.forward = forward
 
     def construct(self, *args):
-        out = self.model(*args[:self.n_model])
-        logits = out[0] if isinstance(out, tuple) else out                 # [B, L, V]
-        return self.loss.weight_sum(logits, args[self.n_model], args[self.n_model + 1])
+        ce, mask, _, tok, _ = self.forward.ce_and_aux(*args)
+        return self.forward.loss.weight_sum_ce(ce, mask, tok)
 
 
 _allreduce_into = ops.MultitypeFuncGraph("allreduce_into")
@@ -114,23 +162,46 @@ def _allreduce_into_one(op, acc):
     return ops.assign(acc, op(acc))
 
 
-class ReduceStep(nn.Cell):
-    """Once per global batch: sum the accumulators (in place) and the loss over data-parallel ranks, then
-    measure the global gradient norm. construct(loss_sum [1], inv_scale []) -> (global loss [1], grad norm [])."""
+_scale_into = ops.MultitypeFuncGraph("scale_into")
 
-    def __init__(self, accum: ParameterTuple, dp: int):
+
+@_scale_into.register("Tensor", "Tensor")
+def _scale_into_one(k, acc):
+    return ops.assign(acc, acc * k)
+
+
+class ReduceStep(nn.Cell):
+    """Once per global batch: reduce the accumulators (in place) and the loss over data-parallel ranks, then
+    measure the global gradient norm. construct(loss_sum [1], inv_scale []) -> (global loss [1], grad norm []).
+
+    - explicit (data parallel, `parallel_mode` 0/3): an AllReduce sum here; with `gradients_mean` the
+      reduced gradients are then divided by dp (the default, sum, gives the single-process gradient of
+      the global batch because every loss share is normalised by global counts). The reported loss is
+      the global loss either way.
+    - not explicit (semi/auto parallel, `parallel_mode` 1/2): the compiler already inserts the gradient
+      reduction (honouring `gradients_mean` from the auto-parallel context) and the loss is a global-view
+      value, so nothing is reduced here: an AllReduce here would double it.
+    `allreduce` replaces the collective (tests stand in for it on one process)."""
+
+    def __init__(self, accum: ParameterTuple, dp: int, mean: bool = False, explicit: bool = True,
+                 allreduce=None):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.accum, self.dp = accum, dp
+        self.accum = accum
+        self.reduce = bool(explicit) and dp > 1
+        self.mean = self.reduce and bool(mean)
+        self.inv_dp = Tensor(1.0 / dp, ms.float32)
         self.norm = GradNorm(accum)
         self.hyper_map = ops.HyperMap()
-        if dp > 1:
-            self.allreduce = ops.AllReduce()
+        if self.reduce:
+            self.allreduce = allreduce if allreduce is not None else ops.AllReduce()
 
     def construct(self, loss_sum, inv_scale):
-        if self.dp > 1:
+        if self.reduce:
             done = self.hyper_map(ops.partial(_allreduce_into, self.allreduce), self.accum)
+            if self.mean:
+                done = ops.depend(self.hyper_map(ops.partial(_scale_into, self.inv_dp), self.accum), done)
             loss_sum = ops.depend(self.allreduce(loss_sum), done)
-        return loss_sum, self.norm(inv_scale)
+        return loss_sum, self.norm(ops.depend(inv_scale, loss_sum))
 
 
 @dataclass
@@ -155,12 +226,15 @@ class TrainStep:
 
     def __init__(self, model: nn.Cell, params: List[Parameter], input_names: Sequence[str], loss_cfg,
                  stage, dp: int = 1, allreduce_host=None, precision: str = "float32",
-                 loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0, loss_scale_window: int = 1000):
+                 loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0, loss_scale_window: int = 1000,
+                 gradients_mean: bool = False, compiler_reduces: bool = False, pipeline=None):
         self.input_names = list(input_names)
         if "segment_ids" not in self.input_names:
             raise ValueError(f"the model's INPUT_NAMES {self.input_names} must include segment_ids")
         n_model = len(self.input_names)
         self.loss = TrainLoss(loss_cfg.type, loss_cfg.lambda1, loss_cfg.lambda2, loss_cfg.tau1, loss_cfg.tau2)
+        self.chunk = int(getattr(loss_cfg, "logits_chunk_tokens", 1024))
+        self.sparse = has_sparse_head(model)
         self.params = params
         self.accum = zeros_like_params(params, "accum")
         self.update = AdamWUpdate(params, self.accum, stage.lr_prefixes(), stage.weight_decay,
@@ -171,11 +245,17 @@ class TrainStep:
         self.good = Parameter(Tensor(0, ms.int32), name="loss_scale_good_steps", requires_grad=False)
         self.factor, self.window = float(loss_scale_factor), int(loss_scale_window)
         fwd = ForwardLoss(model, self.loss, n_model, self.input_names.index("segment_ids"),
-                          1.0 / (stage.accumulation(dp) * dp))
-        self.micro = MicroStep(fwd, params, self.accum)
-        self.reduce = ReduceStep(self.accum, dp)
+                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse)
+        self.pipeline = pipeline  # (stages, micro_batch_num): Ascend pipeline parallel, see train/pipeline.py
+        if pipeline is not None:
+            from .pipeline import PipelineMicroStep
+
+            self.micro = PipelineMicroStep(fwd, params, self.accum, pipeline[1])
+        else:
+            self.micro = MicroStep(fwd, params, self.accum)
+        self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
         self.zero = ZeroAccum(self.accum)
-        self.weight_sum = WeightSumStep(model, self.loss, n_model)
+        self.weight_sum = WeightSumStep(fwd)
         self.need_prepass_kind = loss_cfg.type == "balanced" and loss_cfg.lambda1 > 0
         self.dp, self.clip = dp, float(stage.grad_clip)
         self.allreduce_host = allreduce_host or (lambda x: x)
@@ -202,25 +282,37 @@ class TrainStep:
         return out
 
     # -- one optimizer step --------------------------------------------------------------------
-    def _set_inputs(self, arrays: List[np.ndarray]) -> None:
+    def _set_inputs(self, feed: List[np.ndarray], arrays: List[np.ndarray]) -> None:
+        def dyn(arrs):
+            return [Tensor(shape=[None] * a.ndim, dtype=_ms_dtype(a)) for a in arrs]
+
         scalar = Tensor(shape=[], dtype=ms.float32)
-        dyn = [Tensor(shape=[None] * a.ndim, dtype=_ms_dtype(a)) for a in arrays]
-        self.micro.set_inputs(*dyn, scalar, scalar, scalar)
-        self.weight_sum.set_inputs(*dyn)
+        self.micro.set_inputs(*dyn(feed), scalar, scalar, scalar)
+        self.weight_sum.set_inputs(*dyn(arrays))
         self._shaped = True
 
-    def _micro_arrays(self, mb: Dict[str, np.ndarray]) -> List[np.ndarray]:
+    def _micro_arrays(self, mb: Dict[str, np.ndarray], min_slots: int = 0) -> List[np.ndarray]:
         missing = [k for k in self.input_names + ["targets", "token_index"] if k not in mb]
         if missing:
             raise KeyError(f"micro-batch lacks arrays {missing}; has {sorted(mb)}")
-        return [np.ascontiguousarray(mb[k]) for k in self.input_names] + [
-            mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
+        model_in = [np.ascontiguousarray(mb[k]) for k in self.input_names]
+        if self.sparse:  # LM head only at supervised positions, chunked (train/head.py)
+            lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], self.chunk, min_slots)
+            return model_in + [lay["sup_targets"], lay["sup_segment_ids"], lay["sup_token_index"],
+                               lay["logit_index"]]
+        return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
 
     def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
         """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
-        arrays = [self._micro_arrays(mb) for mb in micro_batches]
+        feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
+        if self.pipeline is not None:  # one call: the pipeline cell slices the stacked micro-batches
+            from .pipeline import stack_micro_batches
+
+            slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)  # one head grid for all
+            arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
+            feeds = [stack_micro_batches(arrays, self.pipeline[1])]
         if not self._shaped:
-            self._set_inputs(arrays[0])
+            self._set_inputs(feeds[0], arrays[0])
         sup, samples, toks, patches = 0, 0, 0, 0
         for mb in micro_batches:
             t, seg = mb["targets"], mb["segment_ids"]
@@ -242,7 +334,7 @@ class TrainStep:
         scale = Tensor(self.scale.asnumpy(), ms.float32)
         loss_sum, load = 0.0, None
         before = len(self.micro.compile_cache)
-        for arr in arrays:
+        for arr in feeds:
             loss, mb_load = self.micro(*[Tensor(a) for a in arr], *scalars, scale)
             loss_sum += float(loss.asnumpy())
             load = mb_load.asnumpy() if load is None else load + mb_load.asnumpy()
