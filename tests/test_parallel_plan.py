@@ -151,9 +151,12 @@ def test_too_small_layout_exits_nonzero_naming_the_component(capsys):
     assert "not divisible by 3" in capsys.readouterr().err
 
 
-def test_cli_options_change_the_plan(capsys):
+def test_config_fields_change_the_plan(capsys):
     cfg = load_run_config(os.path.join(RUN, "mindvl-8b-64npu.yaml"))
-    a, b = plan_run(cfg, logits_chunk=4096)[-1], plan_run(cfg, logits_chunk=1024)[-1]
+    cfg.stages[-1].loss.logits_chunk_tokens = 4096
+    a = plan_run(cfg)[-1]
+    cfg.stages[-1].loss.logits_chunk_tokens = 1024
+    b = plan_run(cfg)[-1]
     assert a.memory["logits chunk"] == 4 * b.memory["logits chunk"] == 8 * 4096 * 151936
     dp = plan_run(cfg)[-1]
     cfg.parallel_config.vision_parallel = "tp"

@@ -46,7 +46,7 @@ ViT (stage 0): the same terms with the ViT shapes over P = b * visual budget * m
 data.max_image_tokens, or seq_length when 0); with `parallel_config.vision_parallel: dp` every rank of a TP
 group encodes all P patches with whole weights, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
 backward: one block's activations at a time. Logits (last stage): the LM head runs in chunks of
-`--logits-chunk` tokens: fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
+each stage's `loss.logits_chunk_tokens` supervised tokens (train/head.py): fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
 vocab-parallel: `vocab_emb_dp: false`).
 
 Communication per optimizer step and device (m = micro-batches per rank per step, x = 2sbh bytes):
@@ -319,7 +319,7 @@ def _stack_activations(shapes: List[LayerShape], s: int, b: int, t: int, sp: boo
     return act
 
 
-def plan_run(run_cfg, logits_chunk: int = 4096) -> List[DevicePlan]:
+def plan_run(run_cfg) -> List[DevicePlan]:
     """A DevicePlan per (training stage, pipeline stage). The ViT layout is `parallel_config.vision_parallel`:
     `tp` splits its linears over the TP group; `dp` keeps them whole, and every rank of a TP group then
     encodes the micro-batch's images (the balanced split of parallel/vit_balance.py is not counted)."""
@@ -357,7 +357,8 @@ def plan_run(run_cfg, logits_chunk: int = 4096) -> List[DevicePlan]:
                 else:  # frozen ViT: nothing kept for backward, one block's forward at a time
                     dev.memory["ViT activations"] = sum(layer_activation_terms(vshape, vs, 1, vt, False).values())
             if p == pp - 1:
-                dev.memory["logits chunk"] = 8.0 * min(logits_chunk, s * b) * text.vocab_size / head_split
+                chunk = st.loss.logits_chunk_tokens
+                dev.memory["logits chunk"] = 8.0 * min(chunk, s * b) * text.vocab_size / head_split
             x = 2.0 * s * b * text.hidden_size  # one full-sequence activation, bytes
             passes = 3 if rc == "full" else 2  # forward, backward (+ the recomputed forward)
             if t > 1:
@@ -425,8 +426,6 @@ def register(subparsers) -> None:
                     "exceeds context.max_device_memory, naming the component.")
     p.add_argument("--config", required=True, help="run YAML (e.g. configs/run/mindvl-8b-64npu.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.add_argument("--logits-chunk", type=int, default=4096, metavar="TOKENS",
-                   help="tokens per LM-head chunk (default 4096)")
     p.set_defaults(func=_run)
 
 
@@ -435,11 +434,13 @@ def _run(args) -> int:
     from ..train.distributed import validate_strategy
 
     try:
-        cfg = load_run_config(args.config, args.set)
+        from ..config.packaged import resolve_config
+
+        cfg = load_run_config(resolve_config(args.config)[0], args.set)
         lay = Layout.from_run_config(cfg)
         validate_strategy(cfg.model, cfg.parallel_config, lay.world)
         limit = parse_memory(cfg.context.max_device_memory)
-        plans = plan_run(cfg, args.logits_chunk)
+        plans = plan_run(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
