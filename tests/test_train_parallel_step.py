@@ -13,11 +13,11 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn
 from mindvl_ms.config.base import load
 from mindvl_ms.config.train import RunConfig, StageConfig
 from mindvl_ms.train.data import micro_batches
-from mindvl_ms.train.distributed import DistInfo
+from mindvl_ms.train.distributed import DistInfo, fill_coords
 from mindvl_ms.train.optim import AdamWUpdate, select_trainable
 from mindvl_ms.train.pipeline import PipelineMicroStep, stack_micro_batches
 from mindvl_ms.train.train_step import ReduceStep, TrainStep
-from mindvl_ms.train.trainer import compiler_reduces_gradients, pipeline_config
+from mindvl_ms.train.trainer import pipeline_config
 from train_tiny import TinyVLM, collate, make_rows
 
 
@@ -63,17 +63,21 @@ def test_gradients_mean_is_read_by_the_train_step():
 
 
 def test_compiler_reduces_only_under_semi_or_auto_parallel_on_several_ranks():
-    def run(mode):
-        return load(RunConfig, {"stages": [{"name": "s", "max_steps": 1}], "parallel": {"parallel_mode": mode}})
+    def dist(mode, world, device="Ascend", dp=None):
+        cfg = load(RunConfig, {"stages": [{"name": "s", "max_steps": 1}], "parallel": {"parallel_mode": mode},
+                               "context": {"device_target": device},
+                               "parallel_config": {"data_parallel": dp or world}})
+        return fill_coords(DistInfo(0, world), cfg)
 
-    assert compiler_reduces_gradients(run(1), DistInfo(0, 8, 4))
-    assert compiler_reduces_gradients(run(2), DistInfo(0, 8, 4))
-    assert not compiler_reduces_gradients(run(0), DistInfo(0, 8, 8))
-    assert not compiler_reduces_gradients(run(3), DistInfo(0, 8, 8))
-    assert not compiler_reduces_gradients(run(1), DistInfo(0, 1, 1))
-    info = DistInfo(0, 8, 8)
-    info.compiler_reduces = True  # a distribution set-up that says so itself wins
-    assert compiler_reduces_gradients(run(0), info)
+    for mode in (1, 2):
+        d = dist(mode, 8)
+        assert d.compiler_reduces and not d.explicit_grad_reduce
+    for mode in (0, 3):
+        d = dist(mode, 8)
+        assert not d.compiler_reduces and d.explicit_grad_reduce
+    assert not dist(1, 1).compiler_reduces and not dist(1, 1).explicit_grad_reduce  # one rank: nothing to reduce
+    d = dist(0, 2, "CPU")  # msrun data parallel on CPU: the step's own all-reduce
+    assert d.explicit_grad_reduce and not d.compiler_reduces
 
 
 def test_adamw_update_is_an_optimizer_with_cloned_states():

@@ -129,16 +129,6 @@ def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
     return model
 
 
-def compiler_reduces_gradients(run_cfg, dist: DistInfo) -> bool:
-    """True when MindSpore's compiler inserts the gradient reduction itself (semi/auto parallel, modes 1/2,
-    on more than one rank), so the train step must not all-reduce again (`DistInfo.compiler_reduces`
-    when the distribution set-up provides it)."""
-    flag = getattr(dist, "compiler_reduces", None)
-    if flag is not None:
-        return bool(flag)
-    return run_cfg.parallel.parallel_mode in (1, 2) and dist.world > 1
-
-
 def pipeline_config(run_cfg):
     """(pipeline stages, micro_batch_num) when pipeline parallel runs (Ascend only), else None."""
     sizes = run_cfg.parallel_config
@@ -236,7 +226,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
             engine = TrainStep(net, params, names, stage.loss, stage, dist.dp, allreduce, ctx.precision,
                                ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
                                gradients_mean=run_cfg.parallel.gradients_mean,
-                               compiler_reduces=compiler_reduces_gradients(run_cfg, dist),
+                               compiler_reduces=dist.compiler_reduces,
                                pipeline=pipeline_config(run_cfg))
         step, nonfinite_run, skipped = 0, 0, 0
         if state is not None and si == state["stage_index"]:
