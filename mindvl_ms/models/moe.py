@@ -39,7 +39,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops import RMSNorm, SwiGLU, is_ascend, segment_bias
-from ..ops.moe import Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, tokens_per_expert
+from ..ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, expert_block_size,
+                       tokens_per_expert)
 from .mla import MLAttention, MRotaryEmbedding, dense
 from .moe_parallel import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
 from .moe_router import ExpertBiasUpdate, TopkRouter, expert_load, seq_aux_loss
@@ -74,11 +75,18 @@ class RoutedExperts(nn.Cell):
     """E SwiGLU experts with stacked weights: x [T, D], idx int32 [T, k], weights [T, k] -> [T, D].
 
     dispatch "grouped" (the Ascend path): TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU -> GroupedMatmul
-    (down) -> TokenUnpermute. dispatch "dense" (the CPU default): every expert on every token as one wide
-    matmul [T, D] x [D, E*I], the routing weights (scattered to [T, E]) folded into the activations, then one
-    [T, E*I] x [E*I, D] matmul; the same result with E/k times the expert FLOPs of the fused kernels, but k
-    times fewer than the grouped path run through the CPU GroupedMatmul equivalent.
+    (down) -> TokenUnpermute.
+    dispatch "sparse" (the CPU default): routed rows only. `block_layout` places the T*k routed copies into
+    row blocks that each hold one expert's rows (padded to a multiple of the block size, static bound
+    T*k + E*(block-1), nothing dropped); one batched matmul per projection runs every block against its
+    expert's weights (gathered per block), and the outputs are gathered back per copy and combined with the
+    routing weights.
+    dispatch "dense": every expert on every token as one wide matmul [T, D] x [D, E*I], the routing weights
+    (scattered to [T, E]) folded into the activations, then one [T, E*I] x [E*I, D] matmul; E/k times the
+    expert FLOPs, kept as the reference the sparse path is tested against.
     """
+
+    DISPATCHES = ("grouped", "sparse", "dense")
 
     def __init__(self, e: int, d: int, inter: int, std: float, dispatch: str = None):
         super().__init__()
@@ -86,9 +94,9 @@ class RoutedExperts(nn.Cell):
         self.up_proj = Parameter(initializer(Normal(std), (e, d, inter), ms.float32), name="up_proj")
         self.down_proj = Parameter(initializer(Normal(std), (e, inter, d), ms.float32), name="down_proj")
         self.num_experts = e
-        self.dispatch = dispatch or ("grouped" if is_ascend() else "dense")
-        if self.dispatch not in ("grouped", "dense"):
-            raise ValueError(f"expert dispatch '{self.dispatch}': expected 'grouped' or 'dense'")
+        self.dispatch = dispatch or ("grouped" if is_ascend() else "sparse")
+        if self.dispatch not in self.DISPATCHES:
+            raise ValueError(f"expert dispatch '{self.dispatch}': expected one of {self.DISPATCHES}")
         self.permute = TokenPermute()
         self.unpermute = TokenUnpermute()
         self.gmm = GroupedMatmul()
@@ -101,6 +109,8 @@ class RoutedExperts(nn.Cell):
     def construct(self, x, idx, weights):
         if self.parallel_experts is not None:
             return self.parallel_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)
+        if self.dispatch == "sparse":
+            return self.sparse(x, idx, weights)
         if self.dispatch == "dense":
             e, d, inter = self.gate_proj.shape
             w_gate = self.gate_proj.swapaxes(0, 1).reshape(d, e * inter)  # [D, E*I]: one wide matmul
@@ -116,6 +126,20 @@ class RoutedExperts(nn.Cell):
                         self.gmm(permuted, self.up_proj, group_list))  # [T*k, I]
         y = self.gmm(h, self.down_proj, group_list)  # [T*k, D]
         return self.unpermute(y, order, weights)
+
+    def sparse(self, x, idx, weights):
+        t, d = x.shape
+        k = idx.shape[-1]
+        block = expert_block_size(t * k, self.num_experts)
+        dest, slot_token, block_expert = block_layout(idx, self.num_experts, block)  # [M], [P], [NB]
+        nb = block_expert.shape[0]
+        x_ext = ops.cat((x, ops.zeros((1, d), x.dtype)), 0)  # [T+1, D], row T feeds the empty slots
+        rows = ops.gather(x_ext, slot_token, 0).reshape(nb, block, d)  # [NB, b, D]
+        h = self.swiglu(ops.bmm(rows, ops.gather(self.gate_proj, block_expert, 0)),
+                        ops.bmm(rows, ops.gather(self.up_proj, block_expert, 0)))  # [NB, b, I]
+        y = ops.bmm(h, ops.gather(self.down_proj, block_expert, 0)).reshape(nb * block, d)  # [P, D]
+        out = ops.gather(y, dest, 0).reshape(t, k, d)  # [T, k, D] one row per routed copy
+        return (out * weights.astype(x.dtype)[:, :, None]).sum(1)  # [T, D]
 
 
 class DeepseekV3MoE(nn.Cell):

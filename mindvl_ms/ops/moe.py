@@ -21,6 +21,9 @@ Semantics (T tokens, k experts per token, E experts, M = T * k routed rows):
                    counts -> y [M, N], y[m] = x[m] @ w[expert of row m]. The CPU equivalent computes every
                    expert on every row and keeps the matching one (E times the work of the fused kernel,
                    exact, static shapes, differentiable); it is meant for tiny CPU models and tests.
+  block_layout:    expert_ids [T, k] -> a padded, expert-pure row-block layout (static bound, no drop) for
+                   the CPU block-sparse experts (RoutedExperts dispatch "sparse"): only routed rows plus at
+                   most block-1 padding rows per expert are computed, as batched matmuls over row blocks.
 """
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -160,3 +163,47 @@ def tokens_per_expert(expert_ids, num_experts: int, weights=None):
     if weights is not None:
         counts = counts * weights.astype(ms.float32)[:, None]
     return counts.sum(0)
+
+
+def expert_block_size(rows: int, num_experts: int) -> int:
+    """Row-block size of the block-sparse expert layout: a power of two near rows / (2 E), in [8, 128].
+
+    Padding costs at most E * (block - 1) rows and the per-block weight gather costs rows / block + E expert
+    weight copies; half the mean group size balances the two (measured in bench/bench_moe.py).
+    """
+    target = max(1, rows // (2 * num_experts))
+    block = 8
+    while block < target and block < 128:
+        block *= 2
+    return block
+
+
+def block_layout(expert_ids, num_experts: int, block: int):
+    """Static-shape layout of T*k routed rows into expert-pure row blocks (no sort, nothing dropped).
+
+    expert_ids int32 [T, k] ->
+      dest        int32 [M]   slot of routed copy m = t*k + j in the padded layout
+      slot_token  int32 [P]   token feeding each slot, T for an empty (padding) slot
+      block_expert int32 [NB] expert of each block of `block` slots
+    with M = T*k, NB = (M + E*(block-1)) // block, P = NB*block. Expert e's copies fill slots
+    [off_e, off_e + c_e) in token order, off_e = sum_{e' < e} ceil(c_e'/block)*block; as
+    sum_e ceil(c_e/block)*block <= M + E*(block-1) and is a multiple of block, every copy gets a slot for any
+    routing (the bound is P). Blocks past the last used one get expert E-1 and only empty slots.
+    """
+    t, k = expert_ids.shape
+    m = t * k
+    nb = (m + num_experts * (block - 1)) // block
+    flat = expert_ids.reshape(-1)  # [M]
+    onehot = ops.one_hot(flat, num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))  # [M, E]
+    rank = ((ops.cumsum(onehot, 0) - onehot) * onehot).sum(1)  # [M] copies of the same expert before m
+    counts = onehot.sum(0)  # [E]
+    padded = ops.ceil(counts / block) * block  # [E]
+    ends = ops.cumsum(padded, 0)  # [E] padded group ends
+    dest = (ops.gather(ends - padded, flat, 0) + rank).astype(ms.int32)  # [M]
+    token = ops.arange(0, m, dtype=ms.int32) // k  # [M]
+    slot_token = ops.scatter_nd(dest.reshape(m, 1), token + 1, (nb * block,)) - 1  # [P], -1 = empty
+    slot_token = ops.where(slot_token < 0, ops.full_like(slot_token, t), slot_token)
+    starts = ops.arange(0, nb, dtype=ms.float32) * block  # [NB]
+    block_expert = (ends[None, :] <= starts[:, None]).astype(ms.int32).sum(1)  # [NB]
+    block_expert = ops.minimum(block_expert, num_experts - 1)
+    return ops.stop_gradient(dest), ops.stop_gradient(slot_token), ops.stop_gradient(block_expert)
