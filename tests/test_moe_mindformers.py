@@ -254,3 +254,31 @@ def test_mindformers_group_score_differs_when_k_over_topk_group_is_not_2(cpu_min
     assert differ.sum() >= 1, "the chosen inputs must show the difference"
     (vo, _, _), (vt, _, _) = run_both(ours, theirs, b, seq, tc.hidden_size)
     assert abs(float(vt) - float(vo)) > 1e-4 * abs(float(vo))  # so the layers' outputs differ too
+
+
+def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_mindformers):
+    """use_mindformers (what DeepseekV3MoE does on Ascend): MindFormers' selection and its all-to-all token
+    dispatcher + grouped matmuls inside the Morph, with this project's parameters, on a single device."""
+    from mindvl_ms.models.moe import use_mindformers
+
+    tc = text_config(e=16, k=4, groups=4, topk_group=2)
+    b, seq = 2, 12
+    ours, _ = build_pair(cpu_mindformers, tc, seq)
+    names = [n for n, _ in ours.parameters_and_names()]
+    ascend = DeepseekV3MoE(tc)
+    for (_, p), (_, q) in zip(ascend.parameters_and_names(), ours.parameters_and_names()):
+        p.set_data(Tensor(q.asnumpy()))
+    use_mindformers(ascend, tc.moe)
+    assert ascend.gate.mindformers_select is not None and ascend.experts.parallel_experts is not None
+    assert [n for n, _ in ascend.parameters_and_names()] == names  # no parameter added or renamed
+    rng = np.random.default_rng(4)
+    x = Tensor(rng.standard_normal((b, seq, tc.hidden_size)).astype(np.float32))
+    g = Tensor(rng.standard_normal((b, seq, tc.hidden_size)).astype(np.float32))
+    valid = Tensor(np.ones(b * seq, np.float32))
+    res = []
+    for cell in (ours, ascend):
+        loss = OursLoss(cell)
+        v, (gx, gw) = ms.value_and_grad(loss, 0, loss.trainable_params())(x, g, valid)
+        res.append([v.asnumpy(), gx.asnumpy()] + [a.asnumpy() for a in gw])
+    for a, c in zip(res[0], res[1]):
+        np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-5)

@@ -15,18 +15,20 @@ experts of a layer are stacked for the grouped matmul: `mlp.experts.gate_proj` /
 maps them to and from HF's per-expert Linear weights. Multi-token-prediction layers live at `model.mtp.{k}`
 (HF/DeepSeek store them as `model.layers.{num_hidden_layers + k}`).
 
-Routed experts: router (moe_router.TopkRouter) -> TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU ->
-GroupedMatmul (down) -> TokenUnpermute with the routing weights, plus the shared experts. The primitives come
-from `mindvl_ms.ops.moe`, i.e. MoeTokenPermute/GroupedMatmul/TopkExt on Ascend and exact CPU equivalents
-elsewhere; the dataflow is MindFormers' MoELayer (router -> token dispatcher -> GroupedMLP). On CPU the
-experts default to a dense combine (same values, fewer FLOPs than the CPU GroupedMatmul equivalent);
-`DeepseekV3ForCausalLM(cfg, expert_dispatch="grouped")` runs the Ascend dataflow on CPU; the tests check
-that both agree with transformers.
-MindFormers' MoELayer itself is not instantiated: it requires its TransformerConfig with a fixed
-seq_length, transposes to [S, B, H], reshapes with `Morph` cells that need a parallel context, and its
-router's group selection differs from DeepSeek-V3's (see moe_router.py), so HF parity would not hold.
-Parallel layouts (EP/TP/PP/DP) are validated by `mindvl_ms.models.moe_parallel.validate_moe_parallel`; this
-module sets no semi-auto-parallel shard strategies (they cannot run on CPU): on CPU only data parallel runs.
+Routed experts, by device:
+- Ascend (default there): MindFormers' MoE code with this cell's parameters (`use_mindformers`): the expert
+  selection of MindFormers' TopKRouter (`moe_mindformers.MindFormersSelect`), then its
+  MoEAlltoAllTokenDispatcher (AlltoAll counts + AlltoAllV rows inside the EP group) and GroupedMatmul experts
+  in one Morph (`mindvl_ms.parallel.moe.EPExperts`); `mindvl_ms.parallel.moe.shard_moe` declares the
+  semi-auto strategies (experts split by expert_parallel). MindFormers' group score is the sum of each
+  group's top (k / topk_group) scores, DeepSeek-V3's the top 2: equal for DeepSeek-V3's own sizes (8 / 4)
+  and the tiny config (2 / 1), different otherwise (tests/test_moe_mindformers.py shows both, and runs
+  MindFormers' MoELayer on CPU with this project's weights, its Ascend kernels swapped inside the test).
+- CPU (default there): DeepSeek-V3's routing (moe_router.TopkRouter) and block-sparse experts
+  (`RoutedExperts` dispatch "sparse"): routed rows only, in expert-pure row blocks with a static bound.
+  "dense" (every expert on every token) is the reference it is tested against; "grouped" runs the Ascend
+  kernels' dataflow (TokenPermute -> GroupedMatmul -> TokenUnpermute) through their CPU equivalents.
+Semi-auto graphs cannot compile on CPU: on CPU only data parallel runs.
 
 Multi-token prediction (num_nextn_predict_layers > 0, DeepSeek-V3 section 2.2): depth k combines
 enorm(embedding of token i+k) and hnorm(depth k-1 hidden) with eh_proj, runs one decoder layer, then
@@ -158,6 +160,8 @@ class DeepseekV3MoE(nn.Cell):
         self.has_shared = m.n_shared_experts > 0
         if self.has_shared:
             self.shared_experts = DeepseekV3MLP(d, m.moe_intermediate_size * m.n_shared_experts, std)
+        if is_ascend() and expert_dispatch is None:
+            use_mindformers(self, m)
 
     def construct(self, x, valid):
         b, l, d = x.shape
@@ -168,6 +172,19 @@ class DeepseekV3MoE(nn.Cell):
             y = y + self.shared_experts(x)
         aux = seq_aux_loss(scores, idx, valid, b, self.top_k) if self.use_aux else ops.zeros((), ms.float32)
         return y, expert_load(idx, self.num_experts, valid), aux
+
+
+def use_mindformers(moe_cell, moe_config, layout=None):
+    """Route and dispatch a DeepseekV3MoE with MindFormers' MoE code (the Ascend default): TopKRouter's
+    expert selection and MoEAlltoAllTokenDispatcher + GroupedMatmul experts (EPExperts, all-to-all inside
+    the EP group of `layout`, default a single device). Parameters stay the cell's."""
+    from ..parallel.layout import Layout
+    from ..parallel.moe import EPExperts
+    from .moe_mindformers import MindFormersSelect
+
+    moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
+    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)
+    return moe_cell
 
 
 class DeepseekV3DecoderLayer(nn.Cell):
