@@ -7,7 +7,7 @@ tokens-per-expert balance before/after the aux-loss-free bias update.
 Both sides get the same weights and the same input; the reference is measured in the same run, so the
 printed ratios (transformers time / ours: speed-up, higher is better) are comparable across machines. Our
 layer runs as a compiled MindSpore graph (GRAPH_MODE) with the chosen expert dispatches: "sparse" (the CPU
-default, routed rows only in expert-pure row blocks), "dense" (every expert on every token) and "grouped"
+default, routed rows only: an [E, C] capacity layout, expert-pure row blocks when an expert overflows C), "dense" (every expert on every token) and "grouped"
 (the Ascend dataflow through the CPU equivalents of its fused kernels; slow, E times the expert work).
 Timing is interleaved (each repetition runs every side back to back, after warm-up steps) and the median of
 the per-repetition ratios is printed with the median times.

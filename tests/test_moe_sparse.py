@@ -1,5 +1,6 @@
-"""Block-sparse routed experts (the CPU default): layout invariants, and outputs and gradients equal to the
-dense every-expert path and to a numpy per-token reference, for balanced and fully skewed routing."""
+"""Sparse routed experts (the CPU default): layout invariants, and outputs and gradients equal to the dense
+every-expert path and to a numpy per-token reference, on both branches: the [E, C] capacity layout
+(balanced routing) and the expert-pure block layout it falls back to (fully skewed routing)."""
 import numpy as np
 import pytest
 
@@ -7,7 +8,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 from mindvl_ms.models.moe import RoutedExperts
-from mindvl_ms.ops.moe import block_layout, expert_block_size
+from mindvl_ms.ops.moe import block_layout, capacity_layout, expert_block_size, expert_capacity, expert_ranks
 
 
 def routing(rng, t, e, k, skew):
@@ -31,6 +32,21 @@ def test_block_layout_places_every_copy_in_a_block_of_its_expert(e, k, block, sk
     np.testing.assert_array_equal(block_expert[dest // block], flat)  # ... inside a block of its expert
     empty = np.setdiff1d(np.arange(len(slot_token)), dest)
     assert (slot_token[empty] == t).all()  # padding slots read the zero row
+
+
+def test_capacity_layout_places_every_copy_in_its_expert_row():
+    rng = np.random.default_rng(5)
+    t, e, k = 40, 8, 2
+    idx = routing(rng, t, e, k, False)
+    _, rank, counts = expert_ranks(Tensor(idx), e)
+    np.testing.assert_array_equal(counts.asnumpy(), np.bincount(idx.reshape(-1), minlength=e))
+    cap = expert_capacity(t * k, e)
+    assert cap == 24 and counts.asnumpy().max() <= cap  # mean 10 + 4 sqrt(10) = 22.6 -> 24
+    dest, slot_token = (a.asnumpy() for a in capacity_layout(Tensor(idx), rank, e, cap))
+    assert len(set(dest.tolist())) == t * k
+    np.testing.assert_array_equal(dest // cap, idx.reshape(-1))  # slot row = the copy's expert
+    np.testing.assert_array_equal(slot_token[dest], np.arange(t * k) // k)
+    assert (np.delete(slot_token, dest) == t).all()
 
 
 def test_block_size_choice():
@@ -62,6 +78,8 @@ def test_sparse_equals_dense_and_numpy_with_gradients(e, k, skew):
     t, d, inter = 45, 16, 24
     x = rng.standard_normal((t, d)).astype(np.float32)
     idx = routing(rng, t, e, k, skew)
+    # balanced routing takes the capacity branch, the skewed one overflows it and takes the block branch
+    assert (np.bincount(idx.reshape(-1), minlength=e).max() > expert_capacity(t * k, e)) == skew
     w = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
     g = rng.standard_normal((t, d)).astype(np.float32)
     params = [rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((e, d, inter), (e, d, inter), (e, inter, d))]

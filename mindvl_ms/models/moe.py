@@ -24,8 +24,9 @@ Routed experts, by device:
   group's top (k / topk_group) scores, DeepSeek-V3's the top 2: equal for DeepSeek-V3's own sizes (8 / 4)
   and the tiny config (2 / 1), different otherwise (tests/test_moe_mindformers.py shows both, and runs
   MindFormers' MoELayer on CPU with this project's weights, its Ascend kernels swapped inside the test).
-- CPU (default there): DeepSeek-V3's routing (moe_router.TopkRouter) and block-sparse experts
-  (`RoutedExperts` dispatch "sparse"): routed rows only, in expert-pure row blocks with a static bound.
+- CPU (default there): DeepSeek-V3's routing (moe_router.TopkRouter) and sparse experts (`RoutedExperts`
+  dispatch "sparse"): routed rows only, in an [E, C] capacity layout or, when an expert overflows C,
+  expert-pure row blocks; static shapes either way, nothing dropped.
   "dense" (every expert on every token) is the reference it is tested against; "grouped" runs the Ascend
   kernels' dataflow (TokenPermute -> GroupedMatmul -> TokenUnpermute) through their CPU equivalents.
 Semi-auto graphs cannot compile on CPU: on CPU only data parallel runs.
@@ -41,8 +42,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops import RMSNorm, SwiGLU, is_ascend, segment_bias
-from ..ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, expert_block_size,
-                       tokens_per_expert)
+from ..ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, capacity_layout,
+                       expert_block_size, expert_capacity, expert_ranks, tokens_per_expert)
 from .mla import MLAttention, MRotaryEmbedding, dense
 from .moe_parallel import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
 from .moe_router import ExpertBiasUpdate, TopkRouter, expert_load, seq_aux_loss
@@ -78,11 +79,12 @@ class RoutedExperts(nn.Cell):
 
     dispatch "grouped" (the Ascend path): TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU -> GroupedMatmul
     (down) -> TokenUnpermute.
-    dispatch "sparse" (the CPU default): routed rows only. `block_layout` places the T*k routed copies into
-    row blocks that each hold one expert's rows (padded to a multiple of the block size, static bound
-    T*k + E*(block-1), nothing dropped); one batched matmul per projection runs every block against its
-    expert's weights (gathered per block), and the outputs are gathered back per copy and combined with the
-    routing weights.
+    dispatch "sparse" (the CPU default): routed rows only, static shapes, nothing dropped. Usually an [E, C]
+    capacity layout (`capacity_layout`, C = mean + 4 sqrt(mean) rows per expert, `expert_capacity`): one
+    batched matmul per projection over [E, C, D] with the expert weights used in place. When an expert got
+    more than C copies, a graph branch takes the block layout instead (`block_layout`): rows in expert-pure
+    blocks padded to the block size (static bound T*k + E*(block-1)), each block against its expert's
+    weights gathered per block. Outputs are gathered back per copy and combined with the routing weights.
     dispatch "dense": every expert on every token as one wide matmul [T, D] x [D, E*I], the routing weights
     (scattered to [T, E]) folded into the activations, then one [T, E*I] x [E*I, D] matmul; E/k times the
     expert FLOPs, kept as the reference the sparse path is tested against.
@@ -132,14 +134,23 @@ class RoutedExperts(nn.Cell):
     def sparse(self, x, idx, weights):
         t, d = x.shape
         k = idx.shape[-1]
-        block = expert_block_size(t * k, self.num_experts)
-        dest, slot_token, block_expert = block_layout(idx, self.num_experts, block)  # [M], [P], [NB]
-        nb = block_expert.shape[0]
+        e = self.num_experts
+        _, rank, counts = expert_ranks(idx, e)  # [M], [E]
         x_ext = ops.cat((x, ops.zeros((1, d), x.dtype)), 0)  # [T+1, D], row T feeds the empty slots
-        rows = ops.gather(x_ext, slot_token, 0).reshape(nb, block, d)  # [NB, b, D]
-        h = self.swiglu(ops.bmm(rows, ops.gather(self.gate_proj, block_expert, 0)),
-                        ops.bmm(rows, ops.gather(self.up_proj, block_expert, 0)))  # [NB, b, I]
-        y = ops.bmm(h, ops.gather(self.down_proj, block_expert, 0)).reshape(nb * block, d)  # [P, D]
+        cap = expert_capacity(t * k, e)
+        if counts.max() <= cap:  # usual case: an [E, C] layout, expert weights used in place
+            dest, slot_token = capacity_layout(idx, rank, e, cap)  # [M], [E*C]
+            rows = ops.gather(x_ext, slot_token, 0).reshape(e, cap, d)  # [E, C, D]
+            h = self.swiglu(ops.bmm(rows, self.gate_proj), ops.bmm(rows, self.up_proj))  # [E, C, I]
+            y = ops.bmm(h, self.down_proj).reshape(e * cap, d)  # [E*C, D]
+        else:  # an expert got more than C copies: expert-pure row blocks, any routing fits
+            block = expert_block_size(t * k, e)
+            dest, slot_token, block_expert = block_layout(idx, e, block, rank, counts)  # [M], [P], [NB]
+            nb = block_expert.shape[0]
+            rows = ops.gather(x_ext, slot_token, 0).reshape(nb, block, d)  # [NB, b, D]
+            h = self.swiglu(ops.bmm(rows, ops.gather(self.gate_proj, block_expert, 0)),
+                            ops.bmm(rows, ops.gather(self.up_proj, block_expert, 0)))  # [NB, b, I]
+            y = ops.bmm(h, ops.gather(self.down_proj, block_expert, 0)).reshape(nb * block, d)  # [P, D]
         out = ops.gather(y, dest, 0).reshape(t, k, d)  # [T, k, D] one row per routed copy
         return (out * weights.astype(x.dtype)[:, :, None]).sum(1)  # [T, D]
 
