@@ -1,14 +1,14 @@
 """MoE layer benchmark on CPU: forward+backward time against transformers' DeepseekV3MoE, and the
 tokens-per-expert balance before/after the aux-loss-free bias update.
 
-    python bench/bench_moe.py [--tokens 512] [--hidden 256] [--experts 8 64] [--topk 4] [--repeats 30]
+    python bench/bench_moe.py [--tokens 512] [--hidden 256] [--experts 8 64] [--topk 4] [--repeats 60]
                               [--dispatch sparse dense grouped] [--threads 1]
 
 Both sides get the same weights and the same input; the reference is measured in the same run, so the
 printed ratios (transformers time / ours: speed-up, higher is better) are comparable across machines. Our
 layer runs as a compiled MindSpore graph (GRAPH_MODE) with the chosen expert dispatches: "sparse" (the CPU
-default, routed rows only: an [E, C] capacity layout, expert-pure row blocks when an expert overflows C), "dense" (every expert on every token) and "grouped"
-(the Ascend dataflow through the CPU equivalents of its fused kernels; slow, E times the expert work).
+default, routed rows only: an [E, C] capacity layout, expert-pure row blocks when an expert overflows C;
+the branch taken is printed), "dense" (every expert on every token) and "grouped" (the Ascend dataflow through the CPU equivalents of its fused kernels; slow, E times the expert work).
 Timing is interleaved (each repetition runs every side back to back, after warm-up steps) and the median of
 the per-repetition ratios is printed with the median times.
 Balance: a router whose gate strongly prefers the first experts routes the same tokens for N steps while
@@ -107,6 +107,15 @@ def bench_speed(args, experts):
 
     for dispatch in args.dispatch:
         cell = ours_moe(cfg, moe, dispatch)
+        if dispatch == "sparse":
+            from mindvl_ms.ops.moe import expert_capacity
+
+            idx = cell.gate(Tensor(x.reshape(-1, x.shape[-1])))[0].asnumpy()
+            top = np.bincount(idx.reshape(-1), minlength=experts).max()
+            cap = expert_capacity(idx.size, experts)
+            branch = "capacity layout" if top <= cap else "block layout (capacity overflow)"
+            print(f"  sparse: at most {top} copies per expert (mean {idx.size / experts:.0f}), capacity {cap}: "
+                  f"{branch}")
         obj = Objective(cell)
         grad_fn = ms.jit(ms.value_and_grad(obj, 0, obj.trainable_params()))
         errs[dispatch] = np.abs(cell(xs, valid)[0].asnumpy() - ref_out).max()
@@ -139,7 +148,7 @@ def bench_balance(args):
     from mindvl_ms.config.model import MoEConfig
     from mindvl_ms.models.moe_router import ExpertBiasUpdate, TopkRouter, expert_load, load_stats
 
-    moe = MoEConfig(n_routed_experts=experts, num_experts_per_tok=args.topk, n_group=args.groups,
+    moe = MoEConfig(n_routed_experts=args.experts[-1], num_experts_per_tok=args.topk, n_group=args.groups,
                     topk_group=args.topk_groups)
     rng = np.random.RandomState(0)
     router = TopkRouter(args.hidden, moe)
@@ -182,7 +191,7 @@ def main():
     p.add_argument("--topk", type=int, default=4, help="experts per token")
     p.add_argument("--groups", type=int, default=4, help="expert groups (n_group)")
     p.add_argument("--topk-groups", type=int, default=2, help="groups a token may use (topk_group)")
-    p.add_argument("--repeats", type=int, default=30, help="timed repetitions (median reported)")
+    p.add_argument("--repeats", type=int, default=60, help="timed repetitions (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of every side before timing")
     p.add_argument("--dispatch", nargs="+", default=["sparse"], choices=["sparse", "dense", "grouped"],
                    help="our expert dispatches to time")
