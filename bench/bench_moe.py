@@ -8,7 +8,8 @@ Both sides get the same weights and the same input; the reference is measured in
 printed ratios (transformers time / ours: speed-up, higher is better) are comparable across machines. Our
 layer runs as a compiled MindSpore graph (GRAPH_MODE) with the chosen expert dispatches: "sparse" (the CPU
 default, routed rows only: an [E, C] capacity layout, expert-pure row blocks when an expert overflows C;
-the branch taken is printed), "dense" (every expert on every token) and "grouped" (the Ascend dataflow through the CPU equivalents of its fused kernels; slow, E times the expert work).
+the branch taken is printed), "dense" (every expert on every token) and "grouped" (the Ascend dataflow
+through the CPU equivalents of its fused kernels; slow, E times the expert work).
 Timing is interleaved (each repetition runs every side back to back, after warm-up steps) and the median of
 the per-repetition ratios is printed with the median times.
 Balance: a router whose gate strongly prefers the first experts routes the same tokens for N steps while

@@ -254,6 +254,10 @@ def test_mindformers_group_score_differs_when_k_over_topk_group_is_not_2(cpu_min
     assert differ.sum() >= 1, "the chosen inputs must show the difference"
     (vo, _, _), (vt, _, _) = run_both(ours, theirs, b, seq, tc.hidden_size)
     assert abs(float(vt) - float(vo)) > 1e-4 * abs(float(vo))  # so the layers' outputs differ too
+    from mindvl_ms.models.moe_mindformers import MindFormersSelect
+
+    with pytest.warns(UserWarning, match="ranks groups by their top 3 scores"):
+        MindFormersSelect(tc.moe)  # the Ascend path says so when it is built for such a config
 
 
 def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_mindformers):

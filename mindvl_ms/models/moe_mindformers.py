@@ -20,6 +20,7 @@ Importing MindFormers writes its log under $LOCAL_DEFAULT_PATH (default ./output
 at ~/.cache/mindvl_ms/mindformers unless the variable is set.
 """
 import os
+import warnings
 
 import mindspore as ms
 from mindspore import nn
@@ -75,6 +76,12 @@ class MindFormersSelect(nn.Cell):
         from mindformers.parallel_core.training_graph.device_matrix import layout_moe
         from mindformers.parallel_core.training_graph.transformer.moe.router import TopKRouter
 
+        if not routing_rules_agree(moe):
+            top = moe.num_experts_per_tok // moe.topk_group
+            warnings.warn(f"MindFormers' TopKRouter ranks groups by their top {top} scores, DeepSeek-V3 by their "
+                          f"top 2 (num_experts_per_tok {moe.num_experts_per_tok}, topk_group {moe.topk_group}): "
+                          f"routing on Ascend differs from the CPU path and from HF DeepSeek-V3 for this config",
+                          stacklevel=2)
         cfg = transformer_config(moe.n_routed_experts, moe.num_experts_per_tok, hidden=8, layout=layout, moe=moe)
         # MindFormers' MoE device matrix (a process-wide singleton read by TopKRouter.shard in semi-auto mode),
         # re-initialised for this layout
