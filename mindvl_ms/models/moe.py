@@ -131,39 +131,53 @@ class RoutedExperts(nn.Cell):
         y = self.gmm(h, self.down_proj, group_list)  # [T*k, D]
         return self.unpermute(y, order, weights)
 
+    @property
+    def stand_alone(self) -> bool:
+        """No parallel mode set (read when the graph compiles)."""
+        return ms.get_auto_parallel_context("parallel_mode") == "stand_alone"
+
     def sparse(self, x, idx, weights):
         t, d = x.shape
         k = idx.shape[-1]
         _, rank, counts = expert_ranks(idx, self.num_experts)  # [M], [E]
         x_ext = ops.cat((x, ops.zeros((1, d), x.dtype)), 0)  # [T+1, D], row T feeds the empty slots
-        if ops.is_sequence_value_unknown(x.shape):  # dynamic shapes: no static capacity, block layout
-            y, dest = self.block_rows(x_ext, idx, rank, counts)
+        # both branches return [M, D] (one row per routed copy), so the graph branches join.
+        # Dynamic shapes have no static capacity, and data-parallel graphs (msrun) do not join the branches:
+        # both take the block layout, which fits any routing.
+        if ops.is_sequence_value_unknown(x.shape):
+            out = self.block_rows(x_ext, idx, rank, counts)
+        elif not self.stand_alone:
+            out = self.block_rows(x_ext, idx, rank, counts)
         elif counts.max() <= expert_capacity(t * k, self.num_experts):  # usual case: [E, C], weights in place
-            y, dest = self.capacity_rows(x_ext, idx, rank)
+            out = self.capacity_rows(x_ext, idx, rank)
         else:  # an expert got more than C copies: expert-pure row blocks, any routing fits
-            y, dest = self.block_rows(x_ext, idx, rank, counts)
-        out = ops.gather(y, dest, 0).reshape(t, k, d)  # [T, k, D] one row per routed copy
+            out = self.block_rows(x_ext, idx, rank, counts)
+        out = out.reshape(t, k, d)  # [T, k, D]
         return (out * weights.astype(x.dtype)[:, :, None]).sum(1)  # [T, D]
 
     def capacity_rows(self, x_ext, idx, rank):
-        """Expert outputs in the [E, C] layout -> (y [E*C, D], slot of each routed copy [M])."""
+        """Expert output of every routed copy [M, D], computed in the [E, C] layout."""
         e, d = self.num_experts, x_ext.shape[-1]
         cap = expert_capacity(idx.shape[0] * idx.shape[1], e)
         dest, slot_token = capacity_layout(idx, rank, e, cap)  # [M], [E*C]
         rows = ops.gather(x_ext, slot_token, 0).reshape(e, cap, d)  # [E, C, D]
         h = self.swiglu(ops.bmm(rows, self.gate_proj), ops.bmm(rows, self.up_proj))  # [E, C, I]
-        return ops.bmm(h, self.down_proj).reshape(e * cap, d), dest  # [E*C, D]
+        y = ops.bmm(h, self.down_proj).reshape(e * cap, d)  # [E*C, D]
+        return ops.gather(y, dest, 0)  # [M, D]
 
     def block_rows(self, x_ext, idx, rank, counts):
-        """Expert outputs in the block layout -> (y [P, D], slot of each routed copy [M])."""
+        """Expert output of every routed copy [M, D], computed in the block layout."""
         e, d = self.num_experts, x_ext.shape[-1]
-        block = expert_block_size(idx.shape[0] * idx.shape[1], e)
+        block = 16  # row count known only at run time (dynamic shapes)
+        if not ops.is_sequence_value_unknown(idx.shape):
+            block = expert_block_size(idx.shape[0] * idx.shape[1], e)
         dest, slot_token, block_expert = block_layout(idx, e, block, rank, counts)  # [M], [P], [NB]
         nb = block_expert.shape[0]
         rows = ops.gather(x_ext, slot_token, 0).reshape(nb, block, d)  # [NB, b, D]
         h = self.swiglu(ops.bmm(rows, ops.gather(self.gate_proj, block_expert, 0)),
                         ops.bmm(rows, ops.gather(self.up_proj, block_expert, 0)))  # [NB, b, I]
-        return ops.bmm(h, ops.gather(self.down_proj, block_expert, 0)).reshape(nb * block, d), dest  # [P, D]
+        y = ops.bmm(h, ops.gather(self.down_proj, block_expert, 0)).reshape(nb * block, d)  # [P, D]
+        return ops.gather(y, dest, 0)  # [M, D]
 
 
 class DeepseekV3MoE(nn.Cell):
