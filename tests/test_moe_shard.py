@@ -90,3 +90,14 @@ def test_671b_moe_layer_shards_from_the_shipped_layout():
 def test_expert_parallel_must_divide_the_experts():
     with pytest.raises(ValueError, match="must divide the 8 routed experts"):
         shard_moe(DeepseekV3MoE(TINY), Layout(dp=3, tp=1, ep=3))
+
+
+def test_shard_moe_on_the_mindformers_path_splits_selection_over_the_stage():
+    from mindvl_ms.models.moe import use_mindformers
+
+    moe = use_mindformers(DeepseekV3MoE(TINY), TINY.moe)
+    assert moe.gate.mindformers_select.stage == 1
+    lay = Layout(dp=2, tp=2, ep=4)
+    shard_moe(moe, lay)
+    assert moe.gate.mindformers_select.stage == 4  # [S, T/S, E] view, MindFormers' (dp, N, E)
+    assert moe.experts.parallel_experts.dispatcher.ep == 4

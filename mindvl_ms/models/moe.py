@@ -15,18 +15,21 @@ experts of a layer are stacked for the grouped matmul: `mlp.experts.gate_proj` /
 maps them to and from HF's per-expert Linear weights. Multi-token-prediction layers live at `model.mtp.{k}`
 (HF/DeepSeek store them as `model.layers.{num_hidden_layers + k}`).
 
-Routed experts: router (moe_router.TopkRouter) -> TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU ->
-GroupedMatmul (down) -> TokenUnpermute with the routing weights, plus the shared experts. The primitives come
-from `mindvl_ms.ops.moe`, i.e. MoeTokenPermute/GroupedMatmul/TopkExt on Ascend and exact CPU equivalents
-elsewhere; the dataflow is MindFormers' MoELayer (router -> token dispatcher -> GroupedMLP). On CPU the
-experts default to a dense combine (same values, fewer FLOPs than the CPU GroupedMatmul equivalent);
-`DeepseekV3ForCausalLM(cfg, expert_dispatch="grouped")` runs the Ascend dataflow on CPU; the tests check
-that both agree with transformers.
-MindFormers' MoELayer itself is not instantiated: it requires its TransformerConfig with a fixed
-seq_length, transposes to [S, B, H], reshapes with `Morph` cells that need a parallel context, and its
-router's group selection differs from DeepSeek-V3's (see moe_router.py), so HF parity would not hold.
-Parallel layouts (EP/TP/PP/DP) are validated by `mindvl_ms.models.moe_parallel.validate_moe_parallel`; this
-module sets no semi-auto-parallel shard strategies (they cannot run on CPU): on CPU only data parallel runs.
+Routed experts, by device:
+- Ascend (default there): MindFormers' MoE code with this cell's parameters (`use_mindformers`): the expert
+  selection of MindFormers' TopKRouter (`moe_mindformers.MindFormersSelect`), then its
+  MoEAlltoAllTokenDispatcher (AlltoAll counts + AlltoAllV rows inside the EP group) and GroupedMatmul experts
+  in one Morph (`mindvl_ms.parallel.moe.EPExperts`); `mindvl_ms.parallel.moe.shard_moe` declares the
+  semi-auto strategies (experts split by expert_parallel). MindFormers' group score is the sum of each
+  group's top (k / topk_group) scores, DeepSeek-V3's the top 2: equal for DeepSeek-V3's own sizes (8 / 4)
+  and the tiny config (2 / 1), different otherwise (tests/test_moe_mindformers.py shows both, and runs
+  MindFormers' MoELayer on CPU with this project's weights, its Ascend kernels swapped inside the test).
+- CPU (default there): DeepSeek-V3's routing (moe_router.TopkRouter) and sparse experts (`RoutedExperts`
+  dispatch "sparse"): routed rows only, in an [E, C] capacity layout or, when an expert overflows C,
+  expert-pure row blocks; static shapes either way, nothing dropped.
+  "dense" (every expert on every token) is the reference it is tested against; "grouped" runs the Ascend
+  kernels' dataflow (TokenPermute -> GroupedMatmul -> TokenUnpermute) through their CPU equivalents.
+Semi-auto graphs cannot compile on CPU: on CPU only data parallel runs.
 
 Multi-token prediction (num_nextn_predict_layers > 0, DeepSeek-V3 section 2.2): depth k combines
 enorm(embedding of token i+k) and hnorm(depth k-1 hidden) with eh_proj, runs one decoder layer, then
@@ -39,7 +42,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops import RMSNorm, SwiGLU, is_ascend, segment_bias
-from ..ops.moe import Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, tokens_per_expert
+from ..ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, capacity_layout,
+                       expert_block_size, expert_capacity, expert_ranks, tokens_per_expert)
 from .mla import MLAttention, MRotaryEmbedding, dense
 from .moe_parallel import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
 from .moe_router import ExpertBiasUpdate, TopkRouter, expert_load, seq_aux_loss
@@ -75,11 +79,19 @@ class RoutedExperts(nn.Cell):
     """E SwiGLU experts with stacked weights: x [T, D], idx int32 [T, k], weights [T, k] -> [T, D].
 
     dispatch "grouped" (the Ascend path): TokenPermute -> GroupedMatmul (gate, up) -> SwiGLU -> GroupedMatmul
-    (down) -> TokenUnpermute. dispatch "dense" (the CPU default): every expert on every token as one wide
-    matmul [T, D] x [D, E*I], the routing weights (scattered to [T, E]) folded into the activations, then one
-    [T, E*I] x [E*I, D] matmul; the same result with E/k times the expert FLOPs of the fused kernels, but k
-    times fewer than the grouped path run through the CPU GroupedMatmul equivalent.
+    (down) -> TokenUnpermute.
+    dispatch "sparse" (the CPU default): routed rows only, static shapes, nothing dropped. Usually an [E, C]
+    capacity layout (`capacity_layout`, C = mean + 4 sqrt(mean) rows per expert, `expert_capacity`): one
+    batched matmul per projection over [E, C, D] with the expert weights used in place. When an expert got
+    more than C copies, a graph branch takes the block layout instead (`block_layout`): rows in expert-pure
+    blocks padded to the block size (static bound T*k + E*(block-1)), each block against its expert's
+    weights gathered per block. Outputs are gathered back per copy and combined with the routing weights.
+    dispatch "dense": every expert on every token as one wide matmul [T, D] x [D, E*I], the routing weights
+    (scattered to [T, E]) folded into the activations, then one [T, E*I] x [E*I, D] matmul; E/k times the
+    expert FLOPs, kept as the reference the sparse path is tested against.
     """
+
+    DISPATCHES = ("grouped", "sparse", "dense")
 
     def __init__(self, e: int, d: int, inter: int, std: float, dispatch: str = None):
         super().__init__()
@@ -87,9 +99,9 @@ class RoutedExperts(nn.Cell):
         self.up_proj = Parameter(initializer(Normal(std), (e, d, inter), ms.float32), name="up_proj")
         self.down_proj = Parameter(initializer(Normal(std), (e, inter, d), ms.float32), name="down_proj")
         self.num_experts = e
-        self.dispatch = dispatch or ("grouped" if is_ascend() else "dense")
-        if self.dispatch not in ("grouped", "dense"):
-            raise ValueError(f"expert dispatch '{self.dispatch}': expected 'grouped' or 'dense'")
+        self.dispatch = dispatch or ("grouped" if is_ascend() else "sparse")
+        if self.dispatch not in self.DISPATCHES:
+            raise ValueError(f"expert dispatch '{self.dispatch}': expected one of {self.DISPATCHES}")
         self.permute = TokenPermute()
         self.unpermute = TokenUnpermute()
         self.gmm = GroupedMatmul()
@@ -102,6 +114,8 @@ class RoutedExperts(nn.Cell):
     def construct(self, x, idx, weights):
         if self.parallel_experts is not None:
             return self.parallel_experts(x, idx, weights, self.gate_proj, self.up_proj, self.down_proj)
+        if self.dispatch == "sparse":
+            return self.sparse(x, idx, weights)
         if self.dispatch == "dense":
             e, d, inter = self.gate_proj.shape
             w_gate = self.gate_proj.swapaxes(0, 1).reshape(d, e * inter)  # [D, E*I]: one wide matmul
@@ -117,6 +131,54 @@ class RoutedExperts(nn.Cell):
                         self.gmm(permuted, self.up_proj, group_list))  # [T*k, I]
         y = self.gmm(h, self.down_proj, group_list)  # [T*k, D]
         return self.unpermute(y, order, weights)
+
+    @property
+    def stand_alone(self) -> bool:
+        """No parallel mode set (read when the graph compiles)."""
+        return ms.get_auto_parallel_context("parallel_mode") == "stand_alone"
+
+    def sparse(self, x, idx, weights):
+        t, d = x.shape
+        k = idx.shape[-1]
+        _, rank, counts = expert_ranks(idx, self.num_experts)  # [M], [E]
+        x_ext = ops.cat((x, ops.zeros((1, d), x.dtype)), 0)  # [T+1, D], row T feeds the empty slots
+        # both branches return [M, D] (one row per routed copy), so the graph branches join.
+        # Dynamic shapes have no static capacity, and data-parallel graphs (msrun) do not join the branches:
+        # both take the block layout, which fits any routing.
+        if ops.is_sequence_value_unknown(x.shape):
+            out = self.block_rows(x_ext, idx, rank, counts)
+        elif not self.stand_alone:
+            out = self.block_rows(x_ext, idx, rank, counts)
+        elif counts.max() <= expert_capacity(t * k, self.num_experts):  # usual case: [E, C], weights in place
+            out = self.capacity_rows(x_ext, idx, rank)
+        else:  # an expert got more than C copies: expert-pure row blocks, any routing fits
+            out = self.block_rows(x_ext, idx, rank, counts)
+        out = out.reshape(t, k, d)  # [T, k, D]
+        return (out * weights.astype(x.dtype)[:, :, None]).sum(1)  # [T, D]
+
+    def capacity_rows(self, x_ext, idx, rank):
+        """Expert output of every routed copy [M, D], computed in the [E, C] layout."""
+        e, d = self.num_experts, x_ext.shape[-1]
+        cap = expert_capacity(idx.shape[0] * idx.shape[1], e)
+        dest, slot_token = capacity_layout(idx, rank, e, cap)  # [M], [E*C]
+        rows = ops.gather(x_ext, slot_token, 0).reshape(e, cap, d)  # [E, C, D]
+        h = self.swiglu(ops.bmm(rows, self.gate_proj), ops.bmm(rows, self.up_proj))  # [E, C, I]
+        y = ops.bmm(h, self.down_proj).reshape(e * cap, d)  # [E*C, D]
+        return ops.gather(y, dest, 0)  # [M, D]
+
+    def block_rows(self, x_ext, idx, rank, counts):
+        """Expert output of every routed copy [M, D], computed in the block layout."""
+        e, d = self.num_experts, x_ext.shape[-1]
+        block = 16  # row count known only at run time (dynamic shapes)
+        if not ops.is_sequence_value_unknown(idx.shape):
+            block = expert_block_size(idx.shape[0] * idx.shape[1], e)
+        dest, slot_token, block_expert = block_layout(idx, e, block, rank, counts)  # [M], [P], [NB]
+        nb = block_expert.shape[0]
+        rows = ops.gather(x_ext, slot_token, 0).reshape(nb, block, d)  # [NB, b, D]
+        h = self.swiglu(ops.bmm(rows, ops.gather(self.gate_proj, block_expert, 0)),
+                        ops.bmm(rows, ops.gather(self.up_proj, block_expert, 0)))  # [NB, b, I]
+        y = ops.bmm(h, ops.gather(self.down_proj, block_expert, 0)).reshape(nb * block, d)  # [P, D]
+        return ops.gather(y, dest, 0)  # [M, D]
 
 
 class DeepseekV3MoE(nn.Cell):
@@ -135,6 +197,8 @@ class DeepseekV3MoE(nn.Cell):
         self.has_shared = m.n_shared_experts > 0
         if self.has_shared:
             self.shared_experts = DeepseekV3MLP(d, m.moe_intermediate_size * m.n_shared_experts, std)
+        if is_ascend() and expert_dispatch is None:
+            use_mindformers(self, m)
 
     def construct(self, x, valid):
         b, l, d = x.shape
@@ -145,6 +209,19 @@ class DeepseekV3MoE(nn.Cell):
             y = y + self.shared_experts(x)
         aux = seq_aux_loss(scores, idx, valid, b, self.top_k) if self.use_aux else ops.zeros((), ms.float32)
         return y, expert_load(idx, self.num_experts, valid), aux
+
+
+def use_mindformers(moe_cell, moe_config, layout=None):
+    """Route and dispatch a DeepseekV3MoE with MindFormers' MoE code (the Ascend default): TopKRouter's
+    expert selection and MoEAlltoAllTokenDispatcher + GroupedMatmul experts (EPExperts, all-to-all inside
+    the EP group of `layout`, default a single device). Parameters stay the cell's."""
+    from ..parallel.layout import Layout
+    from ..parallel.moe import EPExperts
+    from .moe_mindformers import MindFormersSelect
+
+    moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
+    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)
+    return moe_cell
 
 
 class DeepseekV3DecoderLayer(nn.Cell):

@@ -20,6 +20,10 @@ Importing MindFormers writes its log under $LOCAL_DEFAULT_PATH (default ./output
 at ~/.cache/mindvl_ms/mindformers unless the variable is set.
 """
 import os
+import warnings
+
+import mindspore as ms
+from mindspore import nn
 
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindvl_ms", "mindformers"))
 
@@ -56,3 +60,48 @@ def transformer_config(num_experts: int, top_k: int, hidden: int, layout=None, s
                   norm_topk_prob=bool(moe.norm_topk_prob),
                   moe_ffn_hidden_size=moe.moe_intermediate_size)
     return TransformerConfig(**kw)
+
+
+class MindFormersSelect(nn.Cell):
+    """MindFormers' TopKRouter expert selection on this project's biased scores: choice [T, E] -> ids int32 [T, k].
+
+    Only the selection code runs (`_group_limited_topk`, or `_topk` without groups, on an [S, T/S, E] view, S = dp*tp):
+    TopkExt and MindFormers' group rule. The router's own Parameters are dropped (logits, bias, routing
+    weights and balancing stay this project's TopkRouter's), so checkpoints keep their HF names. Runs where
+    TopkExt runs (Ascend), or on CPU with the kernels substituted as tests/test_moe_mindformers.py does.
+    """
+
+    def __init__(self, moe, layout=None):
+        super().__init__()
+        from mindformers.parallel_core.training_graph.device_matrix import layout_moe
+        from mindformers.parallel_core.training_graph.transformer.moe.router import TopKRouter
+
+        if not routing_rules_agree(moe):
+            top = moe.num_experts_per_tok // moe.topk_group
+            warnings.warn(f"MindFormers' TopKRouter ranks groups by their top {top} scores, DeepSeek-V3 by their "
+                          f"top 2 (num_experts_per_tok {moe.num_experts_per_tok}, topk_group {moe.topk_group}): "
+                          f"routing on Ascend differs from the CPU path and from HF DeepSeek-V3 for this config",
+                          stacklevel=2)
+        cfg = transformer_config(moe.n_routed_experts, moe.num_experts_per_tok, hidden=8, layout=layout, moe=moe)
+        # MindFormers' MoE device matrix (a process-wide singleton read by TopKRouter.shard in semi-auto mode),
+        # re-initialised for this layout
+        layout_moe._layout, layout_moe._config = None, None  # pylint: disable=protected-access
+        layout_moe.init_layout(cfg)
+        self.moe_config = moe
+        self.stage = layout.dp * layout.tp if layout is not None else 1  # tokens split over the stage's devices
+        cfg.moe_router_enable_expert_bias = False  # the bias is added by TopkRouter; MindFormers only selects
+        cfg.moe_router_load_balancing_type = "seq_aux_loss"
+        router = TopKRouter(cfg)
+        for name in list(router._params):  # pylint: disable=protected-access
+            del router._params[name]  # pylint: disable=protected-access
+        self.router = router
+        self.grouped = bool(router.enable_group_limited)
+
+    def construct(self, choice):
+        t, e = choice.shape
+        c = choice.reshape(self.stage, t // self.stage, e)  # [S, T/S, E], MindFormers' (dp, N, E)
+        if self.grouped:
+            _, idx = self.router._group_limited_topk(c, c)  # pylint: disable=protected-access
+        else:
+            _, idx = self.router._topk(c, c)  # pylint: disable=protected-access
+        return idx.reshape(t, -1).astype(ms.int32)

@@ -16,11 +16,12 @@ Balancing, both from DeepSeek-V3 section 2.1.2:
   to i, P_i = mean over tokens of the normalised scores s_i / sum_j s_j, L = alpha * sum_i f_i P_i. A
   "sequence" here is one packed row (padding excluded); the loss is averaged over rows.
 
-Why not MindFormers' `TopKRouter`: it picks groups by the sum of the top (k / topk_group) scores per group
-rather than DeepSeek-V3's top-2 (different unless k / topk_group = 2), needs a fixed seq_length and a
-(dp, N, E) layout from its parallel config, and calls TopkExt/OneHotExt which do not exist on CPU. This cell
-has the same inputs/outputs (expert index, routing coefficients, aux loss) and uses `mindvl_ms.ops.moe.TopK`,
-which is TopkExt on Ascend.
+On Ascend, the expert selection is MindFormers' `TopKRouter` code (`mindformers_select`, set by
+DeepseekV3MoE through `mindvl_ms.models.moe_mindformers.MindFormersSelect`); scores, bias, routing weights
+and parameters stay this cell's. MindFormers picks groups by the sum of the top (k / topk_group) scores per
+group rather than DeepSeek-V3's top-2: equal when k / topk_group = 2 (DeepSeek-V3's 8 / 4), different
+otherwise (tests/test_moe_mindformers.py shows both). On CPU the selection below is DeepSeek-V3's, with
+`mindvl_ms.ops.moe.TopK`.
 """
 import numpy as np
 
@@ -52,20 +53,26 @@ class TopkRouter(nn.Cell):
         self.topk = TopK()
         self.group_topk = TopK()
         self.expert_topk = TopK()
+        # On Ascend (DeepseekV3MoE sets it): MindFormers' TopKRouter selection, biased scores [T, E] -> ids [T, k]
+        self.mindformers_select = None
 
     def construct(self, x):
         logits = self.gate_matmul(x.astype(ms.float32), self.weight.astype(ms.float32))  # [T, E]
         scores = ops.sigmoid(logits) if self.sigmoid_scores else ops.softmax(logits, -1)
         choice = ops.stop_gradient(scores) + self.e_score_correction_bias[None, :]  # [T, E]
         t = choice.shape[0]
-        if self.n_group > 1:
+        if self.mindformers_select is not None:
+            idx = self.mindformers_select(choice)  # [T, k]
+        elif self.n_group > 1:
             grouped = choice.reshape(t, self.n_group, self.per_group)
             best, _ = self.group_topk(grouped, self.group_top)  # [T, G, 2]
             _, keep = self.topk(best.sum(-1), self.topk_group)  # [T, topk_group]
             gmask = ops.one_hot(keep, self.n_group, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)).sum(1)
             emask = ops.repeat_interleave(gmask, self.per_group, 1)  # [T, E]
             choice = ops.where(emask > 0.5, choice, ops.zeros_like(choice))
-        _, idx = self.expert_topk(choice, self.top_k)  # [T, k]
+            _, idx = self.expert_topk(choice, self.top_k)  # [T, k]
+        else:
+            _, idx = self.expert_topk(choice, self.top_k)  # [T, k]
         weights = ops.gather_elements(scores, 1, idx)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)

@@ -21,6 +21,10 @@ Semantics (T tokens, k experts per token, E experts, M = T * k routed rows):
                    counts -> y [M, N], y[m] = x[m] @ w[expert of row m]. The CPU equivalent computes every
                    expert on every row and keeps the matching one (E times the work of the fused kernel,
                    exact, static shapes, differentiable); it is meant for tiny CPU models and tests.
+  capacity_layout: expert_ids [T, k] -> slots in an [E, C] layout (valid when no expert has more than C
+                   copies) for the CPU sparse experts (RoutedExperts dispatch "sparse")
+  block_layout:    expert_ids [T, k] -> a padded, expert-pure row-block layout (static bound, valid for any
+                   routing): the sparse experts' fallback when an expert overflows C
 """
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -160,3 +164,82 @@ def tokens_per_expert(expert_ids, num_experts: int, weights=None):
     if weights is not None:
         counts = counts * weights.astype(ms.float32)[:, None]
     return counts.sum(0)
+
+
+def expert_block_size(rows: int, num_experts: int) -> int:
+    """Row-block size of the block-sparse expert layout: a power of two near rows / (2 E), in [8, 128].
+
+    Padding costs at most E * (block - 1) rows and the per-block weight gather costs rows / block + E expert
+    weight copies; half the mean group size keeps both near the routed rows (8 and 64 experts of
+    bench/bench_moe.py ran equally fast at 16 to 128).
+    """
+    target = max(1, rows // (2 * num_experts))
+    block = 8
+    while block < target and block < 128:
+        block *= 2
+    return block
+
+
+def expert_capacity(rows: int, num_experts: int) -> int:
+    """Rows per expert of the capacity layout: mean + 4 sqrt(mean) (at least 1.25 mean), a multiple of 8.
+
+    Under balanced routing a count above mean + 4 sqrt(mean) is rare; when it happens the caller falls back
+    to the block layout, so the capacity only decides speed, never the result.
+    """
+    mean = rows / num_experts
+    cap = max(1.25 * mean, mean + 4.0 * mean ** 0.5)
+    return min(int(-(-cap // 8) * 8), rows)
+
+
+def expert_ranks(expert_ids, num_experts: int):
+    """expert_ids int32 [T, k] -> flat ids [M], rank of each copy among its expert's copies (token order)
+    float32 [M], and copies per expert float32 [E]. Index arithmetic only (no gradient)."""
+    flat = expert_ids.reshape(-1)  # [M]
+    onehot = ops.one_hot(flat, num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))  # [M, E]
+    rank = ((ops.cumsum(onehot, 0) - onehot) * onehot).sum(1)  # [M] copies of the same expert before m
+    return flat, ops.stop_gradient(rank), ops.stop_gradient(onehot.sum(0))
+
+
+def _slot_tokens(dest, t: int, k: int, slots: int):
+    """Token feeding each slot (t for an empty one) from the slot of every routed copy."""
+    m = t * k
+    token = ops.arange(0, m, dtype=ms.int32) // k  # [M]
+    slot_token = ops.scatter_nd(dest.reshape(m, 1), token + 1, (slots,)) - 1  # -1 = empty
+    return ops.where(slot_token < 0, ops.full_like(slot_token, t), slot_token)
+
+
+def capacity_layout(expert_ids, rank, num_experts: int, capacity: int):
+    """[E, C] layout: copy m of expert e goes to slot e * C + rank_m. Valid only when no expert has more than
+    C copies (the caller checks counts.max() <= C). -> dest int32 [M], slot_token int32 [E*C]."""
+    t, k = expert_ids.shape
+    dest = (expert_ids.reshape(-1) * capacity + rank.astype(ms.int32)).astype(ms.int32)  # [M]
+    dest = ops.minimum(dest, num_experts * capacity - 1)  # in range even when the branch is not taken
+    return ops.stop_gradient(dest), ops.stop_gradient(_slot_tokens(dest, t, k, num_experts * capacity))
+
+
+def block_layout(expert_ids, num_experts: int, block: int, rank=None, counts=None):
+    """Static-shape layout of T*k routed rows into expert-pure row blocks (no sort, nothing dropped).
+
+    expert_ids int32 [T, k] ->
+      dest        int32 [M]   slot of routed copy m = t*k + j in the padded layout
+      slot_token  int32 [P]   token feeding each slot, T for an empty (padding) slot
+      block_expert int32 [NB] expert of each block of `block` slots
+    with M = T*k, NB = (M + E*(block-1)) // block, P = NB*block. Expert e's copies fill slots
+    [off_e, off_e + c_e) in token order, off_e = sum_{e' < e} ceil(c_e'/block)*block; as
+    sum_e ceil(c_e/block)*block <= M + E*(block-1) and is a multiple of block, every copy gets a slot for any
+    routing (the bound is P). Blocks past the last used one get expert E-1 and only empty slots.
+    """
+    t, k = expert_ids.shape
+    m = t * k
+    nb = (m + num_experts * (block - 1)) // block
+    flat = expert_ids.reshape(-1)  # [M]
+    if rank is None:
+        _, rank, counts = expert_ranks(expert_ids, num_experts)
+    padded = ops.ceil(counts / block) * block  # [E]
+    ends = ops.cumsum(padded, 0)  # [E] padded group ends
+    dest = (ops.gather(ends - padded, flat, 0) + rank).astype(ms.int32)  # [M]
+    slot_token = _slot_tokens(dest, t, k, nb * block)  # [P]
+    starts = ops.arange(0, nb, dtype=ms.float32) * block  # [NB]
+    block_expert = (ends[None, :] <= starts[:, None]).astype(ms.int32).sum(1)  # [NB]
+    block_expert = ops.minimum(block_expert, num_experts - 1)
+    return ops.stop_gradient(dest), ops.stop_gradient(slot_token), ops.stop_gradient(block_expert)

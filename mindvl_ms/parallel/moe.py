@@ -122,6 +122,11 @@ def shard_moe(moe_cell, layout: Layout, dispatcher=None):
     """
     stage = layout.dp * layout.tp
     moe_cell.gate.gate_matmul.shard(((stage, 1), (1, 1)))
+    select = moe_cell.gate.mindformers_select
+    if select is not None:  # Ascend: MindFormers' selection, rebuilt with its tokens over the stage
+        from ..models.moe_mindformers import MindFormersSelect
+
+        moe_cell.gate.mindformers_select = MindFormersSelect(select.moe_config, layout)
     moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout, moe_cell.top_k, dispatcher)
     if moe_cell.has_shared:
         shard_mlp(moe_cell.shared_experts, layout)
