@@ -7,11 +7,14 @@ The tower: a 4-block Qwen2.5-ViT (hidden 256, 4 heads, MLP 512, 112 px windows, 
 as one in four of Qwen2.5-VL's blocks), patch 14, 2x2 merge. One image per call, resized as the
 processor does (1280x720 -> 1288x728 = 4,784 patches, 84 windows; 448x448 -> 1,024 patches, 16 windows).
 mindvl-ms runs its per-window / per-image block attention (host-side gathers); `--dense` adds its old
-dense N x N mask path. Forward is one call; forward+backward is d(sum(out * w))/d(params) (ms.grad under
+dense N x N mask path for images of at most 2,048 patches (at 1280x720 that path's forward+backward grew
+past 19 GB resident and was killed by the OOM killer on a 23 GB machine). Forward is one call; forward+backward is d(sum(out * w))/d(params) (ms.grad under
 jit, torch autograd). Calls of the two frameworks alternate, so machine-load drift hits both alike; each
 figure is the median of `--repeats` calls after a warm-up (compile). The whole measurement runs `--rounds`
 times and prints the spread between rounds, so whether two runs agree is visible. Ratio = torch / ours
-(> 1 means mindvl-ms is faster).
+(> 1 means mindvl-ms is faster). Both frameworks share the process; at 1280x720 it peaks near 12 GB
+resident (mindvl-ms' block path alone: 7.0 GB max RSS for forward+backward, most of it the full-attention
+layer's [H, N, N] float32 scores, probabilities and their gradients).
 """
 import argparse
 import os
@@ -111,6 +114,7 @@ def measure(size: str, hf_visual, model, repeats: int, dense: bool):
         "fwd": (lambda: fwd(*args_blk).asnumpy(), t_fwd, lambda: fwd(*args_dense).asnumpy()),
         "bwd": (lambda: grad(*args_blk)[0].asnumpy(), t_bwd, lambda: grad(*args_dense)[0].asnumpy()),
     }
+    dense = dense and len(pv) <= 2048
     out = {"patches": len(pv), "windows": int(batch["window_gather"].shape[0])}
     for kind, (ours, ref, old) in calls.items():
         ours(), ref()  # warm-up: graph compile, torch allocator

@@ -32,6 +32,9 @@ def test_vit_core_has_no_mask_and_mqa_keeps_kv_whole():
     vit = shard_core_attention(CoreAttention(16, 16, 80, causal=False), Layout(dp=8, tp=2))
     assert vit.fa.attrs["sparse_mode"] == 0 and vit.fa_mask is None
     assert vit.fa.in_strategy == ((8, 2, 1), (8, 2, 1), (8, 2, 1), (8,), (8,))
+    whole = shard_core_attention(CoreAttention(16, 16, 80, causal=False), Layout(dp=8, tp=2), split_batch=False)
+    assert whole.fa.in_strategy == ((1, 2, 1), (1, 2, 1), (1, 2, 1), (1,), (1,))
+    assert whole.qk_matmul.in_strategy == ((1, 2, 1, 1), (1, 2, 1, 1))
     mqa = shard_core_attention(CoreAttention(8, 1, 64), Layout(dp=2, tp=4))
     assert mqa.fa.in_strategy == ((2, 4, 1), (2, 1, 1), (2, 1, 1), (1, 1), (2,), (2,))
 

@@ -117,7 +117,7 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
     """Model inputs for prompt + generated tokens in one row. Generated tokens are plain text (an emitted
     <|image_pad|> id is embedded as a token, as in cached decoding) with positions continuing from the
     prompt's max position + 1."""
-    from ..models.inputs import build_model_inputs
+    from ..models.inputs import build_model_inputs, llm_actual_seq_len
 
     n = len(np.asarray(sample["input_ids"]).reshape(-1))
     k = len(generated)
@@ -126,6 +126,7 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
     batch["input_ids"][0, n:] = np.asarray(generated, np.int32)
     batch["segment_ids"][0, n:] = batch["segment_ids"][0, 0]
     batch["position_ids"][:, 0, n:] = start + np.arange(k, dtype=np.int32)
+    batch["actual_seq_len"] = llm_actual_seq_len(batch["segment_ids"])  # the row is one segment now
     return batch  # embed_index of the appended columns already points at their own text embeddings
 
 

@@ -13,14 +13,16 @@ The dense path's primitives (used on CPU and for KV-cache decoding) split batch 
   BatchMatMul q.k^T ((dp, tp, 1, 1), (dp, tp, 1, 1)), *scale ((dp, tp, 1, 1), ()),
   +bias ((dp, tp, 1, 1), (dp, 1, 1, 1)), Softmax ((dp, tp, 1, 1),), BatchMatMul p.v as q.k^T.
 Heads must divide by tp (a clear error otherwise); kv heads too unless there is one.
+`split_batch=False` keeps the leading axes whole (dp -> 1): for the ViT, whose dense-path batch axis is
+windows or images (a count that need not divide by dp) and whose packed patch sequence is not split by rows.
 """
 from ..ops.attention import CoreAttention
 from .layout import Layout
 
 
-def core_attention_strategies(core: CoreAttention, layout: Layout) -> dict:
+def core_attention_strategies(core: CoreAttention, layout: Layout, split_batch: bool = True) -> dict:
     """Primitive attribute name -> strategy tuple for `core` under `layout` (see the module docstring)."""
-    dp, tp = layout.dp, layout.tp
+    dp, tp = (layout.dp if split_batch else 1), layout.tp
     if core.num_heads % tp:
         raise ValueError(f"attention heads {core.num_heads} do not divide by model_parallel {tp}")
     kv_tp = 1 if core.num_kv_heads == 1 else tp
@@ -41,8 +43,8 @@ def core_attention_strategies(core: CoreAttention, layout: Layout) -> dict:
     }
 
 
-def shard_core_attention(core: CoreAttention, layout: Layout) -> CoreAttention:
+def shard_core_attention(core: CoreAttention, layout: Layout, split_batch: bool = True) -> CoreAttention:
     """Declare the strategies of `core_attention_strategies` on the core's primitives; returns `core`."""
-    for name, strategy in core_attention_strategies(core, layout).items():
+    for name, strategy in core_attention_strategies(core, layout, split_batch).items():
         getattr(core, name).shard(strategy)
     return core
