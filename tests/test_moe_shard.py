@@ -68,11 +68,11 @@ def test_671b_moe_layer_shards_from_the_shipped_layout():
 
     import yaml
 
-    with open(os.path.join(ROOT, "configs/parallel/ascend-671b-1024npu.yaml")) as f:
+    with open(os.path.join(ROOT, "configs/parallel/ascend-671b-512npu.yaml")) as f:
         p = yaml.safe_load(f)["parallel_config"]  # the shipped 671B layout (a run-config fragment)
     lay = Layout(dp=p["data_parallel"], tp=p["model_parallel"], pp=p["pipeline_stage"], ep=p["expert_parallel"],
                  seq_parallel=p["use_seq_parallel"])
-    assert (lay.dp, lay.tp, lay.ep) == (16, 4, 64)
+    assert (lay.dp, lay.tp, lay.pp, lay.ep) == (8, 8, 8, 64)
     with no_init_parameters():
         moe = DeepseekV3MoE(BIG)
     shard_moe(moe, lay)
