@@ -14,6 +14,7 @@ from mindspore.nn.utils import no_init_parameters
 from mindspore.ops import Primitive
 
 from mindvl_ms.config import load_model_config
+from mindvl_ms.config.train import load_run_config
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.parallel import Layout, parallelize
 from mindvl_ms.parallel.audit import parameter_shards, primitive_census, strategy_of
@@ -144,24 +145,25 @@ def test_vision_parallel(model_8b, vp, split):
 
 def test_671b_moe_llm_strategies():
     cfg, m = _abstract("configs/model/mindvl-671b-a37b.yaml")
-    lay = Layout(dp=16, tp=4, pp=16, ep=64, seq_parallel=True, micro_batch_num=32)
+    run = load_run_config("configs/run/mindvl-671b-512npu.yaml")  # the shipped layout: dp 8, tp 8, pp 8, ep 64
+    lay, offset = Layout.from_run_config(run), run.parallel_config.offset
+    assert (lay.dp, lay.tp, lay.pp, lay.ep, lay.seq_parallel) == (8, 8, 8, 64, True)
     n_layers = cfg.text.num_hidden_layers
-    offset = [1] * (n_layers - 16 * (n_layers // 16)) + [0] * (16 - (n_layers - 16 * (n_layers // 16)))
     rep = parallelize(m, lay, offset=offset)
-    n = _audit_llm(m, 16, 4, True, 1)
+    n = _audit_llm(m, 8, 8, True, 1)
     dense_layers = cfg.text.moe.first_k_dense_replace
     mtp = cfg.text.moe.num_nextn_predict_layers
     # MLA: q_a, q_b, kv_a, kv_b, o per layer; dense MLP: 3; shared experts (MoE layers and MTP): 3;
     # MTP eh_proj; lm_head
     assert n == 5 * (n_layers + mtp) + 3 * dense_layers + 3 * (n_layers - dense_layers + mtp) + mtp + 1
     attn = m.model.layers[10].self_attn
-    assert strategy_of(attn.rotary.rope)[0] == (16, 4, 1, 1)
-    assert strategy_of(attn.rotary_k.rope)[0] == (16, 1, 1, 1)   # the one shared rope key: no head split
-    assert strategy_of(attn.kv_a_layernorm.rms_norm) == ((16, 1, 1), (1,))
+    assert strategy_of(attn.rotary.rope)[0] == (8, 8, 1, 1)
+    assert strategy_of(attn.rotary_k.rope)[0] == (8, 1, 1, 1)   # the one shared rope key: no head split
+    assert strategy_of(attn.kv_a_layernorm.rms_norm) == ((8, 1, 1), (1,))
     assert sorted(set(rep.delegated.values())) == ["attention", "moe"]
     for name, (full, split, shard) in parameter_shards(m).items():
         assert shard is not None and math.prod(shard) * math.prod(split) == math.prod(full), name
-    _, _, c = _census("671B-A37B LLM dp16 tp4 pp16 ep64 sp", m, "model.")
+    _, _, c = _census("671B-A37B LLM dp8 tp8 pp8 ep64 sp (shipped 512-NPU layout)", m, "model.")
     assert sum(primitive_census(m, "model.", exclude=MOE_INTERNALS)["without"].values()) == 0
 
 
