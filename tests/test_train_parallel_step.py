@@ -141,3 +141,19 @@ def test_pipeline_config_only_on_ascend():
     assert pipeline_config(run("Ascend", 2)) == (2, 4)
     assert pipeline_config(run("Ascend", 1)) is None
     assert pipeline_config(run("CPU", 2)) is None
+
+
+def test_host_counts_are_summed_over_data_parallel_replicas(monkeypatch):
+    """Under TP x PP the tp * pp ranks of a replica read the same rows: the world sum counts them once."""
+    from mindvl_ms.train import distributed
+
+    h = distributed.HostAllReduce(world=8, dp=2)  # 8 ranks = 2 replicas x (tp 2 x pp 2)
+    per_rank = np.array([10.0, 3.0], np.float32)  # supervised tokens, samples of each rank's replica rows
+
+    class FakeSum:  # the world all-reduce: 4 ranks of replica 0 report per_rank, 4 of replica 1 report 2x
+        def __call__(self, v):
+            return Tensor(4 * per_rank + 4 * 2 * per_rank)
+
+    h._cell = FakeSum()
+    np.testing.assert_allclose(h(per_rank), per_rank + 2 * per_rank)  # replica 0 + replica 1
+    assert distributed.HostAllReduce(world=4).replica == 1  # plain data parallel: the world sum as is

@@ -183,10 +183,15 @@ def fill_coords(info: DistInfo, run_cfg) -> DistInfo:
 
 
 class HostAllReduce:
-    """Sum a small float32 numpy vector over all ranks (counts used to normalise the loss)."""
+    """Sum a small float32 numpy vector over the data-parallel replicas (counts used to normalise the loss).
 
-    def __init__(self, world: int):
+    The all-reduce runs over all `world` ranks; the `world / dp` ranks of one data-parallel replica (its
+    tensor- and pipeline-parallel peers) read the same rows, so the world sum is divided by that factor
+    (`dp` defaults to `world`: plain data parallel, nothing to divide)."""
+
+    def __init__(self, world: int, dp: int = None):
         self.world = world
+        self.replica = world // (dp or world)  # ranks per data-parallel replica (tp * pp)
         self._cell = None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -205,7 +210,8 @@ class HostAllReduce:
                     return self.op(v)
 
             self._cell = _Sum()
-        return self._cell(Tensor(np.asarray(x, np.float32), ms.float32)).asnumpy()
+        out = self._cell(Tensor(np.asarray(x, np.float32), ms.float32)).asnumpy()
+        return out / self.replica if self.replica > 1 else out
 
 
 def gather_json(obj, world: int):

@@ -171,7 +171,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     data_factory = data_factory or default_data_factory
     names = list(getattr(model, "INPUT_NAMES"))
     metrics = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), enabled=dist.is_main)
-    allreduce = HostAllReduce(dist.world)
+    allreduce = HostAllReduce(dist.world, dist.dp)
     start_stage, start_step, state, optim, data_changes = 0, 0, None, None, []
     if resume:
         ck = ts.find_latest(resume)
