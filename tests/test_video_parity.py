@@ -162,9 +162,9 @@ def test_greedy_generation_with_videos_equals_transformers():
 def test_accumulated_positions_across_two_images_and_a_video():
     """Every image starts after the previous item's largest position, and with accumulation so does every
     temporal patch of the video: no two visual items (or frames) share a position on any axis."""
-    # text 2, image A (1x4x4 -> 2x2 merged), text 1, image B (1x2x6 -> 1x3), video (2x2x2 -> 2 patches of 1x1)
+    # text 2, image A (1x4x4 -> 2x2 merged), text 1, image B (1x2x6 -> 1x3), video (grid 2x2x2: 2 patches of 1x1)
     ids = np.array([1, 2] + [hf_tiny.IMAGE] * 4 + [3] + [hf_tiny.IMAGE] * 3 + [VIDEO] * 2 + [4])
-    pos = rope_index(ids, [[1, 4, 4], [1, 2, 6]], hf_tiny.IMAGE, 2, 2, video_grid_thw=[[4, 2, 2]],
+    pos = rope_index(ids, [[1, 4, 4], [1, 2, 6]], hf_tiny.IMAGE, 2, 2, video_grid_thw=[[2, 2, 2]],
                      video_token_id=VIDEO, second_per_grid_ts=[1.0], accumulate=True)
     expect = np.array([
         [0, 1, 2, 2, 2, 2, 4, 5, 5, 5, 8, 9, 10],   # t
