@@ -16,7 +16,6 @@ stages (the stats output takes the place of the expert load).
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Sequence, Tuple
 
 import mindspore as ms
@@ -120,17 +119,6 @@ class PostTrainStep(TrainStep):
             loss_sum += float(loss.asnumpy())
             stats = st.asnumpy() if stats is None else stats + st.asnumpy()
         self.compiles += len(self.micro.compile_cache) - before
-        scale_now = float(self.scale.asnumpy())
-        loss_t, norm_t = self.reduce(Tensor([loss_sum], ms.float32), Tensor(1.0 / scale_now, ms.float32))
-        loss, norm = float(loss_t.asnumpy()[0]), float(norm_t.asnumpy())
-        applied = math.isfinite(loss) and math.isfinite(norm)
-        if applied:
-            t = int(self.update.step.asnumpy()) + 1
-            clip = min(1.0, self.clip / (norm + 1e-6)) if self.clip > 0 else 1.0
-            lr_k, eps_k, wd_k = self.update.bias_corrected(lr, t)
-            self.update(*(Tensor(x, ms.float32) for x in (clip / scale_now, lr_k, eps_k, wd_k)))
-        else:
-            self.zero()
-        self._update_loss_scale(applied, scale_now)
+        loss, norm, applied = self.apply(loss_sum, lr)
         toks = sum(int((arr[self.input_names.index("segment_ids")] > 0).sum()) for arr in arrays)
         return StepResult(loss, norm, applied, float(self.scale.asnumpy()), toks, 0, 0), stats

@@ -343,6 +343,19 @@ class TrainStep:
             self.compiles += after - before
             if before:
                 log.warning("train step recompiled (%d graphs now): input ranks/dtypes changed", after)
+        loss, norm, applied = self.apply(loss_sum, lr)
+        expert_load = None
+        if self.bias_updater is not None:  # aux-loss-free balancing: once per global batch, on the global load
+            expert_load = self.allreduce_host(load.astype(np.float32))
+            if applied:
+                self.bias_updater(Tensor(expert_load))
+        return StepResult(loss, norm, applied, float(self.scale.asnumpy()), toks, int(g_sup), patches,
+                          expert_load)
+
+    def apply(self, loss_sum: float, lr: float):
+        """Reduce the accumulated gradients (and the loss), clip, and take the AdamW step unless the loss or
+        the gradient norm is not finite (then the accumulators are zeroed); updates the loss scale.
+        Returns (loss, grad norm, applied)."""
         scale_now = float(self.scale.asnumpy())
         loss_t, norm_t = self.reduce(Tensor([loss_sum], ms.float32), Tensor(1.0 / scale_now, ms.float32))
         loss, norm = float(loss_t.asnumpy()[0]), float(norm_t.asnumpy())
@@ -355,13 +368,7 @@ class TrainStep:
         else:
             self.zero()
         self._update_loss_scale(applied, scale_now)
-        expert_load = None
-        if self.bias_updater is not None:  # aux-loss-free balancing: once per global batch, on the global load
-            expert_load = self.allreduce_host(load.astype(np.float32))
-            if applied:
-                self.bias_updater(Tensor(expert_load))
-        return StepResult(loss, norm, applied, float(self.scale.asnumpy()), toks, int(g_sup), patches,
-                          expert_load)
+        return loss, norm, applied
 
     def _update_loss_scale(self, applied: bool, scale: float) -> None:
         """Dynamic loss scaling (float16): divide on overflow, multiply after `window` good steps."""
