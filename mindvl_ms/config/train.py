@@ -25,16 +25,7 @@ from .base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
 from .model import MindVLConfig
 from .post import DPOConfig, GRPOConfig
 
-try:  # the data pipeline's config; a minimal stand-in keeps this module usable without it
-    from .data import DataConfig  # type: ignore
-except ImportError:  # pragma: no cover - replaced once mindvl_ms/config/data.py exists
-    @dataclass
-    class DataConfig:  # type: ignore[no-redef]
-        """Minimal data section: JSONL files and their mix weights."""
-
-        train: List[str] = F([], "training JSONL files (or packed directories)")
-        weights: List[float] = F([], "mix weight per file (empty: equal)")
-        seed: int = F(1234, "shuffle seed")
+from .data import DataConfig
 
 
 PROJECTOR_PREFIX = "visual.merger."

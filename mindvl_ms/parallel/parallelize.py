@@ -7,8 +7,7 @@ gradient communication by `gradient_aggregation_group` (consecutive decoder laye
 `Parameter.comm_fusion` id, MindFormers' `set_comm_fusion(layer_id // group + 1)`).
 
 Delegated: the attention core (`parallel/attention.py: shard_core_attention`) and the routed MoE
-(`parallel/moe.py: shard_moe`); when a module is not present its cells stay unsharded and are counted in
-`ParallelReport.delegated_missing`.
+(`parallel/moe.py: shard_moe`).
 
 Kernel choice: a SwiGLU whose FFN dim is split by tensor parallelism runs unfused (`fused = False`, same
 values): the fused Ascend kernel takes concat([gate, up]) on the split dim, which semi-auto parallel cannot
@@ -28,6 +27,8 @@ from mindspore import nn
 from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU
 from ..ops.activation import GatedAct
 from . import strategies as S
+from .attention import shard_core_attention
+from .moe import shard_moe
 from .layout import Layout
 from .pipeline import assign_pipeline_stages
 
@@ -43,7 +44,6 @@ class ParallelReport:
     unmatched_linear: List[str] = field(default_factory=list)
     cells: Dict[str, str] = field(default_factory=dict)    # cell name -> kind (norm, rotary, glu, ...)
     delegated: Dict[str, str] = field(default_factory=dict)  # cell name -> "attention" | "moe"
-    delegated_missing: List[str] = field(default_factory=list)
     stages: Dict[str, int] = field(default_factory=dict)
     comm_fusion: Dict[str, int] = field(default_factory=dict)
 
@@ -64,36 +64,16 @@ def _shard_linear(cell: nn.Dense, role: str, axes) -> None:
         _shard(cell.bias_add, S.resolve(bias, axes))
 
 
-def _delegate(kind: str):
-    """shard_core_attention / shard_moe, or None when that module is not on this branch."""
-    try:
-        if kind == "attention":
-            from .attention import shard_core_attention
-            return shard_core_attention
-        from .moe import shard_moe
-        return shard_moe
-    except ImportError:
-        return None
-
-
 def _moe_types():
-    try:
-        from ..models.moe import DeepseekV3MoE
-    except ImportError:  # pragma: no cover
-        return ()
+    from ..models.moe import DeepseekV3MoE
     return (DeepseekV3MoE,)
 
 
 def _decoder_types():
+    from ..models.moe import DeepseekV3DecoderLayer
     from ..models.text import DecoderLayer
     from ..models.vision import VisionBlock
-    types = [DecoderLayer]
-    try:
-        from ..models.moe import DeepseekV3DecoderLayer
-        types.append(DeepseekV3DecoderLayer)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types), VisionBlock
+    return (DecoderLayer, DeepseekV3DecoderLayer), VisionBlock
 
 
 def _from_config(config):
@@ -138,13 +118,9 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
         vision = name.startswith("visual.") or name == "visual"
         if moe_types and isinstance(cell, moe_types):
             skip.append(name)
-            fn = _delegate("moe")
             report.delegated[name] = "moe"
-            if fn is None:
-                report.delegated_missing.append(name)
-            else:
-                fn(cell, layout)
-                _shard_shared_expert_glu(cell, axes, report, name)
+            shard_moe(cell, layout)
+            _shard_shared_expert_glu(cell, axes, report, name)
             continue
         if isinstance(cell, nn.Dense):
             role = S.linear_role(name, S.VISION_LINEAR_RULES if vision else S.LLM_LINEAR_RULES)
@@ -185,12 +161,8 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
             _shard(cell.add, (s, s))
             report.cells[name] = "residual"
         elif isinstance(cell, CoreAttention):
-            fn = _delegate("attention")
             report.delegated[name] = "attention"
-            if fn is None:
-                report.delegated_missing.append(name)
-            else:
-                fn(cell, vision_layout if vision else layout)
+            shard_core_attention(cell, vision_layout if vision else layout)
         elif hasattr(cell, "gather") and name.endswith("embed_tokens"):
             _shard(cell.gather, S.resolve(S.EMBED_GATHER, axes))
             report.cells[name] = "embedding"
