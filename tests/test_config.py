@@ -64,6 +64,20 @@ def test_include_is_relative_and_overridable(tmp_path):
     assert load(MindVLConfig, data, p).text.num_hidden_layers == 5
 
 
+def test_model_reference_stays_relative_to_the_file_that_wrote_it(tmp_path):
+    """A run YAML elsewhere `_include_`s configs/demo/train.yaml, whose `model: {_include_: ../model/tiny.yaml}`
+    must resolve next to train.yaml, not next to the including file."""
+    from mindvl_ms.config.train import load_run_config
+
+    demo = os.path.join(os.path.dirname(ROOT), "demo", "train.yaml")
+    p = _write(tmp_path, f"_include_: {demo}\nmodel:\n  text: {{num_hidden_layers: 3}}\n")
+    cfg = load_run_config(p)
+    tiny = load_model_config(os.path.join(ROOT, "tiny.yaml"))
+    assert cfg.model.text.num_hidden_layers == 3                      # this file's override
+    assert cfg.model.text.mrope_layout == "interleaved"               # train.yaml's model section
+    assert cfg.model.vision.hidden_size == tiny.vision.hidden_size    # tiny.yaml, found relative to train.yaml
+    assert cfg.model.text.vocab_size == tiny.text.vocab_size
+
 def test_openpangu_shapes_from_the_report_and_public_config():
     """openPangu-ViT has ~615M parameters (report 2.2); the LLM is openPangu-Embedded-7B's published shape;
     3D-IM-RoPE gives space about six times the bands of time."""

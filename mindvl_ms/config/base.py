@@ -152,12 +152,26 @@ def read_yaml(path: str) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     inc = data.pop("_include_", None)
+    _absolute_section_refs(data, os.path.dirname(os.path.abspath(path)))
     if inc:
         merged: Dict[str, Any] = {}
         for p in [inc] if isinstance(inc, str) else inc:
             merged = deep_merge(merged, read_yaml(os.path.join(os.path.dirname(path), p)))
         data = deep_merge(merged, data)
     return data
+
+
+def _absolute_section_refs(data: Dict[str, Any], base_dir: str) -> None:
+    """Make a section's own file references (`model: ../model/tiny.yaml`, `model: {_include_: ...}`) absolute,
+    so they stay relative to the file that wrote them when another file `_include_`s it."""
+    for key, val in data.items():
+        if isinstance(val, str) and key == "model" and val.endswith((".yaml", ".yml")):
+            data[key] = os.path.join(base_dir, val)
+        elif isinstance(val, dict):
+            if "_include_" in val:
+                inc = val["_include_"]
+                val["_include_"] = [os.path.join(base_dir, p) for p in ([inc] if isinstance(inc, str) else inc)]
+            _absolute_section_refs(val, base_dir)  # e.g. the demo's `demo: {model: ../model/tiny.yaml}`
 
 
 def set_dotted(data: Dict[str, Any], dotted: str, value: Any) -> None:
