@@ -155,6 +155,16 @@ def test_blind_baselines_recomputed(data):
     top = Counter(_answer(o) for o in tr).most_common(1)[0][0]
     want = np.mean([(per[key(o)].most_common(1)[0][0] if key(o) in per else top) == _answer(o) for o in ho])
     assert info["baselines"]["vqa"]["question_prior"] == pytest.approx(want)
+    # per question type (yes/no, colour, shape): the same prior restricted to held-out questions of that type
+    kind = {"yes": "yes/no", "no": "yes/no", "circle": "shape", "rectangle": "shape", "triangle": "shape"}
+    by = info["baselines"]["vqa"]["by_type"]
+    assert sum(v["n"] for v in by.values()) == len(ho)
+    for t, v in by.items():
+        sub = [o for o in ho if kind.get(_answer(o), "colour") == t]
+        assert v["n"] == len(sub)
+        if sub:
+            assert v["question_prior"] == pytest.approx(
+                np.mean([(per[key(o)].most_common(1)[0][0] if key(o) in per else top) == _answer(o) for o in sub]))
     boxes = np.array([parse_grounding(_answer(o))[0].shapes[0].box
                       for o in _lines(info["files"]["train"]["grounding"])], float)
     mean = np.round(boxes.mean(0))
@@ -192,3 +202,13 @@ def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
     bad.write_text(f"_include_: {config_path(False)}\ndemo: {{model: nowhere.yaml}}\n")
     with pytest.raises(ConfigError, match="nowhere.yaml"):
         load_demo_config(str(bad), str(tmp_path / "data"))
+
+
+def test_vqa_scores_by_type(tmp_path):
+    from mindvl_ms.demo.run import vqa_scores_by_type
+
+    rows = [("yes", 1), ("no", 0), ("no", 1), ("teal", 1), ("brown", 0), ("circle", 0)]
+    p = tmp_path / "predictions.jsonl"
+    p.write_text("".join(json.dumps({"answers": [a], "score": float(sc)}) + "\n" for a, sc in rows))
+    got = vqa_scores_by_type(str(p))
+    assert got == {"yes/no": pytest.approx(2 / 3), "colour": 0.5, "shape": 0.0}

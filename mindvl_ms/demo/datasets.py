@@ -237,10 +237,20 @@ def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) ->
            "distinct_train_answers": len({answer_of(s) for s in train})}
     if task == "vqa":
         out["question_prior"] = question_prior(train, heldout, guess)
+        out["by_type"] = {t: {"n": sum(vqa_type(s) == t for s in heldout),
+                              "question_prior": question_prior(train, [s for s in heldout if vqa_type(s) == t], guess)}
+                          for t in VQA_TYPES}
     return out
 
 
 VQA_WORDS = ("red", "green", "blue", "yellow", "gray", "black", "teal", "brown", "circle", "rectangle", "triangle")
+VQA_TYPES = ("yes/no", "colour", "shape")
+
+
+def vqa_type(line: dict) -> str:
+    """easy-VQA question type from the reference answer: yes/no, colour or shape."""
+    a = answer_of(line) if "messages" in line else line["answers"][0]
+    return "yes/no" if a in ("yes", "no") else "shape" if a in VQA_WORDS[8:] else "colour"
 
 
 def question_template(line: dict) -> str:

@@ -337,10 +337,15 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     ckpts = dict(trained["sft_checkpoints"] if demo.get("eval_variants", True) else {}, merged=merged)
     scores, search = in_child(evaluate_phase, ckpts, info["files"]["heldout"], run_cfg.data, demo, out_dir,
                               progress)
+    if "vqa" in scores.get("merged", {}):
+        scores_by_type = {n: vqa_scores_by_type(os.path.join(out_dir, "eval", n, "vqa", "predictions.jsonl"))
+                          for n in ckpts}
+    else:
+        scores_by_type = {}
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(out_dir), "quick": quick,
               "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"],
-              "scores": scores, "merge": {"checkpoint": merged, "inputs": record["inputs"]},
+              "scores": scores, "vqa_by_type": scores_by_type, "merge": {"checkpoint": merged, "inputs": record["inputs"]},
               "resolution_search": search,
               "wall_time_s": {"data": t_data - t0, "train": t_train - t_data, "merge_eval": t_end - t_train,
                               "total": t_end - t0}}
@@ -348,6 +353,18 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
         json.dump(report, f, indent=2, default=str)
     print(format_report(report))
     return report
+
+
+def vqa_scores_by_type(predictions: str) -> Dict[str, float]:
+    """Exact match per easy-VQA question type (yes/no, colour, shape) from an eval predictions.jsonl."""
+    from .datasets import VQA_TYPES, vqa_type
+
+    by: Dict[str, List[float]] = {t: [] for t in VQA_TYPES}
+    with open(predictions, encoding="utf-8") as f:
+        for line in f:
+            p = json.loads(line)
+            by[vqa_type(p)].append(float(p["score"]))
+    return {t: float(np.mean(v)) if v else float("nan") for t, v in by.items()}
 
 
 def format_report(r: Dict[str, Any]) -> str:
@@ -367,6 +384,10 @@ def format_report(r: Dict[str, Any]) -> str:
     if "question_prior" in r["baselines"].get("vqa", {}):
         lines.append(f"  vqa image-blind question prior (most frequent answer per question template): "
                      f"{100 * r['baselines']['vqa']['question_prior']:.1f}%")
+    for t, b in r["baselines"].get("vqa", {}).get("by_type", {}).items():
+        if r.get("vqa_by_type"):
+            lines.append(f"  {'  ' + t:<11}{'prior, n=' + str(b['n']):<14}{100 * b['question_prior']:>8.1f}%  "
+                         + "".join(f"{100 * r['vqa_by_type'][n][t]:>10.1f}%" for n in names))
     lines.append("  baselines: " + "; ".join(
         f"{t}: {r['baselines'][t]['kind']} ({'chance level' if t != 'vqa' else 'majority-answer baseline'})"
         for t in tasks))
