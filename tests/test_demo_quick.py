@@ -1,13 +1,16 @@
 """`mindvl demo --quick` end to end (the CI run), checked against its own artefacts recomputed
 independently: merged weights = numpy mean of the SFT checkpoints, reported scores = scores
 recomputed from the prediction files, reported losses = the metrics logs, frozen parts untouched
-by the projector-only warm-up.
+by the projector-only warm-up; and `mindvl generate` on the merged checkpoint (a user's call, no
+formatting flags: the checkpoint's processor files give the prompt format and pixel limits) prints the
+same tokens as the demo's eval path (the training-time processor), held-out grounding boxes included.
 
     python -m pytest -q tests/test_demo_quick.py      # a few minutes on 2 CPU cores
 """
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -113,3 +116,61 @@ def test_reported_scores_recomputed_from_predictions(run):
                 else:
                     hits.append(" ".join(p["prediction"].split()).lower() == gold.lower())
             assert score == pytest.approx(np.mean(hits))
+
+
+BOX = re.compile(r"<\|box_start\|>\((\d{1,3}),(\d{1,3})\),\((\d{1,3}),(\d{1,3})\)<\|box_end\|>")
+
+
+def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
+    """The demo's eval path is replayed in-process (its predictions must equal the demo's file) with the
+    generated ids recorded; `mindvl generate` then answers the first held-out grounding questions with a
+    well-formed box whose tokens are those ids (`mindvl generate` prints the grounding tags as text)."""
+    import mindspore as ms
+
+    import mindvl_ms.infer.generate as gen
+    from mindvl_ms.demo.run import eval_backend, load_demo_config
+    from mindvl_ms.eval.metrics import parse_box
+    from mindvl_ms.eval.runner import evaluate
+
+    out, rep, _ = run
+    merged, heldout = os.path.join(out, "merged"), os.path.join(out, "data", "heldout_grounding.jsonl")
+    cfg, demo = load_demo_config(rep["config"], os.path.join(out, "data"))
+    recorded, real = [], gen.generate
+
+    def recording(*args, **kwargs):  # the ids behind each prediction, in the order they are generated
+        ids = real(*args, **kwargs)
+        recorded.extend(ids)
+        return ids
+
+    monkeypatch.setattr(gen, "generate", recording)
+    mode = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:  # what demo.run.evaluate_all does for the merged checkpoint's grounding split
+        backend = eval_backend(merged, cfg.data, int(demo["max_new_tokens"]))
+        evaluate(merged, heldout, str(tmp_path / "eval"), backend=backend, min_pixels=cfg.data.image.min_pixels,
+                 max_pixels=cfg.data.image.max_pixels, batch_size=int(demo["eval_batch_size"]),
+                 max_new_tokens=int(demo["max_new_tokens"]), progress=False)
+    finally:
+        ms.set_context(mode=mode)
+    replay = _records(str(tmp_path / "eval" / "predictions.jsonl"))
+    demo_preds = _records(os.path.join(out, "eval", "merged", "grounding", "predictions.jsonl"))
+    assert [p["prediction"] for p in replay] == [p["prediction"] for p in demo_preds]
+    assert len(recorded) == len(replay)
+
+    tok = backend.processor.tokenizer
+    stops = set(gen.stop_token_ids(backend.processor))
+    for ids in recorded:  # every held-out answer ends by itself and, printed as the CLI prints it, is a box
+        assert ids[-1] in stops, "the eval answer was cut at max_new_tokens"
+        assert BOX.fullmatch(gen.decode_answer(backend.processor, ids)), tok.decode(ids)
+    env = dict(os.environ, GLOG_v="3")
+    for line, ids in list(zip(_records(heldout), recorded))[:2]:  # ~12 s per CLI call (three graph compiles)
+        question = line["messages"][0]["content"].replace("<image>\n", "")
+        image = os.path.join(out, "data", line["images"][0])
+        proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "generate", "--ckpt", merged, "--image", image,
+                               "--prompt", question], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        text = proc.stdout.strip()
+        m = BOX.fullmatch(text)
+        assert m, (line["id"], text)
+        assert parse_box(text) == tuple(int(v) for v in m.groups())
+        assert tok.encode(text) == ids[:-1], (line["id"], text, tok.decode(ids))
