@@ -243,14 +243,16 @@ def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) ->
     return out
 
 
-VQA_WORDS = ("red", "green", "blue", "yellow", "gray", "black", "teal", "brown", "circle", "rectangle", "triangle")
+VQA_SHAPES = ("circle", "rectangle", "triangle")
+VQA_WORDS = ("red", "green", "blue", "yellow", "gray", "black", "teal", "brown") + VQA_SHAPES
 VQA_TYPES = ("yes/no", "colour", "shape")
 
 
 def vqa_type(line: dict) -> str:
-    """easy-VQA question type from the reference answer: yes/no, colour or shape."""
+    """easy-VQA question type (yes/no, colour or shape) from the reference answer of a training-format line
+    or of an eval predictions.jsonl record (its `answers`)."""
     a = answer_of(line) if "messages" in line else line["answers"][0]
-    return "yes/no" if a in ("yes", "no") else "shape" if a in VQA_WORDS[8:] else "colour"
+    return "yes/no" if a in ("yes", "no") else "shape" if a in VQA_SHAPES else "colour"
 
 
 def question_template(line: dict) -> str:

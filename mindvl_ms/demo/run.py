@@ -337,11 +337,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     ckpts = dict(trained["sft_checkpoints"] if demo.get("eval_variants", True) else {}, merged=merged)
     scores, search = in_child(evaluate_phase, ckpts, info["files"]["heldout"], run_cfg.data, demo, out_dir,
                               progress)
-    if "vqa" in scores.get("merged", {}):
-        scores_by_type = {n: vqa_scores_by_type(os.path.join(out_dir, "eval", n, "vqa", "predictions.jsonl"))
-                          for n in ckpts}
-    else:
-        scores_by_type = {}
+    scores_by_type = {n: vqa_scores_by_type(os.path.join(out_dir, "eval", n, "vqa", "predictions.jsonl"))
+                      for n in ckpts} if "vqa" in scores.get("merged", {}) else {}
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(out_dir), "quick": quick,
               "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"],
@@ -384,10 +381,10 @@ def format_report(r: Dict[str, Any]) -> str:
     if "question_prior" in r["baselines"].get("vqa", {}):
         lines.append(f"  vqa image-blind question prior (most frequent answer per question template): "
                      f"{100 * r['baselines']['vqa']['question_prior']:.1f}%")
-    for t, b in r["baselines"].get("vqa", {}).get("by_type", {}).items():
-        if r.get("vqa_by_type"):
-            lines.append(f"  {'  ' + t:<11}{'prior, n=' + str(b['n']):<14}{100 * b['question_prior']:>8.1f}%  "
-                         + "".join(f"{100 * r['vqa_by_type'][n][t]:>10.1f}%" for n in names))
+    by_type = r.get("vqa_by_type") or {}
+    for t, b in (r["baselines"].get("vqa", {}).get("by_type", {}) if by_type else {}).items():
+        lines.append(f"  {'  ' + t:<11}{'prior, n=' + str(b['n']):<14}{100 * b['question_prior']:>8.1f}%  "
+                     + "".join(f"{100 * by_type[n][t]:>10.1f}%" for n in names))
     lines.append("  baselines: " + "; ".join(
         f"{t}: {r['baselines'][t]['kind']} ({'chance level' if t != 'vqa' else 'majority-answer baseline'})"
         for t in tasks))
