@@ -174,3 +174,82 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
         assert m, (line["id"], text)
         assert parse_box(text) == tuple(int(v) for v in m.groups())
         assert tok.encode(text) == ids[:-1], (line["id"], text, tok.decode(ids))
+
+
+def test_post_train_on_the_quick_model(run, tmp_path):
+    """`mindvl demo --post-train` on the quick run, a few steps per stage: the prompt images are new, the pairs
+    are the rollout's own samples under the pair rule, the chain is DPO from merged then GRPO from DPO, and
+    the held-out table is recomputed from the prediction files with a numpy IoU."""
+    import hashlib
+    import shutil
+
+    from mindvl_ms.checkpoint.io import read_tensors as rt
+    from mindvl_ms.eval.metrics import parse_box
+
+    src, _, _ = run
+    out = str(tmp_path / "demo")
+    os.makedirs(out)
+    for d in ("data", "merged"):  # the post-training run only reads these and writes OUT/post
+        shutil.copytree(os.path.join(src, d), os.path.join(out, d))
+    sets = ["demo.prompts=6", "demo.rollout.high=-1", "demo.rollout.low=1.01", "demo.rollout.k=3"] + [
+        f"stages.{i}.{k}" for i in (0, 1) for k in ("max_steps=2", "global_batch_size=2", "micro_batch_size=2")] + [
+        "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.0.dpo.ntp_batch_size=1",
+        "stages.0.epochs=null"]
+    env = dict(os.environ, GLOG_v="3")
+    proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "demo", "--post-train", "--out", out, "--no-progress"]
+                          + [a for s in sets for a in ("--set", s)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    post = os.path.join(out, "post")
+    rep = json.load(open(os.path.join(post, "post_report.json")))
+    assert "held-out grounding" in proc.stdout and "merged" in proc.stdout
+
+    prompts = _records(os.path.join(post, "data", "prompts.jsonl"))
+    assert len(prompts) == 6 and all(p["reward"] == "grounding_iou" for p in prompts)
+
+    def digest(path):
+        return hashlib.sha1(open(path, "rb").read()).hexdigest()
+    seen = {digest(os.path.join(out, "data", x["images"][0])) for s in ("train", "heldout")
+            for x in _records(os.path.join(out, "data", f"{s}_grounding.jsonl"))}
+    assert not seen & {digest(os.path.join(post, "data", p["images"][0])) for p in prompts}
+
+    def iou(a, b):
+        if a is None:
+            return 0.0
+        a, b = np.array(a, float), np.array(b, float)
+        lt, rb = np.maximum(a[:2], b[:2]), np.minimum(a[2:], b[2:])
+        inter = np.prod(np.clip(rb - lt, 0, None))
+        return inter / (np.prod(a[2:] - a[:2]) + np.prod(b[2:] - b[:2]) - inter)
+
+    pairs = _records(os.path.join(post, "data", "pairs.jsonl"))
+    assert rep["rollout"]["pairs"] == len(pairs) >= 2  # any prompt passes -1 < best, worst < 1.01 unless its
+    #                                                      best and worst samples are the same text
+    answer = {p["id"]: parse_box(p["answer"]) for p in prompts}
+    for pair in pairs:  # chosen is the best-scoring sample, rejected the worst
+        s = pair["meta"]["scores"]
+        assert len(s) == 3 and pair["chosen"] != pair["rejected"]
+        for text, want in ((pair["chosen"], max(s)), (pair["rejected"], min(s))):
+            m = BOX.search(text)
+            assert iou(tuple(map(int, m.groups())) if m else None, answer[pair["meta"]["prompt_id"]]) == \
+                pytest.approx(want, abs=1e-9)
+
+    recs = _records(os.path.join(post, "train", "metrics.jsonl"))
+    assert [r["stage"] for r in recs] == ["dpo", "dpo", "grpo", "grpo"]
+    assert rep["stages"]["grpo"]["reward_mean"][0] == pytest.approx(np.mean([r["reward_mean"] for r in recs[2:]]))
+    ck = {n: rt(p) for n, p in rep["checkpoints"].items()}
+    assert rep["checkpoints"]["merged"] == os.path.join(out, "merged")
+    w = "model.language_model.layers.0.mlp.down_proj.weight"
+    assert not np.array_equal(ck["merged"][w].float32(), ck["dpo"][w].float32())
+    assert not np.array_equal(ck["dpo"][w].float32(), ck["grpo"][w].float32())
+
+    held = _records(os.path.join(out, "data", "heldout_grounding.jsonl"))
+    for name, s in rep["heldout"].items():
+        preds = _records(os.path.join(post, "eval", name, "predictions.jsonl"))
+        assert s["n"] == len(held) == len(preds)
+        gold = [parse_box(h["messages"][-1]["content"]) for h in held]
+        tagged = [iou(tuple(map(int, m.groups())) if m else None, g)  # the reward reads tagged boxes only
+                  for m, g in zip((BOX.search(p["prediction"]) for p in preds), gold)]
+        assert s["mean_iou"] == pytest.approx(np.mean(tagged), abs=1e-9)
+        assert s["acc_iou75"] == pytest.approx(np.mean(np.array(tagged) >= 0.75))
+        assert s["acc_iou50"] == pytest.approx(np.mean([iou(parse_box(p["prediction"]), g) >= 0.5
+                                                        for p, g in zip(preds, gold)]))

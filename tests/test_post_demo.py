@@ -50,3 +50,26 @@ def test_post_yaml_smoke(tmp_path):
     short = load_run_config(os.path.join(ROOT, "configs", "demo", "post.yaml"), sets + ["stages.0.seq_length=80"])
     with pytest.raises(ValueError, match=r"pair 0 needs \d+ tokens .* seq_length is 80"):
         run_training(short, str(tmp_path / "short"), progress=False)
+
+
+def test_post_train_demo_config_paths_and_overrides(tmp_path):
+    """configs/demo/post_train.yaml: runs/demo/ paths move to --out, `demo.` overrides set the demo section
+    (unknown keys are refused), and a missing demo run is named with the command that makes it."""
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.demo.post import load_post_config, run_post_train
+
+    path = os.path.join(ROOT, "configs", "demo", "post_train.yaml")
+    out = str(tmp_path / "d")
+    cfg, demo = load_post_config(path, out, ["demo.rollout.k=8", "stages.1.max_steps=3"])
+    assert cfg.init_from == os.path.join(out, "merged")
+    assert cfg.stages[0].data["sources"][0]["path"] == os.path.join(out, "post", "data", "pairs.jsonl")
+    assert cfg.stages[1].data["sources"][0]["path"] == os.path.join(out, "post", "data", "prompts.jsonl")
+    assert cfg.stages[0].dpo.ntp_sources == [os.path.join(out, "data", "train_vqa.jsonl"),
+                                             os.path.join(out, "data", "train_ocr.jsonl")]
+    assert demo["rollout"]["k"] == 8 and cfg.stages[1].max_steps == 3
+    base, _ = load_post_config(path, out)
+    assert base.stages[1].max_steps != 3
+    with pytest.raises(ConfigError, match="no 'rollout.kk'"):
+        load_post_config(path, out, ["demo.rollout.kk=8"])
+    with pytest.raises(ConfigError, match=r"run `mindvl demo --out .*` first"):
+        run_post_train(out, progress=False)

@@ -65,3 +65,21 @@ def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeyp
     assert rep["num_bad"] == 0, rep["errors"]
     assert main(["rollout", "--ckpt", ckpt, "--data", str(data), "--out", str(out), "-k", "1"]) == 2
     assert "at least 2 candidates" in capsys.readouterr().err
+
+
+def test_sampled_boxes_reach_the_verifier_with_their_tags():
+    """Rollout and GRPO texts keep `<|box_start|>`/`<|box_end|>` (special tokens of the Qwen3 vocabulary),
+    so grounding_iou scores a sampled box; plain skip-special decoding would drop the tags and score 0."""
+    from mindvl_ms.data.processor import MindVLProcessor
+    from mindvl_ms.infer.generate import stop_token_ids
+    from mindvl_ms.train.rewards import grounding_iou
+    from mindvl_ms.train.rollout import response_text
+
+    proc = MindVLProcessor()
+    tok, eos = proc.tokenizer, stop_token_ids(proc)
+    box = "<|box_start|>(100,200),(300,400)<|box_end|>"
+    ids = tok.encode(box) + [eos[0]]
+    assert tok.decode(ids, skip_special_tokens=True) == "(100,200),(300,400)"
+    assert response_text(proc, ids, eos) == box
+    assert grounding_iou(response_text(proc, ids, eos), "<|box_start|>(100,200),(300,300)<|box_end|>") == \
+        pytest.approx(0.5)

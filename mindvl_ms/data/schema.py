@@ -43,6 +43,9 @@ class SampleError(ValueError):
         super().__init__(f"{source}:{line}: {reason}: {detail}")
         self.source, self.line, self.reason, self.detail = source, line, reason, detail
 
+    def __reduce__(self):  # picklable: raised in a spawned worker, re-raised in the parent
+        return type(self), (self.source, self.line, self.reason, self.detail)
+
 
 @dataclass
 class Sample:

@@ -29,7 +29,8 @@ EPILOG = """\
 examples:
   mindvl demo                       # full run into runs/demo
   mindvl demo --quick --out /tmp/d  # the CI-sized run
-  mindvl demo --set stages.1.max_lr=2e-3 --set seed=1   # change the recipe (configs/demo/full.yaml)"""
+  mindvl demo --set stages.1.max_lr=2e-3 --set seed=1   # change the recipe (configs/demo/full.yaml)
+  mindvl demo --post-train          # then DPO -> GRPO on runs/demo/merged (configs/demo/post_train.yaml)"""
 
 
 def register(subparsers) -> None:
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
                    help="demo YAML (default: configs/demo/full.yaml, or quick.yaml with --quick)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config value, e.g. --set stages.1.epochs=2 (repeatable)")
+    p.add_argument("--post-train", action="store_true",
+                   help="post-train OUT/merged of a finished demo with the same --out: rollout -> DPO -> GRPO "
+                        "on grounding, held-out scores before and after (configs/demo/post_train.yaml)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_run)
 
@@ -52,10 +56,17 @@ def _run(args) -> int:
     from ..config.base import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .post import run_post_train
     from .run import run_demo
 
     try:
-        run_demo(args.out, quick=args.quick, config=args.config, overrides=args.set, progress=not args.no_progress)
+        if args.post_train:
+            if args.quick:
+                raise ConfigError("--post-train takes the run's own YAML (--config), not --quick")
+            run_post_train(args.out, config=args.config, overrides=args.set, progress=not args.no_progress)
+        else:
+            run_demo(args.out, quick=args.quick, config=args.config, overrides=args.set,
+                     progress=not args.no_progress)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist):
     from ..data.preference import encode_prompt, encode_text_response, read_post_file
     from ..data.processor import MindVLProcessor
     from ..data.schema import SampleError, iter_jsonl
-    from ..infer.generate import stop_token_ids
+    from ..infer.generate import decode_answer, stop_token_ids
 
     cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
     if not cfg.sources:
@@ -88,7 +88,7 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist):
     lines = [s for src in cfg.sources for s in read_post_file(src.path, kind)]
     if stage.type == "grpo":
         prompts = [dict(encode_prompt(proc, s), answer=s.answer, reward=s.reward) for s in lines]
-        return PromptSource(prompts, lambda ids: proc.decode(ids), stop_token_ids(proc), cfg.seed)
+        return PromptSource(prompts, lambda ids: decode_answer(proc, ids).strip(), stop_token_ids(proc), cfg.seed)
     pairs = []
     for s in lines:
         p = encode_prompt(proc, s)

@@ -9,7 +9,8 @@ Pair rule (openPangu-VL report 4.2: "at least one response scored above four and
 two" on a 1-5 scale): a prompt yields a pair when its best candidate scores strictly above `high` and its
 worst strictly below `low`; chosen is the first best-scoring candidate, rejected the first worst. The
 verifiers' scores are in [0, 1] (accuracy_weight 1, no format reward), so the defaults 0.75 / 0.25 are
-the report's thresholds mapped by (score - 1) / 4.
+the report's thresholds mapped by (score - 1) / 4. A pair whose chosen and rejected texts are equal (the
+thresholds overlap, or two samples agree) is no preference and is not written.
 
 `mindvl rollout --ckpt DIR --data PROMPTS.jsonl --out PAIRS.jsonl -k 4` writes preference lines
 (data/preference.py) with the prompt's messages and images and the chosen/rejected texts.
@@ -43,6 +44,14 @@ def strip_eos(ids: Sequence[int], eos: Sequence[int]) -> List[int]:
     return list(ids[:-1]) if ids and ids[-1] in eos else list(ids)
 
 
+def response_text(processor, ids: Sequence[int], eos: Sequence[int]) -> str:
+    """A sampled response as the verifiers read it: the text `mindvl generate` prints (special tokens
+    dropped except the grounding tags, so `<|box_start|>(x1,y1),(x2,y2)<|box_end|>` stays a box)."""
+    from ..infer.generate import decode_answer
+
+    return decode_answer(processor, strip_eos(ids, eos)).strip()
+
+
 def choose_pair(scores: Sequence[float], high: float, low: float) -> Optional[Tuple[int, int]]:
     """(chosen index, rejected index) by the report's rule, or None."""
     s = np.asarray(scores, np.float64)
@@ -66,11 +75,11 @@ def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_ne
     for i, s in enumerate(tqdm(prompts, desc="rollout", unit="prompt", disable=not progress)):
         p = encode_prompt(processor, s)
         outs = sample_group(model, p, k, rollout_seed(seed, 0, i), max_new_tokens, temperature, top_p, eos)
-        texts = [processor.decode(strip_eos(o, eos)).strip() for o in outs]
+        texts = [response_text(processor, o, eos) for o in outs]
         scores = [verifier(t, s.answer, s.reward or None) for t in texts]
         all_scores.append(scores)
         pick = choose_pair(scores, high, low)
-        if pick is None:
+        if pick is None or texts[pick[0]] == texts[pick[1]]:  # the same text twice is no preference
             continue
         line = {"id": f"{s.id}-pair", "messages": s.messages,
                 "chosen": texts[pick[0]], "rejected": texts[pick[1]],
