@@ -144,19 +144,21 @@ def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:
 
 
 def heldout_iou(predictions: str, heldout: str) -> Dict[str, float]:
-    """Mean IoU (GRPO's reward) and Acc@IoU0.75 of greedy predictions against the held-out boxes."""
-    from ..train.rewards import grounding_iou
+    """Mean IoU (GRPO's reward on held-out images) and Acc@IoU0.75 of greedy predictions, boxes read by the
+    evaluation's parser (`eval.metrics.parse_box`: the printed answer, grounding tags dropped)."""
+    from ..data.grounding import box_iou
+    from ..eval.metrics import parse_box
 
-    answers = {}
+    gold = {}
     with open(heldout, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            obj = json.loads(line)
-            answers[n] = obj["messages"][-1]["content"]
+            gold[n] = parse_box(json.loads(line)["messages"][-1]["content"])
     ious = []
     with open(predictions, encoding="utf-8") as f:
         for line in f:
             p = json.loads(line)
-            ious.append(grounding_iou(p["prediction"], answers[p["line"]]))
+            box = parse_box(p["prediction"])
+            ious.append(0.0 if box is None else float(box_iou(box, gold[p["line"]])))
     iou = np.asarray(ious, np.float64)
     return {"n": int(iou.size), "mean_iou": float(iou.mean()), "acc_iou75": float((iou >= 0.75).mean())}
 
