@@ -176,21 +176,16 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
         assert tok.encode(text) == ids[:-1], (line["id"], text, tok.decode(ids))
 
 
-def test_post_train_on_the_quick_model(run, tmp_path):
+def test_post_train_on_the_quick_model(run):
     """`mindvl demo --post-train` on the quick run, a few steps per stage: the prompt images are new, the pairs
     are the rollout's own samples under the pair rule, the chain is DPO from merged then GRPO from DPO, and
     the held-out table is recomputed from the prediction files with a numpy IoU."""
     import hashlib
-    import shutil
 
     from mindvl_ms.checkpoint.io import read_tensors as rt
     from mindvl_ms.eval.metrics import parse_box
 
-    src, _, _ = run
-    out = str(tmp_path / "demo")
-    os.makedirs(out)
-    for d in ("data", "merged"):  # the post-training run only reads these and writes OUT/post
-        shutil.copytree(os.path.join(src, d), os.path.join(out, d))
+    out, _, _ = run  # the post-training run reads the demo's files and writes OUT/post only
     sets = ["demo.prompts=6", "demo.rollout.high=-1", "demo.rollout.low=1.01", "demo.rollout.k=3"] + [
         f"stages.{i}.{k}" for i in (0, 1) for k in ("max_steps=2", "global_batch_size=2", "micro_batch_size=2")] + [
         "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.0.dpo.ntp_batch_size=1",
@@ -242,9 +237,12 @@ def test_post_train_on_the_quick_model(run, tmp_path):
     assert not np.array_equal(ck["merged"][w].float32(), ck["dpo"][w].float32())
     assert not np.array_equal(ck["dpo"][w].float32(), ck["grpo"][w].float32())
 
+    # merged: the demo's own evaluation is read (same checkpoint, split and settings), the others are run
+    assert rep["heldout"]["merged"]["source"] == os.path.join(out, "eval", "merged", "grounding")
+    assert rep["heldout"]["grpo"]["source"] == os.path.join(post, "eval", "grpo")
     held = _records(os.path.join(out, "data", "heldout_grounding.jsonl"))
     for name, s in rep["heldout"].items():
-        preds = _records(os.path.join(post, "eval", name, "predictions.jsonl"))
+        preds = _records(os.path.join(s["source"], "predictions.jsonl"))
         assert s["n"] == len(held) == len(preds)
         gold = [parse_box(h["messages"][-1]["content"]) for h in held]
         ious = np.array([iou(parse_box(p["prediction"]), g) for p, g in zip(preds, gold)])

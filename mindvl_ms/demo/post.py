@@ -9,7 +9,8 @@ Steps (everything lands in OUT/post, the demo run's files are only read):
              RL prompt lines (`messages` + image + `answer` + `reward: grounding_iou`), disjoint from
              the demo's train and held-out splits.
 2. before    greedy held-out grounding of the merged checkpoint (OUT/data/heldout_grounding.jsonl: the
-             demo's held-out split, which no stage trains on).
+             demo's held-out split, which no stage trains on); the demo's own evaluation of it
+             (OUT/eval/merged/grounding) is read when its checkpoint, data and pixel limits match.
 3. rollout   `train.rollout.rollout_pairs` (what `mindvl rollout` runs): k samples per prompt from the
              merged model, scored by box IoU; a prompt gives a preference pair when its best sample
              scores above `high` and its worst below `low`.
@@ -163,21 +164,41 @@ def heldout_iou(predictions: str, heldout: str) -> Dict[str, float]:
     return {"n": int(iou.size), "mean_iou": float(iou.mean()), "acc_iou75": float((iou >= 0.75).mean())}
 
 
+def reusable_eval(d: str, ckpt: str, heldout: str, data_cfg) -> bool:
+    """True when d holds a `mindvl eval` of ckpt on heldout at the run's pixel limits (the demo's own
+    evaluation of the merged checkpoint: same path, settings and greedy decoding, so the same predictions)."""
+    path = os.path.join(d, "scores.json")
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(d, "predictions.jsonl")):
+        return False
+    with open(path, encoding="utf-8") as f:
+        s = json.load(f)
+    same = lambda a, b: bool(a and b) and os.path.abspath(a) == os.path.abspath(b)  # noqa: E731
+    return same(s.get("checkpoint"), ckpt) and same(s.get("data"), heldout) and \
+        (s.get("min_pixels"), s.get("max_pixels")) == (data_cfg.image.min_pixels, data_cfg.image.max_pixels)
+
+
 def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, Any], out_dir: str,
-               progress: bool) -> Dict[str, Dict[str, float]]:
-    """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n}} on the held-out grounding split."""
+               progress: bool, reuse: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, float]]:
+    """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
+    `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun)."""
     from ..eval.runner import evaluate
     from .run import eval_backend
 
     _cpu()
+    reuse = reuse or {}
     out = {}
     tokens = int(demo.get("max_new_tokens", 24))
     for name, ckpt in ckpts.items():
-        d = os.path.join(out_dir, name)
-        res = evaluate(ckpt, heldout, d, backend=eval_backend(ckpt, data_cfg, tokens),
-                       min_pixels=data_cfg.image.min_pixels, max_pixels=data_cfg.image.max_pixels,
-                       batch_size=int(demo.get("eval_batch_size", 8)), max_new_tokens=tokens, progress=progress)
-        out[name] = dict(acc_iou50=res["tasks"]["grounding"]["primary"],
+        d = reuse.get(name) or os.path.join(out_dir, name)
+        if name in reuse:
+            with open(os.path.join(d, "scores.json"), encoding="utf-8") as f:
+                res = json.load(f)
+        else:
+            res = evaluate(ckpt, heldout, d, backend=eval_backend(ckpt, data_cfg, tokens),
+                           min_pixels=data_cfg.image.min_pixels, max_pixels=data_cfg.image.max_pixels,
+                           batch_size=int(demo.get("eval_batch_size", 8)), max_new_tokens=tokens,
+                           progress=progress)
+        out[name] = dict(source=d, acc_iou50=res["tasks"]["grounding"]["primary"],
                          **heldout_iou(os.path.join(d, "predictions.jsonl"), heldout))
     return out
 
@@ -230,7 +251,9 @@ def run_post_train(out_dir: str = "runs/demo", config: Optional[str] = None, ove
     ckpts = in_child(train_phase, copy.deepcopy(run_cfg), os.path.join(post, "train"), progress)
     t_train = time.perf_counter()
     named = {"merged": run_cfg.init_from, "dpo": ckpts["dpo"], "grpo": ckpts["grpo"]}
-    scores = in_child(eval_phase, named, heldout, run_cfg.data, demo, os.path.join(post, "eval"), progress)
+    done = os.path.join(out_dir, "eval", "merged", "grounding")  # the demo's own evaluation of merged
+    reuse = {"merged": done} if reusable_eval(done, run_cfg.init_from, heldout, run_cfg.data) else {}
+    scores = in_child(eval_phase, named, heldout, run_cfg.data, demo, os.path.join(post, "eval"), progress, reuse)
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(post), "seed": run_cfg.seed,
               "checkpoints": named, "rollout": rollout, "prompts": prompts,
