@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import time
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-log = logging.getLogger(__name__)
 DEFAULT_PREFIX = "runs/demo/"
 
 
@@ -52,9 +50,7 @@ def rewrite_paths(obj: Any, out_dir: str) -> Any:
 def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = None):
     """(RunConfig, demo section) of a post-training demo YAML, its runs/demo/ paths moved to out_dir.
     Overrides starting with `demo.` (e.g. demo.rollout.k=8) set the demo section, the others the run config."""
-    import yaml
-
-    from ..config.base import ConfigError, read_yaml
+    from ..config.base import ConfigError, read_yaml, set_dotted
     from ..config.train import load_run_config
 
     raw = read_yaml(path)
@@ -67,17 +63,14 @@ def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = N
         if not key.startswith("demo."):
             rest.append(o)
             continue
-        if not eq:
-            raise ConfigError(f"--set {o!r}: expected KEY=VALUE")
-        *parents, leaf = key.split(".")[1:]
-        node = demo
+        *parents, leaf = key[len("demo."):].split(".")
+        node: Any = demo
         for k in parents:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {o!r}: demo.{k} is not a section")
-        if leaf not in node:
-            raise ConfigError(f"--set {o!r}: the demo section has no {key[5:]!r} (known: {sorted(node)})")
-        node[leaf] = yaml.safe_load(val)
+            node = node.get(k) if isinstance(node, dict) else None
+        if not eq or not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"--set {o!r}: the demo section has no {key[len('demo.'):]!r} "
+                              f"(expected demo.KEY=VALUE, KEY one of {sorted(demo)} or below)")
+        set_dotted(demo, key[len("demo."):], val)
     cfg = load_run_config(data=rewrite_paths(raw, os.path.abspath(out_dir)), overrides=rest)
     kinds = [s.type for s in cfg.stages]
     if kinds != ["dpo", "grpo"]:
@@ -109,15 +102,6 @@ def write_prompts(out_dir: str, n: int, seed: int) -> str:
 
 # ------------------------------------------------------------------------------------------- phases
 
-def _cpu():
-    import mindspore as ms
-
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-
-
 def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any], seed: int,
                   progress: bool) -> Dict[str, Any]:
     """`mindvl rollout` on the prompts with the processor the demo trained with; writes the pairs."""
@@ -126,8 +110,9 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
     from ..infer.generate import load_model
     from ..train.rewards import Verifier
     from ..train.rollout import rollout_pairs, write_pairs
+    from .run import child_setup
 
-    _cpu()
+    child_setup()
     lines, summary = rollout_pairs(load_model(ckpt), MindVLProcessor(config=data_cfg), read_post_file(prompts, "prompt"),
                                    Verifier("grounding_iou"), int(ro.get("k", 4)), seed,
                                    int(ro.get("max_new_tokens", 24)), float(ro.get("temperature", 1.0)), 1.0,
@@ -138,8 +123,9 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
 
 def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:
     from ..train import run_training
+    from .run import child_setup
 
-    _cpu()
+    child_setup()
     summary = run_training(run_cfg, out_dir, progress=progress)
     return {s["stage"]: s["checkpoint"] for s in summary["stages"]}
 
@@ -182,9 +168,9 @@ def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, An
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
     `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun)."""
     from ..eval.runner import evaluate
-    from .run import eval_backend
+    from .run import child_setup, eval_backend
 
-    _cpu()
+    child_setup()
     reuse = reuse or {}
     out = {}
     tokens = int(demo.get("max_new_tokens", 24))

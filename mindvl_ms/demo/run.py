@@ -195,16 +195,21 @@ def train_model(run_cfg, init_from: Optional[str] = None):
     return MindVL.from_pretrained(init_from) if init_from else MindVL(run_cfg.model)
 
 
-def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) -> Dict[str, Any]:
-    """`run_training` over run_cfg.stages from random init or `init_from`; per-stage losses and packing."""
+def child_setup() -> None:
+    """A phase's process (spawned by `in_child`): log like the parent's CLI, graph mode on CPU."""
     import mindspore as ms
 
-    from ..train import run_training
-
-    if not logging.getLogger().handlers:  # a spawned child: log like the parent's CLI
+    if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
+
+
+def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) -> Dict[str, Any]:
+    """`run_training` over run_cfg.stages from random init or `init_from`; per-stage losses and packing."""
+    from ..train import run_training
+
+    child_setup()
     rows = DemoRows(progress=progress)
     summary = run_training(run_cfg, out_dir, model=train_model(run_cfg, init_from), data_factory=rows,
                            collate=rows.collate(run_cfg.model), progress=progress)
@@ -299,10 +304,7 @@ def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_
 def evaluate_phase(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any], out_dir: str,
                    progress: bool = True):
     """Held-out scores of every checkpoint, then the resolution search on the OCR split of `merged`."""
-    import mindspore as ms
-
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
+    child_setup()
     scores = evaluate_all(ckpts, heldout, data_cfg, demo, os.path.join(out_dir, "eval"), progress)
     search = resolution_search(ckpts["merged"], heldout["ocr"], data_cfg, demo,
                                os.path.join(out_dir, "resolution_search"), progress)
