@@ -71,6 +71,9 @@ def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = N
             raise ConfigError(f"--set {o!r}: the demo section has no {key[len('demo.'):]!r} "
                               f"(expected demo.KEY=VALUE, KEY one of {sorted(demo)} or below)")
         set_dotted(demo, key[len("demo."):], val)
+    if not isinstance(demo.get("prompts"), int) or demo["prompts"] < 1:
+        raise ConfigError(f"{path}: demo.prompts (the number of RL prompt images) must be an integer >= 1, "
+                          f"got {demo.get('prompts')!r}")
     cfg = load_run_config(data=rewrite_paths(raw, os.path.abspath(out_dir)), overrides=rest)
     kinds = [s.type for s in cfg.stages]
     if kinds != ["dpo", "grpo"]:
@@ -226,7 +229,7 @@ def run_post_train(out_dir: str = "runs/demo", config: Optional[str] = None, ove
     post = os.path.join(out_dir, "post")
     dpo, grpo = run_cfg.stages
     prompts = grpo.data["sources"][0]["path"]
-    write_prompts(os.path.dirname(prompts), int(demo.get("prompts", 400)), run_cfg.seed)
+    write_prompts(os.path.dirname(prompts), int(demo["prompts"]), run_cfg.seed)
     pairs = dpo.data["sources"][0]["path"]
     rollout = in_child(rollout_phase, run_cfg.init_from, prompts, pairs, run_cfg.data, demo.get("rollout") or {},
                        run_cfg.seed, progress)

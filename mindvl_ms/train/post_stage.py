@@ -19,6 +19,7 @@ split into micro-batches, one optimizer update.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -53,7 +54,8 @@ class PairSource:
 
 
 class PromptSource:
-    """RL prompts: dicts with input_ids (ending with the generation prompt), pixels, answer, reward."""
+    """RL prompts: dicts with input_ids (ending with the generation prompt), pixels, answer, reward;
+    `decode(sampled ids) -> text` gives a response as the verifiers read it."""
 
     def __init__(self, prompts: Sequence[Dict], decode: Callable, eos_token_ids: Sequence[int], seed: int = 0):
         self.prompts = list(prompts)
@@ -78,7 +80,8 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist):
     from ..data.preference import encode_prompt, encode_text_response, read_post_file
     from ..data.processor import MindVLProcessor
     from ..data.schema import SampleError, iter_jsonl
-    from ..infer.generate import decode_answer, stop_token_ids
+    from ..infer.generate import stop_token_ids
+    from .rollout import response_text
 
     cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
     if not cfg.sources:
@@ -88,7 +91,8 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist):
     lines = [s for src in cfg.sources for s in read_post_file(src.path, kind)]
     if stage.type == "grpo":
         prompts = [dict(encode_prompt(proc, s), answer=s.answer, reward=s.reward) for s in lines]
-        return PromptSource(prompts, lambda ids: decode_answer(proc, ids).strip(), stop_token_ids(proc), cfg.seed)
+        eos = stop_token_ids(proc)
+        return PromptSource(prompts, functools.partial(response_text, proc, eos=eos), eos, cfg.seed)
     pairs = []
     for s in lines:
         p = encode_prompt(proc, s)
@@ -238,7 +242,7 @@ class GRPORunner(_Runner):
     def rollouts(self, step: int, idx: Sequence[int]):
         """Samples (prompt + response, labels on the response), rewards and response lengths."""
         from ..data.preference import encode_response
-        from .rollout import rollout_seed, sample_group, strip_eos
+        from .rollout import rollout_seed, sample_group
 
         g, src = self.stage.grpo, self.source
         samples, rewards, lengths = [], [], []
@@ -247,7 +251,7 @@ class GRPORunner(_Runner):
             outs = sample_group(self.model, p, g.group_size, rollout_seed(self.run_cfg.seed, step, i),
                                 g.max_new_tokens, g.temperature, g.top_p, src.eos)
             for o in outs:
-                text = src.decode(strip_eos(o, src.eos))
+                text = src.decode(o)  # the verifiers' text: eos dropped, grounding tags kept
                 rewards.append(self.verifier(text, p["answer"], p.get("reward") or None))
                 lengths.append(len(o))
                 samples.append(encode_response(p, o))
