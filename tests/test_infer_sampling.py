@@ -80,7 +80,7 @@ def test_sample_scores_agrees_with_sample_rows_and_never_draws_a_filtered_token(
         if t % 3 == 0:
             x[:, g.integers(0, v, size=v // 2)] = -np.inf
         seed = int(g.integers(0, 2**31))
-        ours = sample_scores(x, np.random.default_rng(seed), block=int(g.integers(1, 700)))
+        ours = sample_scores(x, np.random.default_rng(seed).random(b), block=int(g.integers(1, 700)))
         ref = sample_rows(_softmax(x), np.random.default_rng(seed))
         assert np.isfinite(x[np.arange(b), ours]).all()
         agree += int((ours == ref).sum())
@@ -88,6 +88,7 @@ def test_sample_scores_agrees_with_sample_rows_and_never_draws_a_filtered_token(
     assert agree >= total - 2, (agree, total)
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05, 0.0]], np.float32))
     rng = np.random.default_rng(0)
-    draws = np.concatenate([sample_scores(np.repeat(logits, 100, 0), rng, block=2) for _ in range(100)])
+    draws = np.concatenate([sample_scores(np.repeat(logits, 100, 0), rng.random(100), block=2)
+                            for _ in range(100)])
     freq = np.bincount(draws, minlength=5) / draws.size
     np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05, 0.0], atol=0.012)

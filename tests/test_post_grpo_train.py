@@ -9,7 +9,7 @@ import numpy as np
 import post_helpers as H
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import load_run_config, run_training
-from mindvl_ms.train.rollout import rollout_seed, sample_group
+from mindvl_ms.train.rollout import rollout_seed, sample_group, sample_groups
 
 GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
               "max_lr": 2e-2, "warmup_ratio": 0.0, "epochs": None, "max_steps": 4, "weight_decay": 0.0,
@@ -58,3 +58,21 @@ def test_rollouts_reproducible_from_seed():
     cold = sample_group(model, p, 4, rollout_seed(0, 1, 3), 6, temperature=1e-4)
     assert cold == [greedy] * 4             # temperature -> 0 is greedy decoding
     assert rollout_seed(0, 1, 3) != rollout_seed(0, 1, 4) != rollout_seed(1, 1, 3)
+
+
+def test_batched_groups_sample_what_each_prompt_samples_alone():
+    """Several prompts of different lengths in one engine call (left-padded, one generator per prompt)
+    give each prompt the responses of its own `sample_group` call."""
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    model = MindVLForConditionalGeneration(cfg.model)
+    rng = np.random.default_rng(5)
+    prompts = [H.prompt(rng) for _ in range(3)]
+    prompts[1] = dict(prompts[1], input_ids=np.concatenate([prompts[1]["input_ids"][:4], [11, 12, 13],
+                                                            prompts[1]["input_ids"][4:]]))
+    assert len({len(p["input_ids"]) for p in prompts}) > 1
+    seeds = [rollout_seed(0, 1, i) for i in range(3)]
+    together = sample_groups(model, prompts, 4, seeds, 8)
+    alone = [sample_group(model, p, 4, s, 8) for p, s in zip(prompts, seeds)]
+    assert together == alone
+    assert together[0] != together[2]

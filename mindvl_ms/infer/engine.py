@@ -19,7 +19,7 @@ in later turns, or a batch that repeats one, runs the vision encoder once per di
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -152,10 +152,17 @@ class Engine:
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, samples: Sequence[Dict], cfg: SamplingConfig, padding_side: str = "left",
-                 decode: Optional[Callable] = None, on_token: Optional[Callable[[int, int], None]] = None
-                 ) -> List[List[int]]:
-        """Generated ids per sample (an eos token is kept, as transformers does)."""
+                 decode: Optional[Callable] = None, on_token: Optional[Callable[[int, int], None]] = None,
+                 group_seeds: Optional[Sequence[Tuple[int, int]]] = None) -> List[List[int]]:
+        """Generated ids per sample (an eos token is kept, as transformers does).
+
+        `group_seeds` [(seed, rows), ...] splits the batch into consecutive row groups, each sampling from
+        its own generator seeded `seed` instead of `cfg.seed`: a group then draws what a call holding only
+        its rows draws (rollouts of many prompts in one batch, each reproducible from its own seed)."""
         cfg.validate()
+        if group_seeds is not None and sum(n for _, n in group_seeds) != len(samples):
+            raise ValueError(f"group_seeds cover {sum(n for _, n in group_seeds)} rows, the batch has "
+                             f"{len(samples)}")
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if not samples:
@@ -176,7 +183,9 @@ class Engine:
                                              cfg.max_new_tokens)
         cache = self.backend.new_cache(len(ids), arrays["kv_valid"].shape[1])
         logits, cache = self.backend.prefill(arrays, cache)
-        return self._decode_loop(logits, cache, ids, *state, arrays["kv_valid"], cfg, decode, on_token)
+        rng = (np.random.default_rng(cfg.seed) if group_seeds is None else
+               [(np.random.default_rng(seed), n) for seed, n in group_seeds])
+        return self._decode_loop(logits, cache, ids, *state, arrays["kv_valid"], cfg, decode, on_token, rng)
 
     def _prefill_arrays(self, samples, ids, feats, padding_side: str, max_new: int):
         """The prefill graph's inputs for a padded batch, plus (next position, next slot) per row."""
@@ -229,9 +238,8 @@ class Engine:
             return np.asarray(grid, np.int64).reshape(-1, 3)
         raise ValueError("image_features need image_grid_thw (the patch grid of each image)")
 
-    def _decode_loop(self, logits, cache, ids, next_pos, next_slot, kv_valid, cfg, decode, on_token):
+    def _decode_loop(self, logits, cache, ids, next_pos, next_slot, kv_valid, cfg, decode, on_token, rng):
         b = len(ids)
-        rng = np.random.default_rng(cfg.seed)
         out: List[List[int]] = [[] for _ in range(b)]
         done = np.zeros(b, bool)
         for step in range(cfg.max_new_tokens):

@@ -81,15 +81,18 @@ def _sampling(max_new_tokens: int, kw: Dict) -> SamplingConfig:
 
 
 def generate(model, batch_samples: Sequence[Dict], max_new_tokens: int = 32, *, padding_side: str = "left",
-             decode=None, on_token=None, use_cache: bool = True, **sampling) -> List[List[int]]:
-    """Generated token ids for each sample (see the module docstring for sample keys and options)."""
+             decode=None, on_token=None, use_cache: bool = True, group_seeds=None, **sampling) -> List[List[int]]:
+    """Generated token ids for each sample (see the module docstring for sample keys and options;
+    `group_seeds` as in `Engine.generate`, cached path only)."""
     cfg = _sampling(max_new_tokens, sampling)
     if cfg.stop_strings and decode is None:
         raise ValueError("stop_strings need decode= (a function from token ids to text)")
     if not use_cache or not supports_cache(model.config):
+        if group_seeds is not None:
+            raise ValueError("group_seeds need the KV-cache path (a qwen2/qwen3 language model, use_cache=True)")
         return [_generate_full(model, s, cfg, decode, lambda t, r=r: on_token and on_token(r, t))
                 for r, s in enumerate(batch_samples)]
-    return get_engine(model).generate(batch_samples, cfg, padding_side, decode, on_token)
+    return get_engine(model).generate(batch_samples, cfg, padding_side, decode, on_token, group_seeds)
 
 
 def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token) -> List[int]:

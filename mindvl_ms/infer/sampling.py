@@ -86,12 +86,18 @@ def process_logits(logits: np.ndarray, histories: Sequence[np.ndarray], cfg: Sam
 
 
 def choose(logits: np.ndarray, histories: Sequence[np.ndarray], cfg: SamplingConfig,
-           rng: np.random.Generator) -> np.ndarray:
-    """int64[B] next tokens."""
+           rng) -> np.ndarray:
+    """int64[B] next tokens. `rng` is one np.random.Generator for the batch, or a list of
+    (Generator, rows) for consecutive row groups that each draw from their own generator (a group's
+    draws are then those of a call holding that group alone)."""
     scores = process_logits(logits, histories, cfg)
     if not cfg.do_sample:
         return scores.argmax(-1)
-    return sample_scores(scores, rng)
+    if isinstance(rng, np.random.Generator):
+        u = rng.random(scores.shape[0])
+    else:
+        u = np.concatenate([g.random(n) for g, n in rng])
+    return sample_scores(scores, u)
 
 
 def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -105,9 +111,9 @@ def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.minimum((cdf <= u[:, None]).sum(-1), probs.shape[1] - 1).astype(np.int64)
 
 
-def sample_scores(scores: np.ndarray, rng: np.random.Generator, block: int = 1024) -> np.ndarray:
-    """int64[B]: one draw per row from softmax(scores [B, V]) by `sample_rows`' rule (one `rng.random` per
-    row, inverse CDF), at a tenth of its cost over a large vocabulary: exp in float32, then float64 sums of
+def sample_scores(scores: np.ndarray, u: np.ndarray, block: int = 1024) -> np.ndarray:
+    """int64[B]: one draw per row from softmax(scores [B, V]) by `sample_rows`' rule (the row's uniform
+    u[b] in [0, 1), inverse CDF), at a tenth of its cost over a large vocabulary: exp in float32, then float64 sums of
     blocks of `block` tokens, the block holding the uniform, and a float64 cumulative sum inside that block
     only. The draws are sample_rows(_softmax(scores))'s except where a uniform falls within float32 rounding
     of a cumulative boundary (tests/test_infer_sampling.py counts the agreement)."""
@@ -116,7 +122,7 @@ def sample_scores(scores: np.ndarray, rng: np.random.Generator, block: int = 102
     e = np.exp(x - x.max(-1, keepdims=True))                                        # [B, V], -inf -> 0
     starts = np.arange(0, v, block)
     csum = np.cumsum(np.add.reduceat(e, starts, axis=1, dtype=np.float64), -1)    # [B, nb]
-    u = rng.random(b) * csum[:, -1]                                               # [B]
+    u = np.asarray(u, np.float64) * csum[:, -1]                                   # [B]
     out = np.empty(b, np.int64)
     for r in range(b):
         k = min(int(np.searchsorted(csum[r], u[r], side="right")), len(starts) - 1)

@@ -242,14 +242,15 @@ class GRPORunner(_Runner):
     def rollouts(self, step: int, idx: Sequence[int]):
         """Samples (prompt + response, labels on the response), rewards and response lengths."""
         from ..data.preference import encode_response
-        from .rollout import rollout_seed, sample_group
+        from .rollout import rollout_seed, sample_groups
 
         g, src = self.stage.grpo, self.source
         samples, rewards, lengths = [], [], []
-        for i in idx:
+        groups = sample_groups(self.model, [src.prompts[i] for i in idx], g.group_size,
+                               [rollout_seed(self.run_cfg.seed, step, i) for i in idx], g.max_new_tokens,
+                               g.temperature, g.top_p, src.eos)
+        for i, outs in zip(idx, groups):
             p = src.prompts[i]
-            outs = sample_group(self.model, p, g.group_size, rollout_seed(self.run_cfg.seed, step, i),
-                                g.max_new_tokens, g.temperature, g.top_p, src.eos)
             for o in outs:
                 text = src.decode(o)  # the verifiers' text: eos dropped, grounding tags kept
                 rewards.append(self.verifier(text, p["answer"], p.get("reward") or None))

@@ -40,6 +40,29 @@ def sample_group(model, prompt: Dict[str, Any], k: int, seed: int, max_new_token
                     eos_token_ids=tuple(eos_token_ids), seed=seed)
 
 
+def sample_groups(model, prompts: Sequence[Dict[str, Any]], k: int, seeds: Sequence[int], max_new_tokens: int,
+                  temperature: float = 1.0, top_p: float = 1.0, eos_token_ids: Sequence[int] = ()
+                  ) -> List[List[List[int]]]:
+    """`sample_group` for several prompts in one engine call (k rows per prompt, each prompt's rows drawing
+    from its own seed, so every group is what `sample_group(prompt, seed)` samples alone). One batch of
+    8 x 8 rows decodes about twice as fast as 8 calls of 8 rows on 2 CPU cores (the per-token cost of a
+    tiny model is mostly fixed overhead). Models without the KV-cache layout sample prompt by prompt."""
+    from ..infer.generate import get_engine, generate
+    from ..infer.kv_cache import supports_cache
+
+    if not supports_cache(model.config):
+        return [sample_group(model, p, k, s, max_new_tokens, temperature, top_p, eos_token_ids)
+                for p, s in zip(prompts, seeds)]
+    rows = []
+    for p in prompts:
+        rows += [{key: p[key] for key in ("input_ids", "pixel_values", "image_grid_thw")
+                  if p.get(key) is not None}] * k
+    get_engine(model).image_cache.clear()  # the weights may have changed since the last call
+    out = generate(model, rows, max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p,
+                   eos_token_ids=tuple(eos_token_ids), group_seeds=[(int(s), k) for s in seeds])
+    return [out[i * k:(i + 1) * k] for i in range(len(prompts))]
+
+
 def strip_eos(ids: Sequence[int], eos: Sequence[int]) -> List[int]:
     return list(ids[:-1]) if ids and ids[-1] in eos else list(ids)
 
@@ -63,8 +86,9 @@ def choose_pair(scores: Sequence[float], high: float, low: float) -> Optional[Tu
 
 def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_new_tokens: int,
                   temperature: float = 1.0, top_p: float = 1.0, high: float = 0.75, low: float = 0.25,
-                  progress: bool = False) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
-    """Preference lines and a summary for parsed prompt lines (`PostSample`s of kind 'prompt')."""
+                  progress: bool = False, batch_prompts: int = 8) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Preference lines and a summary for parsed prompt lines (`PostSample`s of kind 'prompt');
+    `batch_prompts` prompts are sampled per engine call (the samples do not depend on it)."""
     from tqdm import tqdm
 
     from ..data.preference import encode_prompt
@@ -72,9 +96,16 @@ def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_ne
 
     eos = stop_token_ids(processor)
     lines, all_scores = [], []
-    for i, s in enumerate(tqdm(prompts, desc="rollout", unit="prompt", disable=not progress)):
-        p = encode_prompt(processor, s)
-        outs = sample_group(model, p, k, rollout_seed(seed, 0, i), max_new_tokens, temperature, top_p, eos)
+    bar = tqdm(total=len(prompts), desc="rollout", unit="prompt", disable=not progress)
+    groups: List[List[List[int]]] = []
+    for i, s in enumerate(prompts):
+        if i % batch_prompts == 0:  # sample the next batch_prompts prompts in one engine call
+            chunk = range(i, min(i + batch_prompts, len(prompts)))
+            groups = sample_groups(model, [encode_prompt(processor, prompts[j]) for j in chunk], k,
+                                   [rollout_seed(seed, 0, j) for j in chunk], max_new_tokens, temperature, top_p,
+                                   eos)
+            bar.update(len(chunk))
+        outs = groups[i % batch_prompts]
         texts = [response_text(processor, o, eos) for o in outs]
         scores = [verifier(t, s.answer, s.reward or None) for t in texts]
         all_scores.append(scores)
