@@ -113,9 +113,9 @@ def sample_rows(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 def sample_scores(scores: np.ndarray, u: np.ndarray, block: int = 1024) -> np.ndarray:
     """int64[B]: one draw per row from softmax(scores [B, V]) by `sample_rows`' rule (the row's uniform
-    u[b] in [0, 1), inverse CDF), at a tenth of its cost over a large vocabulary: exp in float32, then float64 sums of
-    blocks of `block` tokens, the block holding the uniform, and a float64 cumulative sum inside that block
-    only. The draws are sample_rows(_softmax(scores))'s except where a uniform falls within float32 rounding
+    u[b] in [0, 1), inverse CDF), 2-4x faster over the 151,936-token vocabulary (batch 8 to 64): exp in
+    float32, float64 sums of blocks of `block` tokens, and a float64 cumulative sum only inside the block
+    holding the uniform. The draws are sample_rows(_softmax(scores))'s except where a uniform falls within float32 rounding
     of a cumulative boundary (tests/test_infer_sampling.py counts the agreement)."""
     x = np.asarray(scores, np.float32)
     b, v = x.shape
