@@ -76,3 +76,21 @@ def test_batched_groups_sample_what_each_prompt_samples_alone():
     alone = [sample_group(model, p, 4, s, 8) for p, s in zip(prompts, seeds)]
     assert together == alone
     assert together[0] != together[2]
+
+
+def test_full_forward_path_samples_each_group_from_its_own_generator():
+    """Without the KV cache (use_cache=False, the DeepSeek-V3 MLA path) the rows of a group still differ
+    (they draw in turn from one generator) and a group draws what it draws alone."""
+    from mindvl_ms.infer.generate import generate
+
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    model = MindVLForConditionalGeneration(cfg.model)
+    rng = np.random.default_rng(6)
+    rows = [{k: p[k] for k in ("input_ids", "pixel_values", "image_grid_thw")} for p in
+            (H.prompt(rng), H.prompt(rng))]
+    kw = dict(do_sample=True, use_cache=False)
+    both = generate(model, [rows[0]] * 3 + [rows[1]] * 3, 5, group_seeds=[(7, 3), (8, 3)], **kw)
+    assert len({tuple(x) for x in both[:3]}) > 1
+    assert both[3:] == generate(model, [rows[1]] * 3, 5, seed=8, **kw)
+    assert both[:3] == generate(model, [rows[0]] * 3, 5, seed=7, **kw)

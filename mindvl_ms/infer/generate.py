@@ -83,19 +83,22 @@ def _sampling(max_new_tokens: int, kw: Dict) -> SamplingConfig:
 def generate(model, batch_samples: Sequence[Dict], max_new_tokens: int = 32, *, padding_side: str = "left",
              decode=None, on_token=None, use_cache: bool = True, group_seeds=None, **sampling) -> List[List[int]]:
     """Generated token ids for each sample (see the module docstring for sample keys and options;
-    `group_seeds` as in `Engine.generate`, cached path only)."""
+    `group_seeds` as in `Engine.generate`)."""
     cfg = _sampling(max_new_tokens, sampling)
     if cfg.stop_strings and decode is None:
         raise ValueError("stop_strings need decode= (a function from token ids to text)")
     if not use_cache or not supports_cache(model.config):
-        if group_seeds is not None:
-            raise ValueError("group_seeds need the KV-cache path (a qwen2/qwen3 language model, use_cache=True)")
-        return [_generate_full(model, s, cfg, decode, lambda t, r=r: on_token and on_token(r, t))
+        # row after row; each group's rows draw in turn from the group's generator (one group: cfg.seed)
+        groups = group_seeds if group_seeds is not None else [(cfg.seed, len(batch_samples))]
+        rngs = [rng for seed, n in groups for rng in [np.random.default_rng(seed)] * n]
+        if len(rngs) != len(batch_samples):
+            raise ValueError(f"group_seeds cover {len(rngs)} rows, the batch has {len(batch_samples)}")
+        return [_generate_full(model, s, cfg, decode, lambda t, r=r: on_token and on_token(r, t), rngs[r])
                 for r, s in enumerate(batch_samples)]
     return get_engine(model).generate(batch_samples, cfg, padding_side, decode, on_token, group_seeds)
 
 
-def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token) -> List[int]:
+def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token, rng) -> List[int]:
     """Reference path without a cache: one full forward of the model per new token."""
     from ..models.inputs import model_args
 
@@ -105,7 +108,6 @@ def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token) -
         model.set_dynamic_inputs()  # one compile for the growing sequence
     prompt = [int(i) for i in np.asarray(sample["input_ids"]).reshape(-1)]
     out: List[int] = []
-    rng = np.random.default_rng(cfg.seed)
     while True:
         batch = full_inputs(model.config, sample, out)
         logits = model(*model_args(batch))[0].asnumpy()[:, -1]  # [1, V]
