@@ -1,0 +1,103 @@
+"""Where the train step's time goes: MindSpore's profiler over the bench_train step (same model, same
+packed batch, same compiled graphs), summarised by operator type and by model part.
+
+    python bench/profile_train.py [--config small] [--steps 5] [--top 12] [--rows 1]
+
+Runs `--warmup` untimed steps (compile), then profiles `--steps` steps with
+`mindspore.profiler.profile(activities=[CPU])` and prints:
+- wall time per step, split into graph time (the sum of the kernels the profiler recorded, per step) and
+  the rest (host batch preparation, graph launch, Python);
+- the top operator types by total kernel time (count per step, ms per step, share of kernel time);
+- the same time grouped by model part (the first two scopes of each kernel's full name, e.g.
+  `model/layers` vs `visual/blocks` vs `head`, `grad: ...` for their gradients, `step: ...` for the
+  accumulation, norm and AdamW kernels), so a slow cell shows up even when its time is spread over many
+  small kernels.
+The profiler's raw output stays under `--out` (default: a temporary directory) for a closer look.
+"""
+import argparse
+import csv
+import glob
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+os.environ.setdefault("GLOG_v", "3")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+WRAPPERS = ("Default", "Gradients", "forward-ForwardLoss", "model-MindVLForConditionalGeneration")
+
+
+def part_of(full_name: str) -> str:
+    """Model part of a kernel from its scope: 'Default/forward-ForwardLoss/model-MindVLForConditionalGeneration/
+    model-TextModel/layers-CellList/0-DecoderLayer/.../MatMul-op3' -> 'model/layers'; under 'Gradients/'
+    -> 'grad: model/layers'; a kernel of the update graphs outside any cell ('Default/AdamWeightDecay-op4')
+    -> 'step: AdamWeightDecay'; an expanded composite ('Expand/_SoftmaxBackward/Sub-op1') -> its composite."""
+    scopes = full_name.split("/")
+    grad = scopes[0] == "Gradients"
+    inner = [s for s in scopes[:-1] if s not in WRAPPERS]
+    if not inner:
+        label = "step: " + scopes[-1].split("-op")[0]
+    elif inner[0] == "Expand":
+        label = "expanded: " + (inner[1] if len(inner) > 1 else scopes[-1].split("-op")[0])
+    else:
+        label = "/".join(s.split("-")[0] for s in inner[:2])
+    return ("grad: " if grad else "") + label
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="small", choices=["tiny", "small"], help="bench_model.SIZES entry")
+    ap.add_argument("--steps", type=int, default=5, help="profiled steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (graph compile)")
+    ap.add_argument("--rows", type=int, default=1, help="packed rows per batch (as bench_train)")
+    ap.add_argument("--top", type=int, default=12, help="rows printed per table")
+    ap.add_argument("--out", default=None, help="keep the profiler output here (default: temporary)")
+    args = ap.parse_args()
+
+    import mindspore as ms
+    from mindspore.profiler import ProfilerActivity
+
+    from bench_model import build_hf
+    from bench_train import setup_ms
+
+    out = args.out or tempfile.mkdtemp(prefix="mindvl_profile_")
+    with tempfile.TemporaryDirectory() as d:
+        build_hf(args.config, vocab=151936).save_pretrained(d)
+        step, state, _ = setup_ms(d, args.rows)
+        for _ in range(args.warmup):
+            step()
+        prof = ms.profiler.profile(activities=[ProfilerActivity.CPU],
+                                   on_trace_ready=ms.profiler.tensorboard_trace_handler(out))
+        prof.start()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        wall = (time.perf_counter() - t0) / args.steps
+        prof.stop()
+    details = glob.glob(os.path.join(out, "**", "cpu_op_detail_info_*.csv"), recursive=True)
+    if not details:
+        raise SystemExit(f"the profiler wrote no cpu_op_detail_info_*.csv under {out}")
+    by_type, by_part, count = defaultdict(float), defaultdict(float), defaultdict(int)
+    with open(sorted(details)[-1], newline="") as f:
+        for row in csv.DictReader(f):
+            ms_total = float(row["op_total_time(ms)"]) / args.steps
+            by_type[row["op_type"]] += ms_total
+            count[row["op_type"]] += int(row["op_occurrences"])
+            by_part[part_of(row["full_op_name"])] += ms_total
+    kernels = sum(by_type.values())
+    print(f"config {args.config}: {state['tokens']} tokens, loss {state['loss']:.4f}; wall {1e3 * wall:.1f} ms/step = "
+          f"kernels {kernels:.1f} ms + host/launch {1e3 * wall - kernels:.1f} ms   (raw output: {out})")
+    for title, table in (("operator type", by_type), ("model part", by_part)):
+        print(f"\n{'top ' + title:40s} {'ms/step':>8s} {'share':>6s}" + ("  kernels/step" if table is by_type else ""))
+        for name, t in sorted(table.items(), key=lambda kv: -kv[1])[:args.top]:
+            extra = f"  {count[name] / args.steps:8.0f}" if table is by_type else ""
+            print(f"{name[:40]:40s} {t:8.1f} {100 * t / kernels:5.1f}%{extra}")
+
+
+if __name__ == "__main__":
+    main()
