@@ -83,7 +83,7 @@ def main():
     if not details:
         raise SystemExit(f"the profiler wrote no cpu_op_detail_info_*.csv under {out}")
     by_type, by_part, count = defaultdict(float), defaultdict(float), defaultdict(int)
-    with open(sorted(details)[-1], newline="") as f:
+    with open(max(details, key=os.path.getmtime), newline="") as f:  # this run's, if --out is reused
         for row in csv.DictReader(f):
             ms_total = float(row["op_total_time(ms)"]) / args.steps
             by_type[row["op_type"]] += ms_total
