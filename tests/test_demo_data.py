@@ -212,3 +212,26 @@ def test_vqa_scores_by_type(tmp_path):
     p.write_text("".join(json.dumps({"answers": [a], "score": float(sc)}) + "\n" for a, sc in rows))
     got = vqa_scores_by_type(str(p))
     assert got == {"yes/no": pytest.approx(2 / 3), "colour": 0.5, "shape": 0.0}
+
+
+def test_vqa_mix_sets_the_train_question_types(tmp_path):
+    """`vqa_mix` fixes the train split's count of each easy-VQA question type (largest remainders); the
+    held-out split keeps the package's own mix; a mix the split cannot fill is refused by name."""
+    from mindvl_ms.demo.datasets import sample_questions, type_quotas
+
+    assert type_quotas(10, {"yes/no": 1, "colour": 1, "shape": 1}) == {"yes/no": 4, "colour": 3, "shape": 3}
+    assert type_quotas(7, {"yes/no": 2, "colour": 1, "shape": 0}) == {"yes/no": 5, "colour": 2, "shape": 0}
+    with pytest.raises(ValueError, match="non-negative weights"):
+        type_quotas(3, {"count": 1})
+    with pytest.raises(ValueError, match="3 colour questions, the split has 1"):
+        sample_questions(["yes", "no", "red", "circle"], 3, np.random.default_rng(0), {"colour": 1})
+
+    d = str(tmp_path / "mix")
+    info = write_demo_data(d, seed=3, sizes={"vqa": (30, 60)}, progress=False,
+                           vqa_mix={"yes/no": 1, "colour": 1, "shape": 1})
+    kind = lambda a: "yes/no" if a in ("yes", "no") else "shape" if a in ("circle", "rectangle", "triangle") else "colour"
+    train = Counter(kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
+    assert train == {"yes/no": 10, "colour": 10, "shape": 10}
+    held = Counter(kind(_answer(o)) for o in _lines(info["files"]["heldout"]["vqa"]))
+    assert held["yes/no"] > 30  # easy-VQA's test split is ~73% yes/no (binomial sd ~3.4 of 60)
+    assert info["vqa_mix"] == {"yes/no": 1, "colour": 1, "shape": 1}

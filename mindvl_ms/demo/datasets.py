@@ -3,7 +3,9 @@
 Three tasks, each with a train split and a held-out split, all deterministic from one seed:
 - `vqa`: questions and images of the `easy_vqa` package (MIT; 64x64 shapes, 13 answers). The train
   split samples the package's train questions, the held-out split its test questions (different
-  images), so nothing held out is ever seen in training. Images are copied next to the JSONL.
+  images), so nothing held out is ever seen in training. Images are copied next to the JSONL. The train
+  split can be drawn per question type (`vqa_mix`): easy-VQA is 73% yes/no questions that the question
+  wording answers 82% of the time, and at that mix the colour answers' gradient is drowned.
 - `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
   one character per 28-px visual-token column from a random start column, random dark colour on a
   random light 224x56 canvas (see `render_ocr`); the answer is the word.
@@ -77,8 +79,49 @@ def sample_line(sid: str, image: str, size: Tuple[int, int], question: str, answ
 
 # ------------------------------------------------------------------------------------------ easy-VQA
 
-def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator) -> Dict[str, List[dict]]:
-    """Sampled easy-VQA questions; the images used are copied to out_dir/images/vqa/."""
+def answer_type(answer: str) -> str:
+    """easy-VQA question type of a reference answer: yes/no, colour or shape."""
+    return "yes/no" if answer in ("yes", "no") else "shape" if answer in VQA_SHAPES else "colour"
+
+
+def type_quotas(n: int, mix: Dict[str, float]) -> Dict[str, int]:
+    """n split over question types in proportion to mix (largest remainders; sums to n)."""
+    unknown = set(mix) - set(VQA_TYPES)
+    if unknown or not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"vqa_mix {mix}: expected non-negative weights over {', '.join(VQA_TYPES)} "
+                         "with a positive sum")
+    total = sum(mix.values())
+    exact = {t: n * w / total for t, w in mix.items()}
+    out = {t: int(np.floor(v)) for t, v in exact.items()}
+    for t in sorted(exact, key=lambda t: out[t] - exact[t])[:n - sum(out.values())]:
+        out[t] += 1
+    return out
+
+
+def sample_questions(answers: Sequence[str], n: int, rng: np.random.Generator,
+                     mix: Optional[Dict[str, float]] = None) -> List[int]:
+    """Sorted indices of n questions: uniform over the split, or `type_quotas(n, mix)` per question type."""
+    if n > len(answers):
+        raise ValueError(f"asked for {n} questions, the split has {len(answers)}")
+    if not mix:
+        return sorted(rng.choice(len(answers), size=n, replace=False).tolist())
+    kinds = np.array([answer_type(a) for a in answers])
+    out: List[int] = []
+    for t, k in type_quotas(n, mix).items():
+        pool = np.flatnonzero(kinds == t)
+        if k > len(pool):
+            raise ValueError(f"vqa_mix asks for {k} {t} questions, the split has {len(pool)}")
+        out.extend(rng.choice(pool, size=k, replace=False).tolist())
+    return sorted(out)
+
+
+def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator,
+                   train_mix: Optional[Dict[str, float]] = None) -> Dict[str, List[dict]]:
+    """Sampled easy-VQA questions; the images used are copied to out_dir/images/vqa/.
+
+    `train_mix` ({yes/no, colour, shape: weight}) sets the train split's share of each question type
+    (easy-VQA itself is 73% yes/no, 13% colour, 13% shape); the held-out split keeps the package's own
+    distribution."""
     import easy_vqa
 
     splits = {"train": (easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths(), n_train),
@@ -87,10 +130,12 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
     os.makedirs(img_dir, exist_ok=True)
     out: Dict[str, List[dict]] = {}
     for split, ((questions, answers, image_ids), paths, n) in splits.items():
-        if n > len(questions):
-            raise ValueError(f"easy-VQA {split}: asked for {n} questions, the package has {len(questions)}")
+        try:
+            chosen = sample_questions(answers, n, rng, train_mix if split == "train" else None)
+        except ValueError as e:
+            raise ValueError(f"easy-VQA {split}: {e}") from None
         lines = []
-        for i in sorted(rng.choice(len(questions), size=n, replace=False).tolist()):
+        for i in chosen:
             img_id = int(image_ids[i])
             src = paths[img_id]
             rel = f"images/vqa/{split}_{img_id}.png"
@@ -251,8 +296,7 @@ VQA_TYPES = ("yes/no", "colour", "shape")
 def vqa_type(line: dict) -> str:
     """easy-VQA question type (yes/no, colour or shape) from the reference answer of a training-format line
     or of an eval predictions.jsonl record (its `answers`)."""
-    a = answer_of(line) if "messages" in line else line["answers"][0]
-    return "yes/no" if a in ("yes", "no") else "shape" if a in VQA_SHAPES else "colour"
+    return answer_type(answer_of(line) if "messages" in line else line["answers"][0])
 
 
 def question_template(line: dict) -> str:
@@ -285,10 +329,11 @@ def write_jsonl(path: str, lines: Sequence[dict]) -> None:
 
 
 def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple[int, int]]] = None,
-                    progress: bool = True) -> Dict[str, object]:
+                    progress: bool = True, vqa_mix: Optional[Dict[str, float]] = None) -> Dict[str, object]:
     """Write train_<task>.jsonl / heldout_<task>.jsonl + images under out_dir; returns files and baselines.
 
     sizes: {task: (n_train, n_heldout)} (default DEFAULT_SIZES). Same seed and sizes -> identical files.
+    vqa_mix: {question type: weight} of the easy-VQA train split (`easy_vqa_lines`; None: the package's own).
     Also writes out_dir/info.json with the same content as the return value.
     """
     from tqdm import tqdm
@@ -302,7 +347,8 @@ def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple
             raise ValueError(f"task {task}: need at least one train and one held-out sample, got {n_tr}, {n_ho}")
     os.makedirs(out_dir, exist_ok=True)
     makers = {"vqa": easy_vqa_lines, "ocr": ocr_lines, "grounding": grounding_lines}
-    info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS},
+    makers["vqa"] = lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix)
+    info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS}, "vqa_mix": vqa_mix,
                                "files": {"train": {}, "heldout": {}}, "baselines": {}}
     for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
         rng = np.random.default_rng([seed, k])  # one stream per task: changing one size leaves the others

@@ -329,7 +329,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     data_dir = os.path.join(out_dir, "data")
     run_cfg, demo = load_demo_config(path, data_dir, overrides)
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
-    info = write_demo_data(data_dir, seed=run_cfg.seed, sizes=sizes, progress=progress)
+    info = write_demo_data(data_dir, seed=run_cfg.seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"))
     t_data = time.perf_counter()
     trained = train_all(run_cfg, out_dir, progress=progress)
     t_train = time.perf_counter()
