@@ -235,3 +235,19 @@ def test_vqa_mix_sets_the_train_question_types(tmp_path):
     held = Counter(kind(_answer(o)) for o in _lines(info["files"]["heldout"]["vqa"]))
     assert held["yes/no"] > 30  # easy-VQA's test split is ~73% yes/no (binomial sd ~3.4 of 60)
     assert info["vqa_mix"] == {"yes/no": 1, "colour": 1, "shape": 1}
+
+
+def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
+    """full.yaml's `demo.vqa_mix` (equal weights) draws equal question types through `run.write_data`;
+    quick.yaml resets it to null (easy-VQA's own mix, mostly yes/no). Sizes shrunk to 30 / 60."""
+    from mindvl_ms.demo.run import config_path, load_demo_config, write_data
+
+    kind = lambda a: "yes/no" if a in ("yes", "no") else "shape" if a in ("circle", "rectangle", "triangle") else "colour"
+    counts = {}
+    for quick in (False, True):
+        _, demo = load_demo_config(config_path(quick), str(tmp_path))
+        demo["data_sizes"] = {"vqa": [30, 1], "ocr": [1, 1], "grounding": [1, 1]}
+        info = write_data(demo, str(tmp_path / str(quick)), seed=0, progress=False)
+        counts[quick] = Counter(kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
+    assert counts[False] == {"yes/no": 10, "colour": 10, "shape": 10}
+    assert counts[True]["yes/no"] > 15  # ~73% of 30 (binomial sd ~2.4)

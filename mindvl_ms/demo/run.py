@@ -320,7 +320,6 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
 
     from ..checkpoint.merge import merge
     from ..config.packaged import resolve_config
-    from .datasets import write_demo_data
 
     t0 = time.perf_counter()
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -328,8 +327,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     path = resolve_config(config)[0] if config else config_path(quick)
     data_dir = os.path.join(out_dir, "data")
     run_cfg, demo = load_demo_config(path, data_dir, overrides)
-    sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
-    info = write_demo_data(data_dir, seed=run_cfg.seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"))
+    info = write_data(demo, data_dir, run_cfg.seed, progress)
     t_data = time.perf_counter()
     trained = train_all(run_cfg, out_dir, progress=progress)
     t_train = time.perf_counter()
@@ -352,6 +350,15 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
         json.dump(report, f, indent=2, default=str)
     print(format_report(report))
     return report
+
+
+def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = True) -> Dict[str, Any]:
+    """The demo's datasets as the `demo:` section sets them: `data_sizes` {task: [train, held-out]} and
+    `vqa_mix` {question type: weight} of the easy-VQA train split (null: the package's own mix)."""
+    from .datasets import write_demo_data
+
+    sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
+    return write_demo_data(data_dir, seed=seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"))
 
 
 def vqa_scores_by_type(predictions: str) -> Dict[str, float]:
