@@ -5,7 +5,7 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
   split samples the package's train questions, the held-out split its test questions (different
   images), so nothing held out is ever seen in training. Images are copied next to the JSONL. The train
   split can be drawn per question type (`vqa_mix`): easy-VQA is 73% yes/no questions that the question
-  wording answers 82% of the time, and at that mix the colour answers' gradient is drowned.
+  wording answers about 80% of the time, and at that mix the colour answers' gradient is drowned.
 - `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
   one character per 28-px visual-token column from a random start column, random dark colour on a
   random light 224x56 canvas (see `render_ocr`); the answer is the word.
