@@ -214,6 +214,11 @@ def test_vqa_scores_by_type(tmp_path):
     assert got == {"yes/no": pytest.approx(2 / 3), "colour": 0.5, "shape": 0.0}
 
 
+def _kind(answer):
+    """easy-VQA question type of an answer, from the package's answer words."""
+    return "yes/no" if answer in ("yes", "no") else "shape" if answer in ("circle", "rectangle", "triangle") else "colour"
+
+
 def test_vqa_mix_sets_the_train_question_types(tmp_path):
     """`vqa_mix` fixes the train split's count of each easy-VQA question type (largest remainders); the
     held-out split keeps the package's own mix; a mix the split cannot fill is refused by name."""
@@ -223,31 +228,31 @@ def test_vqa_mix_sets_the_train_question_types(tmp_path):
     assert type_quotas(7, {"yes/no": 2, "colour": 1, "shape": 0}) == {"yes/no": 5, "colour": 2, "shape": 0}
     with pytest.raises(ValueError, match="non-negative weights"):
         type_quotas(3, {"count": 1})
+    with pytest.raises(ValueError, match="non-negative weights"):
+        type_quotas(3, ["colour"])
     with pytest.raises(ValueError, match="3 colour questions, the split has 1"):
         sample_questions(["yes", "no", "red", "circle"], 3, np.random.default_rng(0), {"colour": 1})
 
     d = str(tmp_path / "mix")
     info = write_demo_data(d, seed=3, sizes={"vqa": (30, 60)}, progress=False,
                            vqa_mix={"yes/no": 1, "colour": 1, "shape": 1})
-    kind = lambda a: "yes/no" if a in ("yes", "no") else "shape" if a in ("circle", "rectangle", "triangle") else "colour"
-    train = Counter(kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
+    train = Counter(_kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
     assert train == {"yes/no": 10, "colour": 10, "shape": 10}
-    held = Counter(kind(_answer(o)) for o in _lines(info["files"]["heldout"]["vqa"]))
+    held = Counter(_kind(_answer(o)) for o in _lines(info["files"]["heldout"]["vqa"]))
     assert held["yes/no"] > 30  # easy-VQA's test split is ~73% yes/no (binomial sd ~3.4 of 60)
     assert info["vqa_mix"] == {"yes/no": 1, "colour": 1, "shape": 1}
 
 
 def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
     """full.yaml's `demo.vqa_mix` (equal weights) draws equal question types through `run.write_data`;
-    quick.yaml resets it to null (easy-VQA's own mix, mostly yes/no). Sizes shrunk to 30 / 60."""
+    quick.yaml resets it to null (easy-VQA's own mix, mostly yes/no). Sizes shrunk to 30 train questions."""
     from mindvl_ms.demo.run import config_path, load_demo_config, write_data
 
-    kind = lambda a: "yes/no" if a in ("yes", "no") else "shape" if a in ("circle", "rectangle", "triangle") else "colour"
     counts = {}
     for quick in (False, True):
         _, demo = load_demo_config(config_path(quick), str(tmp_path))
         demo["data_sizes"] = {"vqa": [30, 1], "ocr": [1, 1], "grounding": [1, 1]}
         info = write_data(demo, str(tmp_path / str(quick)), seed=0, progress=False)
-        counts[quick] = Counter(kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
+        counts[quick] = Counter(_kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
     assert counts[False] == {"yes/no": 10, "colour": 10, "shape": 10}
     assert counts[True]["yes/no"] > 15  # ~73% of 30 (binomial sd ~2.4)

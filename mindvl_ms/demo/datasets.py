@@ -86,8 +86,9 @@ def answer_type(answer: str) -> str:
 
 def type_quotas(n: int, mix: Dict[str, float]) -> Dict[str, int]:
     """n split over question types in proportion to mix (largest remainders; sums to n)."""
-    unknown = set(mix) - set(VQA_TYPES)
-    if unknown or not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+    weights = list(mix.values()) if isinstance(mix, dict) else []
+    if not weights or set(mix) - set(VQA_TYPES) or \
+            any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"vqa_mix {mix}: expected non-negative weights over {', '.join(VQA_TYPES)} "
                          "with a positive sum")
     total = sum(mix.values())
@@ -346,8 +347,7 @@ def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple
         if n_tr < 1 or n_ho < 1:
             raise ValueError(f"task {task}: need at least one train and one held-out sample, got {n_tr}, {n_ho}")
     os.makedirs(out_dir, exist_ok=True)
-    makers = {"vqa": easy_vqa_lines, "ocr": ocr_lines, "grounding": grounding_lines}
-    makers["vqa"] = lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix)
+    makers = {"vqa": lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix), "ocr": ocr_lines, "grounding": grounding_lines}
     info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS}, "vqa_mix": vqa_mix,
                                "files": {"train": {}, "heldout": {}}, "baselines": {}}
     for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
