@@ -256,3 +256,32 @@ def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
         counts[quick] = Counter(_kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
     assert counts[False] == {"yes/no": 10, "colour": 10, "shape": 10}
     assert counts[True]["yes/no"] > 15  # ~73% of 30 (binomial sd ~2.4)
+
+
+def test_balanced_yes_no_cells(tmp_path):
+    """`vqa_balance_yes_no` splits the yes/no quota equally over (negated or plain wording) x (yes, no),
+    so the wording no longer predicts the answer (easy-VQA's plain wordings are mostly 'no', the negated
+    ones mostly 'yes'); colour and shape quotas are unchanged; it needs a mix."""
+    from mindvl_ms.demo.datasets import sample_questions, yes_no_cell
+
+    assert yes_no_cell("is there not a red shape?", "yes") == "negated:yes"
+    assert yes_no_cell("does the image not contain a circle?", "no") == "negated:no"
+    assert yes_no_cell("is no blue shape present?", "yes") == "negated:yes"
+    assert yes_no_cell("is there a triangle in the image?", "yes") == "plain:yes"
+    assert yes_no_cell("is a gray shape present?", "no") == "plain:no"
+    with pytest.raises(ValueError, match="needs a vqa_mix"):
+        sample_questions(["yes"], 1, np.random.default_rng(0), None, ["is there a red shape?"], True)
+
+    d = str(tmp_path / "bal")
+    info = write_demo_data(d, seed=1, sizes={"vqa": (36, 5)}, progress=False,
+                           vqa_mix={"yes/no": 2, "colour": 1, "shape": 1}, vqa_balance_yes_no=True)
+    train = _lines(info["files"]["train"]["vqa"])
+    assert Counter(_kind(_answer(o)) for o in train) == {"yes/no": 18, "colour": 9, "shape": 9}
+    cells = Counter()
+    for o in train:
+        if _answer(o) in ("yes", "no"):
+            q = o["messages"][0]["content"].split("\n", 1)[-1]
+            cells[("negated" if (" not " in q or q.startswith("is no ")) else "plain", _answer(o))] += 1
+    # 18 over four cells by largest remainders: 5, 5, 4, 4 (ties go to the first cells)
+    assert sorted(cells.values()) == [4, 4, 5, 5] and len(cells) == 4
+    assert info["vqa_balance_yes_no"] is True

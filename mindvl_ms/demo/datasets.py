@@ -91,38 +91,65 @@ def type_quotas(n: int, mix: Dict[str, float]) -> Dict[str, int]:
             any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"vqa_mix {mix}: expected non-negative weights over {', '.join(VQA_TYPES)} "
                          "with a positive sum")
-    total = sum(mix.values())
-    exact = {t: n * w / total for t, w in mix.items()}
+    return largest_remainders(n, mix)
+
+
+def largest_remainders(n: int, weights: Dict[str, float]) -> Dict[str, int]:
+    """n split over the keys in proportion to their (non-negative, positive-sum) weights; sums to n."""
+    total = sum(weights.values())
+    exact = {t: n * w / total for t, w in weights.items()}
     out = {t: int(np.floor(v)) for t, v in exact.items()}
     for t in sorted(exact, key=lambda t: out[t] - exact[t])[:n - sum(out.values())]:
         out[t] += 1
     return out
 
 
+def yes_no_cell(question: str, answer: str) -> str:
+    """(wording, answer) cell of a yes/no question: 'negated:yes', 'plain:no', ... easy-VQA's negated
+    wordings ("is there not a ...", "does the image not contain ...", "is no ... present") mostly take
+    'yes' and the plain ones mostly 'no' (the wording alone answers about 80%)."""
+    q = f" {question.lower()} "
+    return f"{'negated' if ' not ' in q or ' is no ' in q else 'plain'}:{answer}"
+
+
+YES_NO_CELLS = ("plain:yes", "plain:no", "negated:yes", "negated:no")
+
+
 def sample_questions(answers: Sequence[str], n: int, rng: np.random.Generator,
-                     mix: Optional[Dict[str, float]] = None) -> List[int]:
-    """Sorted indices of n questions: uniform over the split, or `type_quotas(n, mix)` per question type."""
+                     mix: Optional[Dict[str, float]] = None, questions: Optional[Sequence[str]] = None,
+                     balance_yes_no: bool = False) -> List[int]:
+    """Sorted indices of n questions: uniform over the split, or `type_quotas(n, mix)` per question type;
+    with `balance_yes_no` (needs `mix` and `questions`) the yes/no quota is split equally over
+    `YES_NO_CELLS`, so a question's wording does not predict its answer."""
     if n > len(answers):
         raise ValueError(f"asked for {n} questions, the split has {len(answers)}")
+    if balance_yes_no and (not mix or questions is None):
+        raise ValueError("balancing yes/no answers needs a vqa_mix (question type quotas) and the questions")
     if not mix:
         return sorted(rng.choice(len(answers), size=n, replace=False).tolist())
     kinds = np.array([answer_type(a) for a in answers])
+    if balance_yes_no:
+        kinds = np.array([yes_no_cell(q, a) if k == "yes/no" else k for q, a, k in zip(questions, answers, kinds)])
     out: List[int] = []
     for t, k in type_quotas(n, mix).items():
-        pool = np.flatnonzero(kinds == t)
-        if k > len(pool):
-            raise ValueError(f"vqa_mix asks for {k} {t} questions, the split has {len(pool)}")
-        out.extend(rng.choice(pool, size=k, replace=False).tolist())
+        cells = largest_remainders(k, dict.fromkeys(YES_NO_CELLS, 1)) if balance_yes_no and t == "yes/no" else {t: k}
+        for c, kc in cells.items():
+            pool = np.flatnonzero(kinds == c)
+            if kc > len(pool):
+                raise ValueError(f"vqa_mix asks for {kc} {c} questions, the split has {len(pool)}")
+            out.extend(rng.choice(pool, size=kc, replace=False).tolist())
     return sorted(out)
 
 
 def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator,
-                   train_mix: Optional[Dict[str, float]] = None) -> Dict[str, List[dict]]:
+                   train_mix: Optional[Dict[str, float]] = None,
+                   train_balance_yes_no: bool = False) -> Dict[str, List[dict]]:
     """Sampled easy-VQA questions; the images used are copied to out_dir/images/vqa/.
 
     `train_mix` ({yes/no, colour, shape: weight}) sets the train split's share of each question type
     (easy-VQA itself is 73% yes/no, 13% colour, 13% shape); the held-out split keeps the package's own
-    distribution."""
+    distribution. `train_balance_yes_no` draws the train split's yes/no questions equally over
+    `YES_NO_CELLS` (`sample_questions`)."""
     import easy_vqa
 
     splits = {"train": (easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths(), n_train),
@@ -132,7 +159,8 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
     out: Dict[str, List[dict]] = {}
     for split, ((questions, answers, image_ids), paths, n) in splits.items():
         try:
-            chosen = sample_questions(answers, n, rng, train_mix if split == "train" else None)
+            chosen = (sample_questions(answers, n, rng, train_mix, questions, train_balance_yes_no)
+                      if split == "train" else sample_questions(answers, n, rng))
         except ValueError as e:
             raise ValueError(f"easy-VQA {split}: {e}") from None
         lines = []
@@ -330,11 +358,13 @@ def write_jsonl(path: str, lines: Sequence[dict]) -> None:
 
 
 def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple[int, int]]] = None,
-                    progress: bool = True, vqa_mix: Optional[Dict[str, float]] = None) -> Dict[str, object]:
+                    progress: bool = True, vqa_mix: Optional[Dict[str, float]] = None,
+                    vqa_balance_yes_no: bool = False) -> Dict[str, object]:
     """Write train_<task>.jsonl / heldout_<task>.jsonl + images under out_dir; returns files and baselines.
 
     sizes: {task: (n_train, n_heldout)} (default DEFAULT_SIZES). Same seed and sizes -> identical files.
     vqa_mix: {question type: weight} of the easy-VQA train split (`easy_vqa_lines`; None: the package's own).
+    vqa_balance_yes_no: its yes/no questions equally over (negated wording, answer) (`sample_questions`).
     Also writes out_dir/info.json with the same content as the return value.
     """
     from tqdm import tqdm
@@ -347,8 +377,10 @@ def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple
         if n_tr < 1 or n_ho < 1:
             raise ValueError(f"task {task}: need at least one train and one held-out sample, got {n_tr}, {n_ho}")
     os.makedirs(out_dir, exist_ok=True)
-    makers = {"vqa": lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix), "ocr": ocr_lines, "grounding": grounding_lines}
+    makers = {"vqa": lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix, train_balance_yes_no=vqa_balance_yes_no),
+              "ocr": ocr_lines, "grounding": grounding_lines}
     info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS}, "vqa_mix": vqa_mix,
+                               "vqa_balance_yes_no": vqa_balance_yes_no,
                                "files": {"train": {}, "heldout": {}}, "baselines": {}}
     for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
         rng = np.random.default_rng([seed, k])  # one stream per task: changing one size leaves the others
