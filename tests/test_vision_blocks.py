@@ -66,3 +66,31 @@ def test_blocks_equal_dense_and_hf_outputs_and_gradients(pair):
         assert np.abs(gb - r).max() <= 1e-4 * scale, p.name
         checked += 1
     assert checked == len(params)
+
+
+def test_rotate_half_matrix_and_qkv_rotary_equal_apply_rotary():
+    """The block path's one-pass RoPE over the fused qkv (x @ R, cos/sin with v rows at 1/0) gives
+    bit-identical q, k to ApplyRotary's split/neg/concat form and leaves v unchanged."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindvl_ms.models.vision import qkv_rotary, rotate_half_matrix
+    from mindvl_ms.ops.rotary import ApplyRotary
+
+    rng = np.random.default_rng(0)
+    n, h, hd = 5, 2, 8
+    x = rng.standard_normal((n, 3, h, hd)).astype(np.float32)
+    ang = rng.uniform(-3, 3, (n, hd)).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    r = rotate_half_matrix(hd)
+    x2 = x.reshape(-1, hd)
+    assert np.array_equal(x2 @ r, np.concatenate([-x2[:, hd // 2:], x2[:, :hd // 2]], -1))
+    c3, s3 = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin)))
+    assert c3.shape == (n, 3, 1, hd) and np.all(c3[:, 2] == 1) and np.all(s3[:, 2] == 0)
+    got = x * c3 + (x2 @ r).reshape(x.shape) * s3
+    rope = ApplyRotary()
+    for i in range(2):
+        ref = rope(Tensor(x[:, i]), Tensor(cos[:, None]), Tensor(sin[:, None])).asnumpy()
+        np.testing.assert_array_equal(got[:, i], ref)
+    np.testing.assert_array_equal(got[:, 2], x[:, 2])
+    assert ms.float32 == rope(Tensor(x[:, 0]), Tensor(cos[:, None]), Tensor(sin[:, None])).dtype

@@ -15,9 +15,9 @@ computed host-side (`mindvl_ms.models.inputs.vision_metadata`) and passed in:
   window_gather      int32[Sw, Ww] patches of each window, padded with N (optional, see below)
   full_gather        int32[Sf, Wf] patches of each image (frame), padded with N (optional)
 Attention layout (the design choice): with the gathers given, window layers attend per window and full
-layers per image: q/k/v rows are gathered into [S, H, W, hd] blocks (a zero row at index N fills the
-padding, whose keys are masked), attention runs on [S, H, W, W] scores, and each patch's output is
-gathered back from its block slot. Cost is sum over blocks of W^2 instead of N^2 for the whole batch
+layers per image: q/k/v rows (RoPE applied to the fused qkv in one pass) are gathered into [S, H, W, hd]
+blocks (padding slots read a real row; their keys are masked, their outputs dropped), attention runs on
+[S, H, W, W] scores, and each patch's output is gathered back from its block slot. Cost is sum over blocks of W^2 instead of N^2 for the whole batch
 (1280x720: 84 windows of <= 64 patches instead of one 4,784^2 mask). Without the gathers the encoder
 falls back to one dense [N, N] mask built from the segment ids (same result; kept for the positional
 6-input API). On Ascend the fused kernel takes the packed [N, H, hd] sequence in TND layout with
@@ -34,6 +34,7 @@ from ..config import VisionConfig
 from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
 from ..ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
 from ..ops.attention import NEG_INF
+from ..ops.dispatch import is_ascend
 
 
 def dense(d_in: int, d_out: int, bias: bool, std: float) -> nn.Dense:
@@ -83,10 +84,28 @@ class VisionRotaryEmbedding(nn.Cell):
         self.inv_freq = Tensor(inv.astype(np.float32))  # [head_dim/4], constant
 
     def construct(self, pos_ids):  # [N, 2]
-        freqs = pos_ids.astype(ms.float32)[:, :, None] * self.inv_freq[None, None, :]  # [N, 2, hd/4]
-        freqs = freqs.reshape(freqs.shape[0], -1)  # [N, hd/2]
+        n = pos_ids.shape[0]
+        freqs = pos_ids.astype(ms.float32).reshape(n, 2, 1) * self.inv_freq.reshape(1, 1, -1)  # [N, 2, hd/4]
+        freqs = freqs.reshape(n, -1)  # [N, hd/2]
         emb = ops.cat((freqs, freqs), -1)  # [N, hd]
         return ops.cos(emb), ops.sin(emb)
+
+
+def qkv_rotary(cos, sin):
+    """cos/sin [N, hd] -> [N, 3, 1, hd] for RoPE over a fused [N, 3, H, hd] qkv in one pass: the q and k
+    rows get cos/sin, the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v exactly)."""
+    n, hd = cos.shape
+    one, zero = ops.ones((n, hd), cos.dtype), ops.zeros((n, hd), sin.dtype)
+    return ops.stack((cos, cos, one), 1).reshape(n, 3, 1, hd), ops.stack((sin, sin, zero), 1).reshape(n, 3, 1, hd)
+
+
+def rotate_half_matrix(hd: int) -> np.ndarray:
+    """R [hd, hd] with x @ R = rotate_half(x) = [-x2, x1] (one nonzero +-1 per column: exact in float32)."""
+    half = hd // 2
+    r = np.zeros((hd, hd), np.float32)
+    r[np.arange(half) + half, np.arange(half)] = -1.0
+    r[np.arange(half), np.arange(half) + half] = 1.0
+    return r
 
 
 class VisionMLP(nn.Cell):
@@ -146,10 +165,14 @@ class VisionAttention(nn.Cell):
         self.rotary = ApplyRotary()
         self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
         self.fused = self.core.fused
+        # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks
+        self.rot_half = Tensor(rotate_half_matrix(cfg.head_dim))
+        self.rot_matmul = ops.MatMul()
+        self.split_qkv = ops.Split(0, 3)
 
     def construct(self, x, cos, sin, bias, blocks=None):
-        """x [N, E], cos/sin [N, hd]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias,
-        seq_ends) from VisionBlocks."""
+        """x [N, E]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias, seq_ends) from
+        VisionBlocks. cos/sin: [N, hd], or [N, 3, 1, hd] (`qkv_rotary`) on the CPU block path."""
         n, e = x.shape
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
         if blocks is None or self.fused:
@@ -165,14 +188,17 @@ class VisionAttention(nn.Cell):
             return self.proj(out)
         gather, unpad, key_bias = blocks[0], blocks[1], blocks[2]
         s, w = gather.shape
-        c, sn = cos[:, None], sin[:, None]  # [N, 1, hd]
-        q = self.rotary(qkv[:, 0], c, sn).reshape(n, e)  # [N, E]
-        k = self.rotary(qkv[:, 1], c, sn).reshape(n, e)
-        rows = ops.cat((q, k, qkv[:, 2].reshape(n, e)), -1)  # [N, 3E]
-        rows = ops.cat((rows, ops.zeros((1, 3 * e), rows.dtype)), 0)  # [N + 1, 3E], row N = padding
-        blk = ops.gather(rows, gather.reshape(-1), 0).reshape(s, w, 3, self.num_heads, self.head_dim)
-        blk = blk.transpose(2, 0, 3, 1, 4)  # [3, S, H, W, hd]
-        out = self.core(blk[0], blk[1], blk[2], key_bias)  # [S, H, W, hd]
+        # RoPE on q and k in one pass (the values of ApplyRotary: x * cos + rotate_half(x) * sin, float32)
+        qkv32 = qkv.astype(ms.float32)
+        rot = self.rot_matmul(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv.shape)
+        rows = (qkv32 * cos + rot * sin).astype(x.dtype).reshape(n, 3 * e)  # [N, 3E]
+        # padding slots (index N) read row N - 1: their keys are masked by key_bias (weight exactly 0) and
+        # their queries' outputs are never gathered back, so any real row gives the same result
+        idx = ops.minimum(gather.reshape(-1), n - 1)
+        blk = ops.gather(rows, idx, 0).reshape(s, w, 3, self.num_heads, self.head_dim)
+        q, k, v = self.split_qkv(blk.transpose(2, 0, 3, 1, 4))  # 3 x [1, S, H, W, hd]
+        shape = (s, self.num_heads, w, self.head_dim)
+        out = self.core(q.reshape(shape), k.reshape(shape), v.reshape(shape), key_bias)  # [S, H, W, hd]
         out = out.transpose(0, 2, 1, 3).reshape(s * w, e)  # [S*W, E]
         return self.proj(ops.gather(out, unpad, 0))  # [N, E]
 
@@ -241,6 +267,7 @@ class VisionTransformer(nn.Cell):
         self.blocks = nn.CellList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         self.block_layout = VisionBlocks()
+        self.fused = is_ascend()  # the attention's path (VisionAttention.fused)
 
     def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
                   full_segment_ids, window_gather=None, full_gather=None):
@@ -261,6 +288,8 @@ class VisionTransformer(nn.Cell):
         else:
             win = (window_gather,) + self.block_layout(window_gather, window_segment_ids, n)
             full = (full_gather,) + self.block_layout(full_gather, full_segment_ids, n)
+            if not self.fused:
+                cos, sin = qkv_rotary(cos, sin)  # [N, 3, 1, hd]
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cos, sin, None, full if self.full[i] else win)
                 if self.taps[i]:
