@@ -16,9 +16,10 @@ Graph side (`ChunkedHeadCE`): hidden [n, c, D] gathered at those positions, the 
 and targets [n, c] -> per-position cross entropy [n, c] (0 at IGNORE). A `while` loop over the n
 chunks computes one [c, V] logits block at a time (forward: log-softmax and the target entry; the
 block is freed before the next). The backward is a custom bprop that recomputes each block's logits
-(one extra [c, D] x [D, V] matmul) and accumulates dW and dh chunk by chunk (row scalings are
-applied to [c, D] operands: broadcasting over a [c, V] block measured ~150 ms per op on CPU for
-c = 96), so no [N, V] tensor
+(one extra [c, D] x [D, V] matmul) and accumulates dW and dh chunk by chunk (the onehot is
+scattered into the [c, V] block, row scalings are applied to [c, D] operands: broadcasting over a
+[c, V] block measured ~150 ms per op on CPU for c = 96; the first chunk's dW product is the
+accumulator, so one chunk means one [V, D] temporary), so no [N, V] tensor
 exists in either direction: peak logits memory is O(C x V), whatever the sequence length. The
 per-position CE is what both losses consume (token_mean and the balanced loss, whose weights are
 stop-gradient functions of CE), so they are unchanged (tests/test_train_head.py checks loss and
@@ -96,23 +97,31 @@ class ChunkedHeadCE(nn.Cell):
         return ce
 
     def bprop(self, hidden, weight, targets, out, dout):
-        # d CE / d logits = softmax - onehot(t), times s = dout * valid per row. Row scalings are applied to
-        # [c, D] operands, not to the [c, V] block:  dh = (P @ W) * s - s * W[t],
-        # dW = P^T @ (h * s) - scatter_rows(t, h * s)   (P = softmax of the recomputed logits)
+        # d CE / d logits = softmax - onehot(t), times s = dout * valid per row. The onehot is subtracted in
+        # the [c, V] block (c entries scattered), the row scaling applied to the [c, D] operands:
+        #   G = P - onehot(t),  dh = (G @ W) * s,  dW = sum over chunks of G^T @ (h * s)
+        # The first chunk's dW is the accumulator itself, so a single-chunk step holds one [V, D] product.
         n = hidden.shape[0]
         w = weight.astype(hidden.dtype)
         dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
-        dw = ops.zeros(weight.shape, ms.float32)                      # [V, D]
-        i = 0
+        g, hs = self._block_grad(hidden[0], w, targets[0], dout[0])
+        dh[0] = _MM(g, w) * hs[1]
+        dw = _MM_TN(g, hs[0]).astype(ms.float32)                      # [V, D]
+        i = 1
         while i < n:
-            h = hidden[i]                                             # [c, D]
-            t = targets[i]
-            safe = ops.maximum(t, 0)
-            s = (dout[i] * (t != IGNORE).astype(ms.float32)).reshape(-1, 1).astype(hidden.dtype)  # [c, 1]
-            p = ops.softmax(_chunk_logits(h, w), -1).astype(hidden.dtype)  # [c, V]
-            dh[i] = _MM(p, w) * s - ops.gather(w, safe, 0) * s       # [c, D]
-            hs = h * s                                                # [c, D]
-            dw = dw + _MM_TN(p, hs).astype(ms.float32)                # [V, D]
-            dw = ops.tensor_scatter_add(dw, safe.reshape(-1, 1), -hs.astype(ms.float32))
+            g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
+            dh[i] = _MM(g, w) * hs[1]                                  # [c, D]
+            dw = dw + _MM_TN(g, hs[0]).astype(ms.float32)              # [V, D]
             i += 1
         return dh, dw.astype(weight.dtype), ops.zeros_like(targets)
+
+    @staticmethod
+    def _block_grad(h, w, t, dout):
+        """One chunk: (G = softmax(h W^T) - onehot(t) [c, V], (h * s [c, D], s [c, 1])); IGNORE rows have s 0."""
+        c = t.shape[0]
+        safe = ops.maximum(t, 0)
+        s = (dout * (t != IGNORE).astype(ms.float32)).reshape(-1, 1).astype(h.dtype)  # [c, 1]
+        p = ops.softmax(_chunk_logits(h, w), -1).astype(h.dtype)      # [c, V]
+        at = ops.stack((ops.arange(c, dtype=ms.int32), safe.astype(ms.int32)), 1)  # [c, 2] (row, target)
+        g = ops.tensor_scatter_sub(p, at, ops.ones((c,), p.dtype))    # P - onehot(t)
+        return g, (h * s, s)

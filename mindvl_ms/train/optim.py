@@ -71,17 +71,23 @@ _adamw = ops.MultitypeFuncGraph("adamw")
 
 
 _adamw_kernel = ops.AdamWeightDecay()
+_inplace_sub = ops.ApplyGradientDescent()  # var -= alpha * delta, written into var
 
 
 @_adamw.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
                  "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
 def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v, mine):
-    """One parameter: fused in-place AdamW on the scaled accumulated gradient, then zero the accumulator.
+    """One parameter: the accumulated gradient scaled into its accumulator (acc = acc * mult), fused
+    in-place AdamW reading it, then the accumulator zeroed in place (acc -= 1 * acc: exact, it is finite
+    whenever the update runs). Measured on a [151936, 512] parameter: passing `acc * mult` to the kernel
+    and `assign(acc, zeros_like(acc))` held three parameter-sized temporaries, this holds one.
     `mine` False (parallel optimizer in data-parallel mode: another rank owns it): only the zeroing."""
+    one = ops.ones_like(mult)
     if mine:
-        done = _adamw_kernel(param, m, v, lr * coef, b1, b2, eps, wd * wd_on, acc * mult)
-        return ops.depend(ops.assign(acc, ops.zeros_like(acc)), done)
-    return ops.assign(acc, ops.zeros_like(acc))
+        scaled = ops.assign(acc, acc * mult)
+        done = _adamw_kernel(param, m, v, lr * coef, b1, b2, eps, wd * wd_on, ops.depend(acc, scaled))
+        return _inplace_sub(acc, one, ops.depend(acc, done))
+    return _inplace_sub(acc, one, acc)
 
 
 _sq = ops.MultitypeFuncGraph("sq")
