@@ -256,6 +256,14 @@ def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
         counts[quick] = Counter(_kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
     assert counts[False] == {"yes/no": 10, "colour": 10, "shape": 10}
     assert counts[True]["yes/no"] > 15  # ~73% of 30 (binomial sd ~2.4)
+    # `demo.vqa_balance_yes_no` reaches the writer too: 12 yes/no questions, 3 per (wording, answer) cell
+    _, demo = load_demo_config(config_path(False), str(tmp_path))
+    demo.update(data_sizes={"vqa": [36, 1], "ocr": [1, 1], "grounding": [1, 1]}, vqa_balance_yes_no=True)
+    info = write_data(demo, str(tmp_path / "balanced"), seed=0, progress=False)
+    yn = [o for o in _lines(info["files"]["train"]["vqa"]) if _answer(o) in ("yes", "no")]
+    cells = Counter((" not " in o["messages"][0]["content"] or "\nis no " in o["messages"][0]["content"], _answer(o))
+                    for o in yn)
+    assert len(yn) == 12 and sorted(cells.values()) == [3, 3, 3, 3]
 
 
 def test_balanced_yes_no_cells(tmp_path):
