@@ -166,9 +166,9 @@ class VisionAttention(nn.Cell):
         self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
         self.fused = self.core.fused
         # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks
+        # (functional ops, like its gathers: this path never runs under a parallel layout, Ascend takes
+        # the fused one)
         self.rot_half = Tensor(rotate_half_matrix(cfg.head_dim))
-        self.rot_matmul = ops.MatMul()
-        self.split_qkv = ops.Split(0, 3)
 
     def construct(self, x, cos, sin, bias, blocks=None):
         """x [N, E]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias, seq_ends) from
@@ -190,13 +190,13 @@ class VisionAttention(nn.Cell):
         s, w = gather.shape
         # RoPE on q and k in one pass (the values of ApplyRotary: x * cos + rotate_half(x) * sin, float32)
         qkv32 = qkv.astype(ms.float32)
-        rot = self.rot_matmul(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv.shape)
+        rot = ops.matmul(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv.shape)
         rows = (qkv32 * cos + rot * sin).astype(x.dtype).reshape(n, 3 * e)  # [N, 3E]
         # padding slots (index N) read row N - 1: their keys are masked by key_bias (weight exactly 0) and
         # their queries' outputs are never gathered back, so any real row gives the same result
         idx = ops.minimum(gather.reshape(-1), n - 1)
         blk = ops.gather(rows, idx, 0).reshape(s, w, 3, self.num_heads, self.head_dim)
-        q, k, v = self.split_qkv(blk.transpose(2, 0, 3, 1, 4))  # 3 x [1, S, H, W, hd]
+        q, k, v = ops.split(blk.transpose(2, 0, 3, 1, 4), 1, 0)  # 3 x [1, S, H, W, hd]
         shape = (s, self.num_heads, w, self.head_dim)
         out = self.core(q.reshape(shape), k.reshape(shape), v.reshape(shape), key_bias)  # [S, H, W, hd]
         out = out.transpose(0, 2, 1, 3).reshape(s * w, e)  # [S*W, E]
