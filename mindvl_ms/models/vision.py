@@ -17,8 +17,9 @@ computed host-side (`mindvl_ms.models.inputs.vision_metadata`) and passed in:
 Attention layout (the design choice): with the gathers given, window layers attend per window and full
 layers per image: q/k/v rows (RoPE applied to the fused qkv in one pass) are gathered into [S, H, W, hd]
 blocks (padding slots read a real row; their keys are masked, their outputs dropped), attention runs on
-[S, H, W, W] scores, and each patch's output is gathered back from its block slot. Cost is sum over blocks of W^2 instead of N^2 for the whole batch
-(1280x720: 84 windows of <= 64 patches instead of one 4,784^2 mask). Without the gathers the encoder
+[S, H, W, W] scores, and each patch's output is gathered back from its block slot. Cost is sum over
+blocks of W^2 instead of N^2 for the whole batch (1280x720: 84 windows of <= 64 patches instead of one
+4,784^2 mask). Without the gathers the encoder
 falls back to one dense [N, N] mask built from the segment ids (same result; kept for the positional
 6-input API). On Ascend the fused kernel takes the packed [N, H, hd] sequence in TND layout with
 `actual_seq_qlen` = the blocks' cumulative ends, derived in-graph from the gathers (only runs there).
