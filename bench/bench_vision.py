@@ -1,20 +1,22 @@
 """Vision-tower time of mindvl-ms (MindSpore graph mode, CPU) against transformers' Qwen2.5-VL vision
 tower (torch, sdpa) on the same weights and the same image, measured in one run.
 
-    python bench/bench_vision.py [--sizes 448x448 1280x720] [--repeats 9] [--rounds 2] [--dense]
+    python bench/bench_vision.py [--sizes 448x448 1280x720] [--repeats 15] [--rounds 3] [--dense]
 
 The tower: a 4-block Qwen2.5-ViT (hidden 256, 4 heads, MLP 512, 112 px windows, block 3 full attention,
 as one in four of Qwen2.5-VL's blocks), patch 14, 2x2 merge. One image per call, resized as the
 processor does (1280x720 -> 1288x728 = 4,784 patches, 84 windows; 448x448 -> 1,024 patches, 16 windows).
 mindvl-ms runs its per-window / per-image block attention (host-side gathers); `--dense` adds its old
 dense N x N mask path for images of at most 2,048 patches (at 1280x720 that path's forward+backward grew
-past 19 GB resident and was killed by the OOM killer on a 23 GB machine). Forward is one call; forward+backward is d(sum(out * w))/d(params) (ms.grad under
-jit, torch autograd). Calls of the two frameworks alternate, so machine-load drift hits both alike; each
-figure is the median of `--repeats` calls after a warm-up (compile). The whole measurement runs `--rounds`
-times and prints the spread between rounds, so whether two runs agree is visible. Ratio = torch / ours
-(> 1 means mindvl-ms is faster). Both frameworks share the process; at 1280x720 it peaks near 12 GB
-resident (mindvl-ms' block path alone: 7.0 GB max RSS for forward+backward, most of it the full-attention
-layer's [H, N, N] float32 scores, probabilities and their gradients).
+past 19 GB resident and was killed by the OOM killer on a 23 GB machine). Forward is one call;
+forward+backward is d(sum(out * w))/d(params) (ms.grad under jit, torch autograd). Calls of the two
+frameworks alternate, so machine-load drift hits both alike; each figure is the median of `--repeats`
+calls after a warm-up (compile). The whole measurement runs `--rounds` times. The summary's ratio (torch /
+ours, > 1 means mindvl-ms is faster) is the median over every round of the call-by-call ratios, each from
+two adjacent calls, so load that drifts over seconds cancels; the spread between the rounds' own medians
+shows whether two runs agree. Both frameworks share the process; at 1280x720 it peaks near 12 GB resident
+(mindvl-ms' block path alone: 7.0 GB max RSS for forward+backward, most of it the full-attention layer's
+[H, N, N] float32 scores, probabilities and their gradients).
 """
 import argparse
 import os
@@ -128,14 +130,15 @@ def measure(size: str, hf_visual, model, repeats: int, dense: bool):
                 t_old.append(median_ms(old, 1))
         out[kind] = (statistics.median(t_ours), statistics.median(t_ref),
                      statistics.median(t_old) if dense else None)
+        out[kind + "_pairs"] = [r / o for o, r in zip(t_ours, t_ref)]  # torch / ours, call by call
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["448x448", "1280x720"])
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dense", action="store_true", help="also time the dense N x N mask path")
     args = ap.parse_args()
 
@@ -156,13 +159,15 @@ def main():
                 if d is not None:
                     line += f" (dense mask {d:7.1f} ms)"
             print(line, flush=True)
-    if args.rounds > 1:
-        for size, runs in results.items():
-            for kind in ("fwd", "bwd"):
-                ratios = [x[kind][1] / x[kind][0] for x in runs]
-                ours = [x[kind][0] for x in runs]
-                print(f"{size:>9s} {kind}: ratio per round {', '.join(f'{q:.2f}' for q in ratios)}; "
-                      f"our median spread between rounds {100 * (max(ours) / min(ours) - 1):.1f}%")
+    print("summary: ratio = median over all rounds of the call-by-call ratios torch / ours (adjacent calls "
+          "share the machine's load); spread = max / min - 1 of the rounds' own medians of those ratios")
+    for size, runs in results.items():
+        for kind, name in (("fwd", "forward"), ("bwd", "fwd+bwd")):
+            pairs = [q for x in runs for q in x[kind + "_pairs"]]
+            per_round = [statistics.median(x[kind + "_pairs"]) for x in runs]
+            print(f"{size:>9s} {name:>8s}: ratio {statistics.median(pairs):.2f} over {len(pairs)} call pairs; "
+                  f"per round {', '.join(f'{q:.2f}' for q in per_round)}; "
+                  f"spread {100 * (max(per_round) / min(per_round) - 1):.1f}%")
 
 
 if __name__ == "__main__":

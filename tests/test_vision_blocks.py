@@ -93,4 +93,10 @@ def test_rotate_half_matrix_and_qkv_rotary_equal_apply_rotary():
         ref = rope(Tensor(x[:, i]), Tensor(cos[:, None]), Tensor(sin[:, None])).asnumpy()
         np.testing.assert_array_equal(got[:, i], ref)
     np.testing.assert_array_equal(got[:, 2], x[:, 2])
+    # the queries may carry the attention scale: their rows scaled, k and v rows unchanged
+    cq, sq = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin), 0.125))
+    np.testing.assert_array_equal(cq[:, 1:], c3[:, 1:])
+    np.testing.assert_array_equal(sq[:, 1:], s3[:, 1:])
+    np.testing.assert_allclose(x[:, 0] * cq[:, 0] + (x2 @ r).reshape(x.shape)[:, 0] * sq[:, 0], got[:, 0] * 0.125,
+                               rtol=1e-6, atol=1e-7)
     assert ms.float32 == rope(Tensor(x[:, 0]), Tensor(cos[:, None]), Tensor(sin[:, None])).dtype

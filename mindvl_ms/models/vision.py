@@ -92,12 +92,14 @@ class VisionRotaryEmbedding(nn.Cell):
         return ops.cos(emb), ops.sin(emb)
 
 
-def qkv_rotary(cos, sin):
-    """cos/sin [N, hd] -> [N, 3, 1, hd] for RoPE over a fused [N, 3, H, hd] qkv in one pass: the q and k
-    rows get cos/sin, the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v exactly)."""
+def qkv_rotary(cos, sin, q_scale: float = 1.0):
+    """cos/sin [N, hd] -> [N, 3, 1, hd] for RoPE over a fused [N, 3, H, hd] qkv in one pass: the k rows get
+    cos/sin, the q rows cos/sin times `q_scale` (the attention's 1/sqrt(hd), applied to the [N, H, hd]
+    queries instead of the [S, H, W, W] scores), the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v)."""
     n, hd = cos.shape
     one, zero = ops.ones((n, hd), cos.dtype), ops.zeros((n, hd), sin.dtype)
-    return ops.stack((cos, cos, one), 1).reshape(n, 3, 1, hd), ops.stack((sin, sin, zero), 1).reshape(n, 3, 1, hd)
+    return (ops.stack((cos * q_scale, cos, one), 1).reshape(n, 3, 1, hd),
+            ops.stack((sin * q_scale, sin, zero), 1).reshape(n, 3, 1, hd))
 
 
 def rotate_half_matrix(hd: int) -> np.ndarray:
@@ -166,9 +168,9 @@ class VisionAttention(nn.Cell):
         self.rotary = ApplyRotary()
         self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
         self.fused = self.core.fused
-        # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks
-        # (functional ops, like its gathers: this path never runs under a parallel layout, Ascend takes
-        # the fused one)
+        # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks,
+        # attention on the pre-scaled queries (functional ops, like its gathers: this path never runs under
+        # a parallel layout, Ascend takes the fused one)
         self.rot_half = Tensor(rotate_half_matrix(cfg.head_dim))
 
     def construct(self, x, cos, sin, bias, blocks=None):
@@ -199,7 +201,10 @@ class VisionAttention(nn.Cell):
         blk = ops.gather(rows, idx, 0).reshape(s, w, 3, self.num_heads, self.head_dim)
         q, k, v = ops.split(blk.transpose(2, 0, 3, 1, 4), 1, 0)  # 3 x [1, S, H, W, hd]
         shape = (s, self.num_heads, w, self.head_dim)
-        out = self.core(q.reshape(shape), k.reshape(shape), v.reshape(shape), key_bias)  # [S, H, W, hd]
+        # softmax(q k^T + key_bias) v as CoreAttention's CPU path (q is pre-scaled by qkv_rotary)
+        scores = ops.BatchMatMul(transpose_b=True)(q.reshape(shape), k.reshape(shape))  # [S, H, W, W]
+        probs = ops.softmax(scores.astype(ms.float32) + key_bias, -1).astype(x.dtype)
+        out = ops.BatchMatMul()(probs, v.reshape(shape))  # [S, H, W, hd]
         out = out.transpose(0, 2, 1, 3).reshape(s * w, e)  # [S*W, E]
         return self.proj(ops.gather(out, unpad, 0))  # [N, E]
 
@@ -269,6 +274,7 @@ class VisionTransformer(nn.Cell):
         self.merger = PatchMerger(cfg)
         self.block_layout = VisionBlocks()
         self.fused = is_ascend()  # the attention's path (VisionAttention.fused)
+        self.scale = cfg.head_dim ** -0.5  # the block path folds it into the queries' cos/sin
 
     def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
                   full_segment_ids, window_gather=None, full_gather=None):
@@ -290,7 +296,7 @@ class VisionTransformer(nn.Cell):
             win = (window_gather,) + self.block_layout(window_gather, window_segment_ids, n)
             full = (full_gather,) + self.block_layout(full_gather, full_segment_ids, n)
             if not self.fused:
-                cos, sin = qkv_rotary(cos, sin)  # [N, 3, 1, hd]
+                cos, sin = qkv_rotary(cos, sin, self.scale)  # [N, 3, 1, hd]
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cos, sin, None, full if self.full[i] else win)
                 if self.taps[i]:
