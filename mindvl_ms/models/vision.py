@@ -168,9 +168,9 @@ class VisionAttention(nn.Cell):
         self.rotary = ApplyRotary()
         self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
         self.fused = self.core.fused
-        # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks,
-        # attention on the pre-scaled queries (functional ops, like its gathers: this path never runs under
-        # a parallel layout, Ascend takes the fused one)
+        # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks
+        # (functional ops, like its gathers: this path never runs under a parallel layout, Ascend takes
+        # the fused one); the queries come pre-scaled (`qkv_rotary`), so attention is `core.prescaled`
         self.rot_half = Tensor(rotate_half_matrix(cfg.head_dim))
 
     def construct(self, x, cos, sin, bias, blocks=None):
@@ -201,10 +201,7 @@ class VisionAttention(nn.Cell):
         blk = ops.gather(rows, idx, 0).reshape(s, w, 3, self.num_heads, self.head_dim)
         q, k, v = ops.split(blk.transpose(2, 0, 3, 1, 4), 1, 0)  # 3 x [1, S, H, W, hd]
         shape = (s, self.num_heads, w, self.head_dim)
-        # softmax(q k^T + key_bias) v as CoreAttention's CPU path (q is pre-scaled by qkv_rotary)
-        scores = ops.BatchMatMul(transpose_b=True)(q.reshape(shape), k.reshape(shape))  # [S, H, W, W]
-        probs = ops.softmax(scores.astype(ms.float32) + key_bias, -1).astype(x.dtype)
-        out = ops.BatchMatMul()(probs, v.reshape(shape))  # [S, H, W, hd]
+        out = self.core.prescaled(q.reshape(shape), k.reshape(shape), v.reshape(shape), key_bias)  # [S, H, W, hd]
         out = out.transpose(0, 2, 1, 3).reshape(s * w, e)  # [S*W, E]
         return self.proj(ops.gather(out, unpad, 0))  # [N, E]
 

@@ -97,8 +97,16 @@ class CoreAttention(nn.Cell):
         k = self._repeat(k)
         v = self._repeat(v)
         scores = self.scale_mul(self.qk_matmul(q, k), self.scale)  # [B, H, L, S]
-        scores = self.bias_add(scores.astype(ms.float32), bias)
-        probs = self.softmax(scores).astype(q.dtype)
+        return self._softmax_v(scores, v, bias, q.dtype)
+
+    def prescaled(self, q, k, v, bias):
+        """The CPU path for queries already multiplied by `scale` (e.g. folded into their RoPE cos/sin):
+        no [B, H, L, S] multiply."""
+        return self._softmax_v(self.qk_matmul(q, self._repeat(k)), self._repeat(v), bias, q.dtype)
+
+    def _softmax_v(self, scores, v, bias, dtype):
+        scores = self.bias_add(scores.astype(ms.float32), bias)  # [B, H, L, S]
+        probs = self.softmax(scores).astype(dtype)
         return self.pv_matmul(probs, v)  # [B, H, L, Dv]
 
     def _flash(self, q, k, v, actual_seq_qlen, actual_seq_kvlen):
