@@ -95,3 +95,36 @@ def test_plain_gelu_vision_mlp_matches_qwen2_vl():
     with torch.no_grad():
         expect = ref(torch.tensor(x)).numpy()
     assert np.abs(ours(Tensor(x)).asnumpy() - expect).max() < 1e-5
+
+
+class _SoftmaxVLoss(ms.nn.Cell):
+    def __init__(self, w):
+        super().__init__()
+        from mindvl_ms.ops.attention import SoftmaxV
+
+        self.sv, self.w = SoftmaxV(), Tensor(w)
+
+    def construct(self, scores, v):
+        return (self.sv(scores, v) * self.w).sum()
+
+
+def test_softmax_v_backward_matches_torch_autograd():
+    """SoftmaxV's hand-written backward (rowsum(dO * O) instead of a reduction over the scores, the
+    subtraction inside a widened matmul) equals torch autograd of softmax(s) @ v, masked keys included."""
+    rng = np.random.default_rng(3)
+    s = (rng.standard_normal((3, 2, 6, 9)) * 3).astype(np.float32)
+    s[..., 7:] += -1e9                                        # masked keys (the key_bias of padding slots)
+    v = rng.standard_normal((3, 2, 9, 5)).astype(np.float32)
+    w = rng.standard_normal((3, 2, 6, 5)).astype(np.float32)
+    ts, tv = torch.tensor(s, requires_grad=True), torch.tensor(v, requires_grad=True)
+    out_ref = torch.softmax(ts, -1) @ tv
+    (out_ref * torch.tensor(w)).sum().backward()
+    loss = _SoftmaxVLoss(w)
+    from mindvl_ms.ops.attention import SoftmaxV
+
+    out = SoftmaxV()(Tensor(s), Tensor(v)).asnumpy()
+    assert np.abs(out - out_ref.detach().numpy()).max() < 1e-5
+    ds, dv = ms.jit(ms.grad(loss, (0, 1)))(Tensor(s), Tensor(v))
+    assert np.abs(ds.asnumpy() - ts.grad.numpy()).max() < 1e-5
+    assert np.abs(dv.asnumpy() - tv.grad.numpy()).max() < 1e-5
+    assert np.abs(ds.asnumpy()[..., 7:]).max() == 0 and np.abs(ts.grad.numpy()).max() > 0.1

@@ -48,6 +48,38 @@ def segment_bias(seg_q, seg_k, causal: bool):
     return bias[:, None, :, :]
 
 
+_SOFTMAX = ops.Softmax(-1)
+_BMM = ops.BatchMatMul()                      # [.., L, S] x [.., S, Dv]
+_BMM_TN = ops.BatchMatMul(transpose_a=True)   # [.., L, S]^T x [.., L, Dv] -> [.., S, Dv]
+_BMM_NT = ops.BatchMatMul(transpose_b=True)   # [.., L, Dv+1] x [.., S, Dv+1]^T -> [.., L, S]
+_ROW_SUM = ops.ReduceSum(keep_dims=True)
+
+
+class SoftmaxV(nn.Cell):
+    """softmax(scores) v: float32 scores [.., L, S], v [.., S, Dv] -> [.., L, Dv] (probabilities cast to
+    v's dtype), with a hand-written backward that never reduces over an [.., L, S] tensor.
+
+    Autodiff's softmax gradient is P * (dP - rowsum(dP * P)): a multiply and a last-axis reduction over
+    every score (measured on 2 CPU cores: the reduction alone was 284 ms of a 2.04 s ViT forward+backward
+    at 1280x720, most of it the full-attention block's [4, 4784, 4784] scores). Here, as in
+    FlashAttention's backward, rowsum(dP * P) = rowsum(dO * O) ([.., L, Dv]), and the subtraction rides in
+    the dP matmul on operands widened by one column: [dO, -D] [v, 1]^T = dO v^T - D. The backward
+    recomputes P from the scores (one softmax) instead of keeping it. Module-level primitives: the
+    path runs without a parallel layout (the vision block path)."""
+
+    def construct(self, scores, v):
+        return _BMM(_SOFTMAX(scores).astype(v.dtype), v)                  # [.., L, Dv]
+
+    def bprop(self, scores, v, out, dout):
+        p = _SOFTMAX(scores)                                              # [.., L, S] float32
+        dv = _BMM_TN(p.astype(v.dtype), dout)                             # [.., S, Dv]
+        g = dout.astype(ms.float32)
+        d = _ROW_SUM(g * out.astype(ms.float32), -1)                      # [.., L, 1] = rowsum(dP * P)
+        ones = ops.ones(v.shape[:-1] + (1,), ms.float32)
+        dp_minus_d = _BMM_NT(ops.cat((g, -d), -1), ops.cat((v.astype(ms.float32), ones), -1))  # [.., L, S]
+        return p * dp_minus_d, dv
+
+
 def causal_compressed_mask() -> Tensor:
     """uint8[2048, 2048], 1 above the diagonal: the mask FlashAttentionScore takes with sparse_mode 3."""
     return Tensor(np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE), np.uint8), k=1), ms.uint8)
@@ -90,6 +122,7 @@ class CoreAttention(nn.Cell):
         self.bias_add = ops.Add()  # [B, H, L, S] + [B, 1, L, S]
         self.softmax = ops.Softmax(-1)
         self.pv_matmul = ops.BatchMatMul()  # [B, H, L, S] x [B, H, S, Dv]
+        self.softmax_v = SoftmaxV()  # the pre-scaled path's softmax + p.v (hand-written backward)
 
     def construct(self, q, k, v, bias, actual_seq_qlen=None, actual_seq_kvlen=None):
         if self.fused and actual_seq_qlen is not None:
@@ -101,8 +134,10 @@ class CoreAttention(nn.Cell):
 
     def prescaled(self, q, k, v, bias):
         """The CPU path for queries already multiplied by `scale` (e.g. folded into their RoPE cos/sin):
-        no [B, H, L, S] multiply."""
-        return self._softmax_v(self.qk_matmul(q, self._repeat(k)), self._repeat(v), bias, q.dtype)
+        no [B, H, L, S] multiply, and `SoftmaxV`'s backward (no reduction over the scores). For paths that
+        run without a parallel layout (the ViT's block path)."""
+        scores = self.bias_add(self.qk_matmul(q, self._repeat(k)).astype(ms.float32), bias)  # [B, H, L, S]
+        return self.softmax_v(scores, self._repeat(v))  # [B, H, L, Dv]
 
     def _softmax_v(self, scores, v, bias, dtype):
         scores = self.bias_add(scores.astype(ms.float32), bias)  # [B, H, L, S]
