@@ -128,3 +128,37 @@ def test_softmax_v_backward_matches_torch_autograd():
     assert np.abs(ds.asnumpy() - ts.grad.numpy()).max() < 1e-5
     assert np.abs(dv.asnumpy() - tv.grad.numpy()).max() < 1e-5
     assert np.abs(ds.asnumpy()[..., 7:]).max() == 0 and np.abs(ts.grad.numpy()).max() > 0.1
+
+
+def test_linear_bias_gradient_matches_torch():
+    """ops.Linear (its CPU bias gradient is a ones-row matmul) equals torch.nn.Linear in output and in
+    the gradients of input, weight and bias; it stays an nn.Dense with nn.Dense's parameter names."""
+    from mindvl_ms.ops import Linear
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 7, 5)).astype(np.float32)
+    w = rng.standard_normal((2, 7, 3)).astype(np.float32)
+    lin = Linear(5, 3)
+    assert isinstance(lin, ms.nn.Dense) and lin.cpu_bias
+    assert sorted(p.name.split(".")[-1] for p in lin.get_parameters()) == ["bias", "weight"]
+    lin.bias.set_data(Tensor(rng.standard_normal(3).astype(np.float32)))
+    ref = torch.nn.Linear(5, 3)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(lin.weight.asnumpy()))
+        ref.bias.copy_(torch.tensor(lin.bias.asnumpy()))
+    tx = torch.tensor(x, requires_grad=True)
+    (ref(tx) * torch.tensor(w)).sum().backward()
+
+    class Loss(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.w = lin, Tensor(w)
+
+        def construct(self, x):
+            return (self.lin(x) * self.w).sum()
+
+    assert np.abs(lin(Tensor(x)).asnumpy() - ref(tx).detach().numpy()).max() < 1e-5
+    dx, (dw, db) = ms.jit(ms.grad(Loss(), 0, [lin.weight, lin.bias]))(Tensor(x))
+    assert np.abs(dx.asnumpy() - tx.grad.numpy()).max() < 1e-5
+    assert np.abs(dw.asnumpy() - ref.weight.grad.numpy()).max() < 1e-5
+    assert np.abs(db.asnumpy() - ref.bias.grad.numpy()).max() < 1e-5 and np.abs(db.asnumpy()).max() > 0.1

@@ -27,13 +27,13 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.common.initializer import Normal
 
-from ..ops import ApplyRotary, CoreAttention, RMSNorm
+from ..ops import ApplyRotary, CoreAttention, Linear, RMSNorm
 from .text import mrope_pair_axis
 
 
-def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> nn.Dense:
-    """nn.Dense (weight [out, in], as torch Linear) with a normal init."""
-    return nn.Dense(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
+def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> Linear:
+    """`ops.Linear` (nn.Dense, weight [out, in] as torch Linear) with a normal init."""
+    return Linear(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
 
 
 class MRotaryEmbedding(nn.Cell):

@@ -32,15 +32,15 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..config import VisionConfig
-from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from ..ops import ApplyRotary, CoreAttention, Linear, RMSNorm, SwiGLU, segment_bias
 from ..ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
 from ..ops.attention import NEG_INF
 from ..ops.dispatch import is_ascend
 
 
-def dense(d_in: int, d_out: int, bias: bool, std: float) -> nn.Dense:
-    """nn.Dense (weight [out, in], as torch Linear) with a normal init and zero bias."""
-    return nn.Dense(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
+def dense(d_in: int, d_out: int, bias: bool, std: float) -> Linear:
+    """`ops.Linear` (nn.Dense, weight [out, in] as torch Linear) with a normal init and zero bias."""
+    return Linear(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
 
 
 class VisionPatchEmbed(nn.Cell):

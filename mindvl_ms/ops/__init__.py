@@ -10,5 +10,6 @@ from .norm import RMSNorm
 from .rotary import ApplyRotary, rotate_half
 from .activation import SwiGLU
 from .attention import CoreAttention, segment_bias
+from .linear import Linear
 
-__all__ = ["is_ascend", "RMSNorm", "ApplyRotary", "rotate_half", "SwiGLU", "CoreAttention", "segment_bias"]
+__all__ = ["is_ascend", "RMSNorm", "ApplyRotary", "rotate_half", "SwiGLU", "CoreAttention", "segment_bias", "Linear"]

@@ -132,12 +132,18 @@ class CoreAttention(nn.Cell):
         scores = self.scale_mul(self.qk_matmul(q, k), self.scale)  # [B, H, L, S]
         return self._softmax_v(scores, v, bias, q.dtype)
 
-    def prescaled(self, q, k, v, bias):
-        """The CPU path for queries already multiplied by `scale` (e.g. folded into their RoPE cos/sin):
-        no [B, H, L, S] multiply, and `SoftmaxV`'s backward (no reduction over the scores). For paths that
-        run without a parallel layout (the ViT's block path)."""
-        scores = self.bias_add(self.qk_matmul(q, self._repeat(k)).astype(ms.float32), bias)  # [B, H, L, S]
-        return self.softmax_v(scores, self._repeat(v))  # [B, H, L, Dv]
+    def prescaled(self, q, k, v, key_bias):
+        """The CPU path for queries already multiplied by `scale` (e.g. folded into their RoPE cos/sin) and a
+        bias that depends on the key only, `key_bias` float32 [B, 1, 1, S] (0 or NEG_INF): the bias rides in
+        the q.k^T matmul as one extra column ([q, 1] [k, bias]^T), so no [B, H, L, S] multiply or add in
+        either direction, and `SoftmaxV`'s backward (no reduction over the scores). For paths that run
+        without a parallel layout (the ViT's block path)."""
+        k, v = self._repeat(k), self._repeat(v)
+        b, h, s = k.shape[0], k.shape[1], k.shape[2]
+        q1 = ops.cat((q.astype(ms.float32), ops.ones(q.shape[:-1] + (1,), ms.float32)), -1)       # [B, H, L, D+1]
+        kb = ops.broadcast_to(key_bias.reshape(b, 1, s, 1), (b, h, s, 1))                          # [B, H, S, 1]
+        k1 = ops.cat((k.astype(ms.float32), kb), -1)                                               # [B, H, S, D+1]
+        return self.softmax_v(self.qk_matmul(q1, k1), v)  # [B, H, L, Dv]
 
     def _softmax_v(self, scores, v, bias, dtype):
         scores = self.bias_add(scores.astype(ms.float32), bias)  # [B, H, L, S]
