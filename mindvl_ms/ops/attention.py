@@ -9,6 +9,9 @@ BatchMatMul -> *scale -> +bias -> float32 Softmax -> BatchMatMul (HF eager seman
 k/v). These are primitive instances so a parallel layout can attach strategies to them
 (`mindvl_ms.parallel.attention.shard_core_attention`).
 
+The ViT's block path (`CoreAttention.prescaled`, no parallel layout) has queries pre-scaled, its per-key
+padding bias inside the q.k^T matmul and `SoftmaxV`'s hand-written backward (no reduction over the scores).
+
 Ascend path (only runs on Ascend hardware, never exercised here): `FlashAttentionScore` in TND layout
 (tokens of all rows flattened, [T, N, D]) with `actual_seq_qlen` / `actual_seq_kvlen`, the cumulative
 segment ends computed host-side (`mindvl_ms.models.inputs`; no leading 0, last = T). The kernel attends
@@ -64,8 +67,9 @@ class SoftmaxV(nn.Cell):
     at 1280x720, most of it the full-attention block's [4, 4784, 4784] scores). Here, as in
     FlashAttention's backward, rowsum(dP * P) = rowsum(dO * O) ([.., L, Dv]), and the subtraction rides in
     the dP matmul on operands widened by one column: [dO, -D] [v, 1]^T = dO v^T - D. The backward
-    recomputes P from the scores (one softmax) instead of keeping it. Module-level primitives: the
-    path runs without a parallel layout (the vision block path)."""
+    asks for softmax(scores) again; in a compiled graph that is the forward's kernel (common
+    subexpression: a 4-block ViT forward+backward profiles 4 Softmax kernels, as its forward alone).
+    Module-level primitives: the path runs without a parallel layout (the vision block path)."""
 
     def construct(self, scores, v):
         return _BMM(_SOFTMAX(scores).astype(v.dtype), v)                  # [.., L, Dv]

@@ -3,9 +3,9 @@
 MindSpore's CPU BiasAddGrad reduces [N, out] over N 3-25x slower than the same sum as a ones-row matmul
 (2 cores, N = 4,784 ViT patches: 3-13 ms against 0.4-0.8 ms per layer; 22 kernels were 8% of a 1280x720
 ViT forward+backward). On CPU the bias add is `BiasAddMatMulGrad`: the same BiasAdd forward, and a
-hand-written backward whose bias gradient is ones[1, N] @ dout. On Ascend (and in any parallel layout,
-which attaches strategies to nn.Dense's own `matmul` / `bias_add` primitives) the cell is nn.Dense,
-unchanged. Parameter names and layouts are nn.Dense's, so `isinstance(cell, nn.Dense)` holds and weight
+hand-written backward whose bias gradient is ones[1, N] @ dout. On Ascend, where parallel layouts
+compile and attach strategies to nn.Dense's own `matmul` / `bias_add` primitives, the forward is
+nn.Dense's. Parameter names and layouts are nn.Dense's, so `isinstance(cell, nn.Dense)` holds and weight
 conversion is unaffected.
 """
 import mindspore as ms
