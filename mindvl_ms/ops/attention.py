@@ -134,7 +134,9 @@ class CoreAttention(nn.Cell):
         k = self._repeat(k)
         v = self._repeat(v)
         scores = self.scale_mul(self.qk_matmul(q, k), self.scale)  # [B, H, L, S]
-        return self._softmax_v(scores, v, bias, q.dtype)
+        scores = self.bias_add(scores.astype(ms.float32), bias)
+        probs = self.softmax(scores).astype(q.dtype)
+        return self.pv_matmul(probs, v)  # [B, H, L, Dv]
 
     def prescaled(self, q, k, v, key_bias):
         """The CPU path for queries already multiplied by `scale` (e.g. folded into their RoPE cos/sin) and a
@@ -148,11 +150,6 @@ class CoreAttention(nn.Cell):
         kb = ops.broadcast_to(key_bias.reshape(b, 1, s, 1), (b, h, s, 1))                          # [B, H, S, 1]
         k1 = ops.cat((k.astype(ms.float32), kb), -1)                                               # [B, H, S, D+1]
         return self.softmax_v(self.qk_matmul(q1, k1), v)  # [B, H, L, Dv]
-
-    def _softmax_v(self, scores, v, bias, dtype):
-        scores = self.bias_add(scores.astype(ms.float32), bias)  # [B, H, L, S]
-        probs = self.softmax(scores).astype(dtype)
-        return self.pv_matmul(probs, v)  # [B, H, L, Dv]
 
     def _flash(self, q, k, v, actual_seq_qlen, actual_seq_kvlen):
         """Ascend only: TND FlashAttentionScore (native GQA, v padded to the q/k head dim)."""
