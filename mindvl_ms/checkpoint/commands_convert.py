@@ -13,6 +13,10 @@ import shutil
 def _convert(args) -> int:
     from .hf import convert
 
+    if args.direction == "ms2hf" and os.path.isfile(os.path.join(args.src, "vocab_subset.json")):
+        raise SystemExit(f"{args.src}: the model's vocabulary is a subset of its tokenizer's (vocab_subset.json, "
+                         f"data/vocab_subset.py); transformers would read the full tokenizer's ids, so there is "
+                         f"no Hugging Face layout for it (train with the full vocabulary to export)")
     stats = convert(args.src, args.dst, to="native" if args.direction == "hf2ms" else "hf",
                     max_shard_bytes=int(args.max_shard_mb * 2 ** 20) if args.max_shard_mb else None)
     files = write_processor(args.dst, args.src)

@@ -21,7 +21,8 @@ import shutil
 from typing import List, Optional
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model")
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                   "vocab_subset.json")  # data.vocab_subset: the model's ids are a subset of the tokenizer's
 PREPROCESSOR = "preprocessor_config.json"
 CHAT_TEMPLATE = "chat_template.json"
 PROCESSOR_FILES = TOKENIZER_FILES + (PREPROCESSOR, CHAT_TEMPLATE)

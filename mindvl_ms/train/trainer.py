@@ -105,6 +105,22 @@ def build_model(run_cfg):
     return MindVLForConditionalGeneration(run_cfg.model)
 
 
+def checkpoint_model_config(run_cfg):
+    """A copy of run_cfg whose `model` is init_from's config.json: the model is built from the checkpoint,
+    and batches (token ids, vocabulary, M-RoPE layout) must be built for that model, not for a YAML
+    `model:` section that differs from it (which is logged)."""
+    import dataclasses
+
+    from ..checkpoint.hf import config_from_dir
+
+    ck = config_from_dir(run_cfg.init_from)
+    if ck != run_cfg.model:
+        diff = {k: v for k, v in to_dict(ck).items() if to_dict(run_cfg.model).get(k) != v}
+        log.info("model config from %s (it differs from the run config's `model:` in %s)", run_cfg.init_from,
+                 sorted(diff))
+    return dataclasses.replace(run_cfg, model=ck)
+
+
 def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
     """Shard strategies (semi-auto parallel), activation checkpointing and mixed precision; returns the
     network the train step calls.
@@ -161,6 +177,8 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     from ..data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
 
     t_start = time.perf_counter()
+    if model is None and run_cfg.init_from:  # the checkpoint is the model: batches follow its config
+        run_cfg = checkpoint_model_config(run_cfg)
     dist = setup(run_cfg)
     os.makedirs(out_dir, exist_ok=True)
     np.random.seed(run_cfg.seed % 2**32)
