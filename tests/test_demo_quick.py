@@ -180,6 +180,16 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
         assert tok.encode(text) == ids[:-1], (line["id"], text, tok.decode(ids))
 
 
+def test_subset_vocab_checkpoint_has_no_hf_export(run, tmp_path):
+    """The demo model's vocabulary is the data's ids (demo.vocab: data): `mindvl convert ms2hf` refuses it by
+    name instead of writing a Hugging Face directory whose tokenizer ids are not the model's."""
+    out, _, _ = run
+    proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "convert", "ms2hf", os.path.join(out, "merged"),
+                           str(tmp_path / "hf")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "vocab_subset.json" in proc.stderr and "no Hugging Face layout" in proc.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 def test_post_train_on_the_quick_model(run):
     """`mindvl demo --post-train` on the quick run, a few steps per stage: the prompt images are new, the pairs
     are the rollout's own samples under the pair rule, the chain is DPO from merged then GRPO from DPO, and
