@@ -130,3 +130,24 @@ def test_init_from_run_builds_batches_for_the_checkpoints_config(demo_data, tmp_
     got = checkpoint_model_config(run_cfg)
     assert got.model == sub_cfg and got.model.image_token_id != run_cfg.model.image_token_id
     assert run_cfg.model.text.vocab_size == 151936 and got.stages == run_cfg.stages  # the caller's config untouched
+
+
+def test_demo_vocab_field(tmp_path):
+    """`demo.vocab`: "full" leaves the model and tokenizer alone, "data" restricts both (to what the train
+    sources and held-out prompts use), anything else is an error naming the choices."""
+    from mindvl_ms.demo.run import config_path, load_demo_config, restrict_vocab
+
+    data = tmp_path / "data"
+    info = write_demo_data(str(data), seed=0, sizes={"vqa": (6, 3), "ocr": (2, 2), "grounding": (2, 2)},
+                           progress=False)
+    cfg, demo = load_demo_config(config_path(True), str(data))
+    assert demo["vocab"] == "data" and cfg.model.text.vocab_size == 151936  # nothing written yet
+    with pytest.raises(ValueError, match="demo.vocab 'all': expected 'full'"):
+        restrict_vocab(cfg, {"vocab": "all"}, str(data), [])
+    assert restrict_vocab(cfg, {"vocab": "full"}, str(data), []) == {"mode": "full", "size": 151936}
+    assert cfg.data.tokenizer == "" and not (data / "tokenizer").exists()
+    got = restrict_vocab(cfg, demo, str(data), list(info["files"]["heldout"].values()))
+    ids = json.load(open(data / "tokenizer" / "vocab_subset.json"))["ids"]
+    assert got == {"mode": "data", "size": len(ids), "of": 151936} and cfg.model.text.vocab_size == len(ids)
+    assert cfg.data.tokenizer == str(data / "tokenizer")
+    assert load_demo_config(config_path(True), str(data))[0].model == cfg.model  # a later load applies it
