@@ -88,18 +88,17 @@ def read_subset(directory: str, base: TextTokenizer) -> SubsetTokenizer:
     return SubsetTokenizer(base, d["ids"], directory)
 
 
-def subset_ids(processor, samples: Iterable, prompts: Iterable = (), extra_tokens: Sequence[str] = ()) -> List[int]:
+def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int]:
     """Sorted base-tokenizer ids of `samples` (data.schema.Sample) as `processor` renders them (chat
     template, generation prompt, vision tags), of the prompts of `prompts` (every turn but the last, as
     generation renders them: inputs an evaluation will feed, never its answers), plus the processor's
-    special tokens and `extra_tokens`."""
+    special tokens."""
     from .processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, render
 
     tok = processor.tokenizer
     if isinstance(tok, SubsetTokenizer):
         raise ValueError("subset_ids needs a processor over the full tokenizer")
     ids = {tok.token_to_id(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END, IM_START, IM_END)}
-    ids.update(tok.token_to_id(t) for t in extra_tokens)
     sp = processor.config.system_prompt
     for s in samples:
         ids.update(tok.encode(render(s.messages, sp, add_generation_prompt=False)[0]))

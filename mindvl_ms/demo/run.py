@@ -398,6 +398,7 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
     proc = MindVLProcessor(config=run_cfg.data)
     paths = [s.path for s in run_cfg.data.sources] + [src["path"] for st in run_cfg.stages
                                                       for src in (st.data or {}).get("sources", [])]
+
     def read(files):
         out = []
         for p in dict.fromkeys(files):
