@@ -261,17 +261,34 @@ def test_unwritable_output_of_merge_and_eval(tmp_path, capsys, monkeypatch, comm
     assert not os.path.exists(out)
 
 
-def test_demo_plain_run_yaml_equals_the_demo_recipe():
+def test_demo_plain_run_yaml_equals_the_demo_recipe(tmp_path):
+    """configs/demo/train.yaml is full.yaml's recipe; over a demo's vocabulary subset (data_dir/tokenizer),
+    both loaders give the same restricted model (vocab size and special ids from the subset)."""
     from mindvl_ms.config.base import to_dict
+    from mindvl_ms.data.processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+    from mindvl_ms.data.tokenizer import load_tokenizer
+    from mindvl_ms.data.vocab_subset import write_subset
     from mindvl_ms.demo.run import load_demo_config
     from mindvl_ms.train import load_run_config
 
-    plain = load_run_config(os.path.join(ROOT, "configs", "demo", "train.yaml"))
-    demo, _ = load_demo_config(os.path.join(ROOT, "configs", "demo", "full.yaml"), "runs/demo/data")
+    yaml_plain = os.path.join(ROOT, "configs", "demo", "train.yaml")
+    yaml_demo = os.path.join(ROOT, "configs", "demo", "full.yaml")
+    plain = load_run_config(yaml_plain)
+    demo, _ = load_demo_config(yaml_demo, "runs/demo/data")
     a, b = to_dict(plain), to_dict(demo)
     assert a["model"] == b["model"] and a["stages"] == b["stages"] and a["seed"] == b["seed"]
     assert [s["path"] for s in a["data"]["sources"]] == [s["path"] for s in b["data"]["sources"]]
-    assert a["data"]["packing"] == "online"
+    assert a["data"]["packing"] == "online" and a["data"]["tokenizer"] == os.path.join("runs/demo/data", "tokenizer")
     for d in (a, b):
-        d["data"].pop("packing")
+        d["data"].pop("packing"), d["data"].pop("tokenizer")
     assert a["data"] == b["data"]
+
+    base = load_tokenizer()
+    specials = [base.token_to_id(t) for t in (IMAGE_PAD, VIDEO_PAD, VISION_START, VISION_END, IM_START, IM_END)]
+    ids = sorted(set(specials + base.encode("What colour is the shape?")))
+    write_subset(str(tmp_path / "tokenizer"), base, ids)
+    plain = load_run_config(yaml_plain, overrides=[f"data.tokenizer={tmp_path / 'tokenizer'}"])
+    demo, _ = load_demo_config(yaml_demo, str(tmp_path))
+    assert plain.model == demo.model and plain.model.text.vocab_size == len(ids)
+    assert plain.model.image_token_id == ids.index(base.token_to_id(IMAGE_PAD))
+    assert plain.model.vision_end_token_id == ids.index(base.token_to_id(VISION_END))

@@ -77,7 +77,8 @@ class DataConfig:
 
     sources: List[DataSource] = F([], "JSONL files with mix weights (offline mode reads packed shards instead)")
     packed_dir: str = F("", "directory written by `mindvl data pack` (offline mode); empty: pack on the fly")
-    tokenizer: str = F("", "tokenizer dir (tokenizer.json, vocab.json+merges.txt or *.model); empty: Qwen3")
+    tokenizer: str = F("", "tokenizer dir (tokenizer.json, vocab.json+merges.txt or *.model); empty: Qwen3; "
+                          "with vocab_subset.json the model's vocab size and special ids follow it")
     system_prompt: str = F("You are a helpful assistant.", "system turn added when a sample has none ('' for none)")
     image: ImageConfig = sub(ImageConfig, "image resizing and patchification")
     video: VideoConfig = sub(VideoConfig, "video frame sampling and per-frame resolution")

@@ -91,11 +91,10 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
 
 def use_vocab_subset(run_cfg, tokenizer_dir: str) -> None:
     """data.tokenizer = a vocab-subset tokenizer directory; the model's vocab size and special ids follow it."""
-    from ..data.tokenizer import load_tokenizer
-    from ..data.vocab_subset import restrict_model_config
+    from ..config.train import follow_vocab_subset
 
     run_cfg.data.tokenizer = tokenizer_dir
-    restrict_model_config(run_cfg.model, load_tokenizer(tokenizer_dir))
+    follow_vocab_subset(run_cfg)
 
 
 # ------------------------------------------------------------------------------------------- data
