@@ -295,10 +295,11 @@ def follow_vocab_subset(cfg: RunConfig) -> None:
     """A `data.tokenizer` directory holding vocab_subset.json (data/vocab_subset.py) numbers its tokens
     0..V-1: the model's vocab size and special token ids are set from it (in place), since a YAML cannot
     know them (the subset is written per dataset, e.g. by `mindvl demo`)."""
+    from ..data.vocab_subset import SUBSET_FILE, restrict_model_config
+
     tok = cfg.data.tokenizer
-    if tok and os.path.isfile(os.path.join(tok, "vocab_subset.json")):
+    if tok and os.path.isfile(os.path.join(tok, SUBSET_FILE)):
         from ..data.tokenizer import load_tokenizer
-        from ..data.vocab_subset import restrict_model_config
 
         restrict_model_config(cfg.model, load_tokenizer(tok))
 

@@ -60,6 +60,7 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     `demo.vocab: data` and vocab_subset, the subset an earlier run wrote in data_dir/tokenizer is applied."""
     from ..config.base import ConfigError, deep_merge, read_yaml
     from ..config.train import load_run_config
+    from ..data.vocab_subset import SUBSET_FILE
 
     raw = read_yaml(path)
     demo = raw.pop("demo", None)
@@ -82,19 +83,10 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     resolve(raw.get("data", {}))
     for st in raw.get("stages", []):
         resolve(st.get("data", {}))
-    run_cfg = load_run_config(data=raw, overrides=overrides)
     subset = os.path.join(data_dir, "tokenizer")
-    if vocab_subset and demo.get("vocab", "full") == "data" and os.path.isfile(os.path.join(subset, "vocab_subset.json")):
-        use_vocab_subset(run_cfg, subset)  # written by an earlier `restrict_vocab` for this data
-    return run_cfg, demo
-
-
-def use_vocab_subset(run_cfg, tokenizer_dir: str) -> None:
-    """data.tokenizer = a vocab-subset tokenizer directory; the model's vocab size and special ids follow it."""
-    from ..config.train import follow_vocab_subset
-
-    run_cfg.data.tokenizer = tokenizer_dir
-    follow_vocab_subset(run_cfg)
+    if vocab_subset and demo.get("vocab", "full") == "data" and os.path.isfile(os.path.join(subset, SUBSET_FILE)):
+        raw.setdefault("data", {})["tokenizer"] = subset  # an earlier `restrict_vocab`'s; the model follows it
+    return load_run_config(data=raw, overrides=overrides), demo
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -385,6 +377,7 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
     `data.tokenizer`, and the model's vocab size and special ids follow it."""
     from ..data.processor import MindVLProcessor
     from ..data.schema import SampleError, iter_jsonl
+    from ..config.train import follow_vocab_subset
     from ..data.vocab_subset import subset_ids, write_subset
 
     mode = demo.get("vocab", "full")
@@ -406,8 +399,9 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
                     raise ValueError(str(s))
                 out.append(s)
         return out
-    use_vocab_subset(run_cfg, write_subset(os.path.join(data_dir, "tokenizer"), proc.tokenizer,
-                                           subset_ids(proc, read(paths), prompts=read(heldout))))
+    run_cfg.data.tokenizer = write_subset(os.path.join(data_dir, "tokenizer"), proc.tokenizer,
+                                          subset_ids(proc, read(paths), prompts=read(heldout)))
+    follow_vocab_subset(run_cfg)
     log.info("demo.vocab data: the model's vocabulary is the %d token ids the train data uses (of %d)",
              run_cfg.model.text.vocab_size, full)
     return {"mode": mode, "size": run_cfg.model.text.vocab_size, "of": full}
