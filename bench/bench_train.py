@@ -2,7 +2,7 @@
 accumulation, clipping, AdamW) against the transformers torch Qwen2.5-VL reference doing the same
 packed batch and the same optimizer step on the same machine, in the same run, interleaved.
 
-    python bench/bench_train.py [--configs tiny small] [--rounds 8] [--steps 3] [--rows 1]
+    python bench/bench_train.py [--configs tiny small] [--rounds 16] [--steps 2] [--rows 1]
 
 Configs (bench_model.SIZES, vocabulary 151,936): tiny (2-layer LLM, hidden 64, 3-block ViT) and small
 (4-layer LLM, hidden 512, 4-block ViT). The batch: `--rows` rows, each packing two samples; a sample is
@@ -14,9 +14,12 @@ and computes logits at every position, as transformers does.
 
 Each implementation runs in its own child process (so peak memory is its own), loading the same random
 Qwen2.5-VL weights. Both stay alive and the parent alternates them: `--warmup` steps each (compile),
-then `--rounds` rounds of `--steps` steps of mindvl-ms followed by `--steps` of torch, so machine load
-hits both alike. Reported per config: median step time of each (over rounds x steps steps) -> tokens/s
-and the ratio ours/torch (> 1: mindvl-ms is faster), the ratio's spread over rounds, peak RSS of each
+then `--rounds` rounds of `--steps` steps of each (which one goes first alternates), so machine load
+hits both alike. Reported per config: median step time of each (over rounds x steps steps) -> tokens/s;
+the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of each round's ratio (the two
+implementations' medians within one round, seconds apart, so load that drifts over a run cancels; the
+ratio of whole-run medians mixes quiet and busy minutes and two runs of it differed by 8-9%), with the
+rounds' min-max; peak RSS of each
 process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3 matmul in
 MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
@@ -202,8 +205,8 @@ def useful_flops(path: str, rows: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds per config")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round")
+    ap.add_argument("--rounds", type=int, default=16, help="interleaved rounds per config")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per implementation per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (graph compile)")
     ap.add_argument("--rows", type=int, default=1, help="packed rows per batch")
     ap.add_argument("--child", nargs=2, metavar=("IMPL", "DIR"), help=argparse.SUPPRESS)
@@ -224,9 +227,9 @@ def main():
             times = {"ms": [], "torch": []}
             per_round = []
             info = {}
-            for _ in range(args.rounds):
+            for rnd in range(args.rounds):
                 med = {}
-                for impl, c in kids.items():
+                for impl, c in (list(kids.items()) if rnd % 2 == 0 else list(kids.items())[::-1]):  # who goes first alternates
                     r = c.ask(f"RUN {args.steps}", "TIMES ")
                     times[impl] += r["times"]
                     med[impl] = float(np.median(r["times"]))
@@ -240,8 +243,9 @@ def main():
         step = {k: float(np.median(v)) for k, v in times.items()}
         tps = {k: info[k]["tokens"] / step[k] for k in step}
         gf = {k: flops / step[k] / 1e9 for k in step}
+        per_round = [r * info["ms"]["tokens"] / info["torch"]["tokens"] for r in per_round]  # tokens/s ratios
         print(f"{size:6s} {info['ms']['tokens']:6d} | {tps['ms']:8.1f} {tps['torch']:11.1f} "
-              f"{tps['ms'] / tps['torch']:6.2f} {'(' + f'{min(per_round):.2f}-{max(per_round):.2f}' + ')':>16s} | "
+              f"{float(np.median(per_round)):6.2f} {'(' + f'{min(per_round):.2f}-{max(per_round):.2f}' + ')':>16s} | "
               f"{rss['ms']:9.0f} / {rss['torch']:8.0f} | {gf['ms']:7.1f} / {gf['torch']:6.1f} ({peak / 1e9:6.1f})"
               f"   step ms {1e3 * step['ms']:.0f} / {1e3 * step['torch']:.0f}, loss {info['ms']['loss']:.4f} / "
               f"{info['torch']['loss']:.4f}, {len(times['ms'])} steps each", flush=True)
