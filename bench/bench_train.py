@@ -2,7 +2,7 @@
 accumulation, clipping, AdamW) against the transformers torch Qwen2.5-VL reference doing the same
 packed batch and the same optimizer step on the same machine, in the same run, interleaved.
 
-    python bench/bench_train.py [--configs tiny small] [--rounds 16] [--steps 2] [--rows 1]
+    python bench/bench_train.py [--configs tiny small] [--rounds 24] [--steps 2] [--rows 1]
 
 Configs (bench_model.SIZES, vocabulary 151,936): tiny (2-layer LLM, hidden 64, 3-block ViT) and small
 (4-layer LLM, hidden 512, 4-block ViT). The batch: `--rows` rows, each packing two samples; a sample is
@@ -205,7 +205,7 @@ def useful_flops(path: str, rows: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--rounds", type=int, default=16, help="interleaved rounds per config")
+    ap.add_argument("--rounds", type=int, default=24, help="interleaved rounds per config")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per implementation per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (graph compile)")
     ap.add_argument("--rows", type=int, default=1, help="packed rows per batch")
