@@ -85,8 +85,9 @@ def test_rotate_half_matrix_and_qkv_rotary_equal_apply_rotary():
     r = rotate_half_matrix(hd)
     x2 = x.reshape(-1, hd)
     assert np.array_equal(x2 @ r, np.concatenate([-x2[:, hd // 2:], x2[:, :hd // 2]], -1))
-    c3, s3 = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin)))
-    assert c3.shape == (n, 3, 1, hd) and np.all(c3[:, 2] == 1) and np.all(s3[:, 2] == 0)
+    c3, s3 = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin), num_heads=h))
+    assert c3.shape == (n, 3, h, hd) and np.all(c3[:, 2] == 1) and np.all(s3[:, 2] == 0)
+    assert np.array_equal(c3[:, :, 1], c3[:, :, 0]) and np.array_equal(s3[:, :, 1], s3[:, :, 0])  # every head
     got = x * c3 + (x2 @ r).reshape(x.shape) * s3
     rope = ApplyRotary()
     for i in range(2):
@@ -94,7 +95,7 @@ def test_rotate_half_matrix_and_qkv_rotary_equal_apply_rotary():
         np.testing.assert_array_equal(got[:, i], ref)
     np.testing.assert_array_equal(got[:, 2], x[:, 2])
     # the queries may carry the attention scale: their rows scaled, k and v rows unchanged
-    cq, sq = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin), 0.125))
+    cq, sq = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin), 0.125, h))
     np.testing.assert_array_equal(cq[:, 1:], c3[:, 1:])
     np.testing.assert_array_equal(sq[:, 1:], s3[:, 1:])
     np.testing.assert_allclose(x[:, 0] * cq[:, 0] + (x2 @ r).reshape(x.shape)[:, 0] * sq[:, 0], got[:, 0] * 0.125,

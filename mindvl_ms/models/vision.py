@@ -92,14 +92,17 @@ class VisionRotaryEmbedding(nn.Cell):
         return ops.cos(emb), ops.sin(emb)
 
 
-def qkv_rotary(cos, sin, q_scale: float = 1.0):
-    """cos/sin [N, hd] -> [N, 3, 1, hd] for RoPE over a fused [N, 3, H, hd] qkv in one pass: the k rows get
+def qkv_rotary(cos, sin, q_scale: float = 1.0, num_heads: int = 1):
+    """cos/sin [N, hd] -> [N, 3, H, hd] for RoPE over a fused [N, 3, H, hd] qkv in one pass: the k rows get
     cos/sin, the q rows cos/sin times `q_scale` (the attention's 1/sqrt(hd), applied to the [N, H, hd]
-    queries instead of the [S, H, W, W] scores), the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v)."""
+    queries instead of the [S, H, W, W] scores), the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v).
+    Broadcast to every head once here, for all blocks: MindSpore's CPU Mul of [N, 3, H, hd] by [N, 3, 1, hd]
+    took 4-5x as long as the same-shape Mul (2 cores, N = 1,024: 0.87 against 0.22 ms)."""
     n, hd = cos.shape
     one, zero = ops.ones((n, hd), cos.dtype), ops.zeros((n, hd), sin.dtype)
-    return (ops.stack((cos * q_scale, cos, one), 1).reshape(n, 3, 1, hd),
-            ops.stack((sin * q_scale, sin, zero), 1).reshape(n, 3, 1, hd))
+    shape = (n, 3, num_heads, hd)
+    return (ops.broadcast_to(ops.stack((cos * q_scale, cos, one), 1).reshape(n, 3, 1, hd), shape),
+            ops.broadcast_to(ops.stack((sin * q_scale, sin, zero), 1).reshape(n, 3, 1, hd), shape))
 
 
 def rotate_half_matrix(hd: int) -> np.ndarray:
@@ -175,7 +178,7 @@ class VisionAttention(nn.Cell):
 
     def construct(self, x, cos, sin, bias, blocks=None):
         """x [N, E]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias, seq_ends) from
-        VisionBlocks. cos/sin: [N, hd], or [N, 3, 1, hd] (`qkv_rotary`) on the CPU block path."""
+        VisionBlocks. cos/sin: [N, hd], or [N, 3, H, hd] (`qkv_rotary`) on the CPU block path."""
         n, e = x.shape
         qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
         if blocks is None or self.fused:
@@ -272,6 +275,7 @@ class VisionTransformer(nn.Cell):
         self.block_layout = VisionBlocks()
         self.fused = is_ascend()  # the attention's path (VisionAttention.fused)
         self.scale = cfg.head_dim ** -0.5  # the block path folds it into the queries' cos/sin
+        self.num_heads = cfg.num_heads
 
     def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
                   full_segment_ids, window_gather=None, full_gather=None):
@@ -293,7 +297,7 @@ class VisionTransformer(nn.Cell):
             win = (window_gather,) + self.block_layout(window_gather, window_segment_ids, n)
             full = (full_gather,) + self.block_layout(full_gather, full_segment_ids, n)
             if not self.fused:
-                cos, sin = qkv_rotary(cos, sin, self.scale)  # [N, 3, 1, hd]
+                cos, sin = qkv_rotary(cos, sin, self.scale, self.num_heads)  # [N, 3, H, hd]
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cos, sin, None, full if self.full[i] else win)
                 if self.taps[i]:
