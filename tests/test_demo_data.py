@@ -293,3 +293,26 @@ def test_balanced_yes_no_cells(tmp_path):
     # 18 over four cells by largest remainders: 5, 5, 4, 4 (ties go to the first cells)
     assert sorted(cells.values()) == [4, 4, 5, 5] and len(cells) == 4
     assert info["vqa_balance_yes_no"] is True
+
+
+def test_vqa_question_first(data, tmp_path):
+    """`demo.vqa_question_first` puts every easy-VQA question before its image, in both splits: the same
+    questions, answers and images as the default order (same seed), the blind baselines unchanged (the
+    question template ignores where the image token sits), and the other tasks untouched."""
+    from mindvl_ms.demo.run import write_data
+
+    d, info = data
+    demo = {"data_sizes": {k: list(v) for k, v in SIZES.items()}, "vqa_question_first": True}
+    flipped = write_data(demo, str(tmp_path / "qfirst"), seed=3, progress=False)
+    assert flipped["vqa_question_first"] is True and info["vqa_question_first"] is False
+    for split in ("train", "heldout"):
+        before, after = _lines(info["files"][split]["vqa"]), _lines(flipped["files"][split]["vqa"])
+        assert len(after) == len(before) > 0
+        for a, b in zip(before, after):
+            q = a["messages"][0]["content"]
+            assert q.startswith("<image>\n") and "<image>" not in q[len("<image>\n"):]
+            assert b["messages"][0]["content"] == q[len("<image>\n"):] + "\n<image>"
+            assert (b["images"], b["messages"][1:]) == (a["images"], a["messages"][1:])
+        for task in ("ocr", "grounding"):
+            assert _lines(flipped["files"][split][task]) == _lines(info["files"][split][task])
+    assert flipped["baselines"] == info["baselines"]

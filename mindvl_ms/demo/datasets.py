@@ -69,10 +69,12 @@ def font_path() -> str:
 
 
 def sample_line(sid: str, image: str, size: Tuple[int, int], question: str, answer: str, task: str,
-                **meta) -> dict:
-    """One JSONL object in the docs/DATA.md format (image path relative to the JSONL file)."""
+                question_first: bool = False, **meta) -> dict:
+    """One JSONL object in the docs/DATA.md format (image path relative to the JSONL file); the user turn is
+    "<image>\nquestion", or "question\n<image>" with `question_first`."""
+    user = f"{question}\n<image>" if question_first else f"<image>\n{question}"
     return {"id": sid, "images": [image], "image_sizes": [[int(size[0]), int(size[1])]],
-            "messages": [{"role": "user", "content": f"<image>\n{question}"},
+            "messages": [{"role": "user", "content": user},
                          {"role": "assistant", "content": answer}],
             "meta": {"task": task, "metric": METRIC[task], **meta}}
 
@@ -143,13 +145,14 @@ def sample_questions(answers: Sequence[str], n: int, rng: np.random.Generator,
 
 def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator,
                    train_mix: Optional[Dict[str, float]] = None,
-                   train_balance_yes_no: bool = False) -> Dict[str, List[dict]]:
+                   train_balance_yes_no: bool = False, question_first: bool = False) -> Dict[str, List[dict]]:
     """Sampled easy-VQA questions; the images used are copied to out_dir/images/vqa/.
 
     `train_mix` ({yes/no, colour, shape: weight}) sets the train split's share of each question type
     (easy-VQA itself is 73% yes/no, 13% colour, 13% shape); the held-out split keeps the package's own
     distribution. `train_balance_yes_no` draws the train split's yes/no questions equally over
-    `YES_NO_CELLS` (`sample_questions`)."""
+    `YES_NO_CELLS` (`sample_questions`). `question_first` puts each question before its image, in both
+    splits (`sample_line`)."""
     import easy_vqa
 
     splits = {"train": (easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths(), n_train),
@@ -173,7 +176,8 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
                 shutil.copyfile(src, dst)
             with Image.open(dst) as im:
                 size = im.size
-            lines.append(sample_line(f"vqa-{split}-{i}", rel, size, questions[i], answers[i], "vqa"))
+            lines.append(sample_line(f"vqa-{split}-{i}", rel, size, questions[i], answers[i], "vqa",
+                                     question_first=question_first))
         out[split] = lines
     return out
 
@@ -330,7 +334,7 @@ def vqa_type(line: dict) -> str:
 
 def question_template(line: dict) -> str:
     """The user question with colour and shape words masked (what an image-blind model can key on)."""
-    text = line["messages"][0]["content"].split("\n", 1)[-1]
+    text = line["messages"][0]["content"].replace("<image>", "").strip()
     for w in VQA_WORDS:
         text = text.replace(w, "_")
     return text
@@ -359,12 +363,13 @@ def write_jsonl(path: str, lines: Sequence[dict]) -> None:
 
 def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple[int, int]]] = None,
                     progress: bool = True, vqa_mix: Optional[Dict[str, float]] = None,
-                    vqa_balance_yes_no: bool = False) -> Dict[str, object]:
+                    vqa_balance_yes_no: bool = False, vqa_question_first: bool = False) -> Dict[str, object]:
     """Write train_<task>.jsonl / heldout_<task>.jsonl + images under out_dir; returns files and baselines.
 
     sizes: {task: (n_train, n_heldout)} (default DEFAULT_SIZES). Same seed and sizes -> identical files.
     vqa_mix: {question type: weight} of the easy-VQA train split (`easy_vqa_lines`; None: the package's own).
     vqa_balance_yes_no: its yes/no questions equally over (negated wording, answer) (`sample_questions`).
+    vqa_question_first: every easy-VQA question before its image (`sample_line`).
     Also writes out_dir/info.json with the same content as the return value.
     """
     from tqdm import tqdm
@@ -377,10 +382,11 @@ def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple
         if n_tr < 1 or n_ho < 1:
             raise ValueError(f"task {task}: need at least one train and one held-out sample, got {n_tr}, {n_ho}")
     os.makedirs(out_dir, exist_ok=True)
-    makers = {"vqa": lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix, train_balance_yes_no=vqa_balance_yes_no),
+    makers = {"vqa": lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix, train_balance_yes_no=vqa_balance_yes_no,
+                                               question_first=vqa_question_first),
               "ocr": ocr_lines, "grounding": grounding_lines}
     info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS}, "vqa_mix": vqa_mix,
-                               "vqa_balance_yes_no": vqa_balance_yes_no,
+                               "vqa_balance_yes_no": vqa_balance_yes_no, "vqa_question_first": vqa_question_first,
                                "files": {"train": {}, "heldout": {}}, "baselines": {}}
     for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
         rng = np.random.default_rng([seed, k])  # one stream per task: changing one size leaves the others

@@ -361,12 +361,14 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
 def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = True) -> Dict[str, Any]:
     """The demo's datasets as the `demo:` section sets them: `data_sizes` {task: [train, held-out]} and
     `vqa_mix` {question type: weight} of the easy-VQA train split (null: the package's own mix), and
-    `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer)."""
+    `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer) and
+    `vqa_question_first` (each easy-VQA question before its image instead of after it)."""
     from .datasets import write_demo_data
 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
     return write_demo_data(data_dir, seed=seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"),
-                           vqa_balance_yes_no=bool(demo.get("vqa_balance_yes_no", False)))
+                           vqa_balance_yes_no=bool(demo.get("vqa_balance_yes_no", False)),
+                           vqa_question_first=bool(demo.get("vqa_question_first", False)))
 
 
 def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[str]) -> Dict[str, Any]:
