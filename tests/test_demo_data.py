@@ -202,6 +202,11 @@ def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
     bad.write_text(f"_include_: {config_path(False)}\ndemo: {{model: nowhere.yaml}}\n")
     with pytest.raises(ConfigError, match="nowhere.yaml"):
         load_demo_config(str(bad), str(tmp_path / "data"))
+    # a misspelt demo setting is refused by name, not silently ignored
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(f"_include_: {config_path(False)}\ndemo: {{vqa_question_frist: true}}\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: demo.vqa_question_frist is not a demo setting.*vqa_question_first"):
+        load_demo_config(str(typo), str(tmp_path / "data"))
 
 
 def test_vqa_scores_by_type(tmp_path):

@@ -55,6 +55,10 @@ def config_path(quick: bool) -> str:
     return packaged_path("demo/quick.yaml" if quick else "demo/full.yaml")
 
 
+DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first",
+             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's
+
+
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
     """(RunConfig, demo section) from a demo YAML; data sources are resolved against data_dir. With
     `demo.vocab: data` and vocab_subset, the subset an earlier run wrote in data_dir/tokenizer is applied."""
@@ -66,6 +70,9 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     demo = raw.pop("demo", None)
     if not isinstance(demo, dict):
         raise ConfigError(f"{path}: missing the `demo:` section (model, data_sizes, eval settings)")
+    unknown = sorted(set(demo) - set(DEMO_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: demo.{unknown[0]} is not a demo setting; expected one of {', '.join(DEMO_KEYS)}")
     model_yaml = demo.get("model")
     if model_yaml:  # a `model:` section in the demo YAML overrides fields of demo.model
         # relative to the given YAML, else to configs/demo/ (a YAML that `_include_`s full.yaml from elsewhere)
