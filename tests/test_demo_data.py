@@ -207,6 +207,11 @@ def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
     typo.write_text(f"_include_: {config_path(False)}\ndemo: {{vqa_question_frist: true}}\n")
     with pytest.raises(ConfigError, match=r"typo.yaml: demo.vqa_question_frist is not a demo setting.*vqa_question_first"):
         load_demo_config(str(typo), str(tmp_path / "data"))
+    # a yes/no setting must be a YAML boolean: the string "no" would otherwise read as true
+    word = tmp_path / "word.yaml"
+    word.write_text(f"_include_: {config_path(False)}\ndemo: {{vqa_question_first: 'no'}}\n")
+    with pytest.raises(ConfigError, match=r"word.yaml: demo.vqa_question_first must be true or false, got 'no'"):
+        load_demo_config(str(word), str(tmp_path / "data"))
 
 
 def test_vqa_scores_by_type(tmp_path):

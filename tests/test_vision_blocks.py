@@ -85,7 +85,7 @@ def test_rotate_half_matrix_and_qkv_rotary_equal_apply_rotary():
     r = rotate_half_matrix(hd)
     x2 = x.reshape(-1, hd)
     assert np.array_equal(x2 @ r, np.concatenate([-x2[:, hd // 2:], x2[:, :hd // 2]], -1))
-    c3, s3 = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin), num_heads=h))
+    c3, s3 = (t.asnumpy() for t in qkv_rotary(Tensor(cos), Tensor(sin), 1.0, h))
     assert c3.shape == (n, 3, h, hd) and np.all(c3[:, 2] == 1) and np.all(s3[:, 2] == 0)
     assert np.array_equal(c3[:, :, 1], c3[:, :, 0]) and np.array_equal(s3[:, :, 1], s3[:, :, 0])  # every head
     got = x * c3 + (x2 @ r).reshape(x.shape) * s3

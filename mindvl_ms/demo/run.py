@@ -73,6 +73,9 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     unknown = sorted(set(demo) - set(DEMO_KEYS))
     if unknown:
         raise ConfigError(f"{path}: demo.{unknown[0]} is not a demo setting; expected one of {', '.join(DEMO_KEYS)}")
+    for key in ("vqa_balance_yes_no", "vqa_question_first", "eval_variants"):
+        if key in demo and not isinstance(demo[key], bool):
+            raise ConfigError(f"{path}: demo.{key} must be true or false, got {demo[key]!r}")
     model_yaml = demo.get("model")
     if model_yaml:  # a `model:` section in the demo YAML overrides fields of demo.model
         # relative to the given YAML, else to configs/demo/ (a YAML that `_include_`s full.yaml from elsewhere)

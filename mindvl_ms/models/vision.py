@@ -92,7 +92,7 @@ class VisionRotaryEmbedding(nn.Cell):
         return ops.cos(emb), ops.sin(emb)
 
 
-def qkv_rotary(cos, sin, q_scale: float = 1.0, num_heads: int = 1):
+def qkv_rotary(cos, sin, q_scale: float, num_heads: int):
     """cos/sin [N, hd] -> [N, 3, H, hd] for RoPE over a fused [N, 3, H, hd] qkv in one pass: the k rows get
     cos/sin, the q rows cos/sin times `q_scale` (the attention's 1/sqrt(hd), applied to the [N, H, hd]
     queries instead of the [S, H, W, W] scores), the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v).
