@@ -19,11 +19,23 @@ hits both alike. Reported per config: median step time of each (over rounds x st
 the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of each round's ratio (the two
 implementations' medians within one round, seconds apart, so load that drifts over a run cancels; the
 ratio of whole-run medians mixes quiet and busy minutes and three runs of it spread 8-9%; three runs of
-this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95), with the rounds' min-max;
-peak RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3 matmul in
+this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58),
+with the rounds' min-max; peak RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3 matmul in
 MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
 attention score FLOPs are left out.
+
+Peak memory on `small` (5.3 GB against torch's 3.8 GB), measured by phase with `bench/profile_memory.py`
+(RSS from /proc/self/status, the pool from `MS_DEV_RUNTIME_CONF=memory_statistics:True`). Parameters and
+AdamW moments cost the same in both. Besides them, torch holds `.grad` (0.65 GB). mindvl-ms holds:
+- the fp32 gradient accumulators: one copy of the trainable parameters, 0.64 GB, most of it the
+  151,936 x 512 embedding and head;
+- MindSpore's memory pool: it reserves 1 GB blocks; peak use 0.92 GB, the step's gradients before they
+  are added into the accumulators, plus activations;
+- compiled graphs and kernel state: ~1.2 GB, 0.54 GB at compile and the rest on the first run. A malloc
+  trace (LD_PRELOAD) of that run found ~0.38 GB of it in index vectors (std::vector<size_t>) that a kernel
+  in MindSpore's CPU kernel library grows and keeps.
+On `tiny` the two processes peak within 1% of each other.
 """
 import argparse
 import json

@@ -1,0 +1,23 @@
+"""bench/profile_memory.py's readers of /proc: an allocation of known size shows up in RSS and as a mapping.
+Run: pytest -q tests/test_profile_memory.py"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from profile_memory import largest_mappings, rss_mb  # noqa: E402
+
+
+def test_rss_and_mappings_see_a_256_mb_array():
+    before, _ = rss_mb()
+    a = np.ones(64 * 2 ** 20, np.float32)  # 256 MB, touched
+    after, peak = rss_mb()
+    assert 240 <= after - before <= 300, (before, after)
+    assert peak >= after - 4  # the kernel updates the high-water mark lazily
+    maps = largest_mappings(3)
+    assert len(maps) == 3 and maps[0][0] >= maps[1][0] >= maps[2][0]
+    assert maps[0][0] >= 250 and maps[0][1] == "[anonymous]", maps  # numpy's buffer: its own anonymous mmap
+    del a
+    now, peak_after = rss_mb()
+    assert now < after - 200 and peak_after >= after - 4  # freed; the peak stays
