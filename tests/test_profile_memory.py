@@ -15,9 +15,11 @@ def test_rss_and_mappings_see_a_256_mb_array():
     after, peak = rss_mb()
     assert 240 <= after - before <= 300, (before, after)
     assert peak >= after - 4  # the kernel updates the high-water mark lazily
-    maps = largest_mappings(3)
-    assert len(maps) == 3 and maps[0][0] >= maps[1][0] >= maps[2][0]
-    assert maps[0][0] >= 250 and maps[0][1] == "[anonymous]", maps  # numpy's buffer: its own anonymous mmap
+    maps = largest_mappings(200)
+    assert all(a[0] >= b[0] for a, b in zip(maps, maps[1:]))  # largest first
+    ours = lambda ms: sum(1 for mb, name in ms if 250 <= mb <= 260 and name == "[anonymous]")  # noqa: E731
+    assert ours(maps) >= 1, maps[:5]  # numpy's buffer: its own anonymous mmap of 256 MB
     del a
     now, peak_after = rss_mb()
     assert now < after - 200 and peak_after >= after - 4  # freed; the peak stays
+    assert ours(largest_mappings(200)) == ours(maps) - 1
