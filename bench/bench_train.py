@@ -94,12 +94,13 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
-def setup_ms(path: str, rows: int):
+def ms_engine(path: str, rows: int, report=lambda phase: None):
+    """(model, TrainStep, packed rows, row length) of the bench step in graph mode on CPU; `report(phase)` is
+    called after the model is loaded and after the TrainStep (its accumulators) is built."""
     import mindspore as ms
 
     from mindvl_ms.config.base import load
     from mindvl_ms.config.train import StageConfig
-    from mindvl_ms.models.inputs import build_model_inputs
     from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
     from mindvl_ms.train.optim import select_trainable
     from mindvl_ms.train.train_step import TrainStep
@@ -107,11 +108,20 @@ def setup_ms(path: str, rows: int):
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     model = MindVLForConditionalGeneration.from_pretrained(path)
+    report("model loaded")
     data = packed_rows(model.config, rows)
     length = max(sum(len(s["input_ids"]) for s in r) for r in data)
     stage = load(StageConfig, {"name": "bench", "global_batch_size": rows, "micro_batch_size": rows,
                                "seq_length": length, "max_steps": 1, "max_lr": 1e-4})
     eng = TrainStep(model, select_trainable(model, stage.trainable_prefixes()), model.INPUT_NAMES, stage.loss, stage)
+    report("TrainStep built (gradient accumulators)")
+    return model, eng, data, length
+
+
+def setup_ms(path: str, rows: int):
+    from mindvl_ms.models.inputs import build_model_inputs
+
+    model, eng, data, length = ms_engine(path, rows)
     state = {}
 
     def step():  # host batch prep is part of the step, as in the trainer

@@ -75,25 +75,12 @@ def child(path: str, rows: int, steps: int) -> None:
     import mindspore as ms
     from mindspore import Tensor
 
-    from bench_train import packed_rows
-    from mindvl_ms.config.base import load
-    from mindvl_ms.config.train import StageConfig
+    from bench_train import ms_engine
     from mindvl_ms.models.inputs import build_model_inputs
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
-    from mindvl_ms.train.optim import select_trainable
-    from mindvl_ms.train.train_step import TrainStep
+    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration  # noqa: F401  (the imports phase)
 
     report("imports")
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
-    model = MindVLForConditionalGeneration.from_pretrained(path)
-    report("model loaded")
-    data = packed_rows(model.config, rows)
-    length = max(sum(len(s["input_ids"]) for s in r) for r in data)
-    stage = load(StageConfig, {"name": "bench", "global_batch_size": rows, "micro_batch_size": rows,
-                               "seq_length": length, "max_steps": 1, "max_lr": 1e-4})
-    eng = TrainStep(model, select_trainable(model, stage.trainable_prefixes()), model.INPUT_NAMES, stage.loss, stage)
-    report("TrainStep built (gradient accumulators)")
+    model, eng, data, length = ms_engine(path, rows, report)
     batch = build_model_inputs(data, model.config, pad_to=length)
     arrays = eng._micro_arrays(batch)
     eng._set_inputs(arrays, arrays)

@@ -56,7 +56,8 @@ def config_path(quick: bool) -> str:
 
 
 DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first",
-             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's
+             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
+DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "eval_variants")  # must be YAML true/false
 
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
@@ -73,7 +74,7 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     unknown = sorted(set(demo) - set(DEMO_KEYS))
     if unknown:
         raise ConfigError(f"{path}: demo.{unknown[0]} is not a demo setting; expected one of {', '.join(DEMO_KEYS)}")
-    for key in ("vqa_balance_yes_no", "vqa_question_first", "eval_variants"):
+    for key in DEMO_BOOL_KEYS:
         if key in demo and not isinstance(demo[key], bool):
             raise ConfigError(f"{path}: demo.{key} must be true or false, got {demo[key]!r}")
     model_yaml = demo.get("model")
