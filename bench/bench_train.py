@@ -25,17 +25,24 @@ MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
 attention score FLOPs are left out.
 
-Peak memory on `small` (5.3 GB against torch's 3.8 GB), measured by phase with `bench/profile_memory.py`
-(RSS from /proc/self/status, the pool from `MS_DEV_RUNTIME_CONF=memory_statistics:True`). Parameters and
-AdamW moments cost the same in both. Besides them, torch holds `.grad` (0.65 GB). mindvl-ms holds:
+Peak memory on `small` (5.2 GB against torch's 3.8 GB), measured by phase with `bench/profile_memory.py`
+(RSS from /proc/self/status, the pool from `MS_DEV_RUNTIME_CONF=memory_statistics:True`, the pool's
+allocations over time from `Profiler(profile_memory=True)`). Parameters and AdamW moments cost the same
+in both. Besides them, torch holds `.grad` (0.65 GB). mindvl-ms holds:
 - the fp32 gradient accumulators: one copy of the trainable parameters, 0.64 GB, most of it the
   151,936 x 512 embedding and head;
-- MindSpore's memory pool: it reserves 1 GB blocks; peak use 0.92 GB, the step's gradients before they
-  are added into the accumulators, plus activations;
-- compiled graphs and kernel state: ~1.2 GB, 0.54 GB at compile and the rest on the first run. A malloc
-  trace (LD_PRELOAD) of that run found ~0.38 GB of it in index vectors (std::vector<size_t>) that a kernel
-  in MindSpore's CPU kernel library grows and keeps.
-On `tiny` the two processes peak within 1% of each other.
+- MindSpore's memory pool: one 1 GB block, peak use 0.89 GB, set by the AdamW update graph. MindSpore's
+  fused `AdamWeightDecay` CPU kernel allocates an output copy of each of var, m and v: 3 x 297 MB for a
+  151,936 x 512 parameter (measured on the kernel alone; `Adam` does the same; AdamW written with
+  in-place `AssignAdd`s peaks at 1.3 GB). The micro-step peaks at 0.73 GB (the head's [c, V] logits blocks,
+  the [V, D] gradients of head and embedding) since a same-dtype `astype` of the head weight, a 297 MB
+  copy per micro-step that made it the larger peak (0.92 GB), was removed (train/head.py);
+- compiled graphs and kernel state: the compiler's heap, 0.44 GB after `malloc_trim` hands back the
+  0.07-0.1 GB glibc kept (train/heap.py), then on the first run six per-thread malloc arenas of ~63 MB
+  filled by kernel threads. MindSpore's CPU Transpose kernel keeps an 8-byte index per element (twice an
+  fp32 tensor) for each Transpose of the graph; moving the attention heads with unstack/stack instead saved
+  77 MB on `small`, and its speed was within bench_vision's run-to-run spread, so it was left out.
+On `tiny` mindvl-ms peaks 3% below torch (1.42 against 1.46 GB).
 """
 import argparse
 import json

@@ -23,3 +23,33 @@ def test_rss_and_mappings_see_a_256_mb_array():
     now, peak_after = rss_mb()
     assert now < after - 200 and peak_after >= after - 4  # freed; the peak stays
     assert ours(largest_mappings(200)) == ours(maps) - 1
+
+
+def test_release_heap_returns_freed_small_blocks():
+    """mindvl_ms.train.heap.release_heap (called by TrainStep after the model build and the graph compile):
+    200 MB of 100 KB blocks, below glibc's mmap threshold so they live in the heap, freed while the last
+    block stays live (so glibc's automatic trim of the heap top cannot return them): RSS keeps them until
+    release_heap(), which gives back nearly all of it."""
+    import ctypes
+
+    from mindvl_ms.train.heap import release_heap
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, n = 100 * 1024, 2000
+    release_heap()
+    base, _ = rss_mb()
+    blocks = [libc.malloc(size) for _ in range(n)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)  # touched: resident
+    touched, _ = rss_mb()
+    assert touched - base >= 180, (base, touched)
+    for b in blocks[:-1]:
+        libc.free(b)
+    kept, _ = rss_mb()
+    assert kept - base >= 150, (base, kept)  # freed, but still resident
+    assert release_heap()
+    released, _ = rss_mb()
+    assert kept - released >= 150, (kept, released)
+    libc.free(blocks[-1])

@@ -73,9 +73,15 @@ def supervised_layout(targets: np.ndarray, segment_ids: np.ndarray, token_index:
             "sup_segment_ids": out_s.reshape(n, c), "sup_token_index": out_i.reshape(n, c)}
 
 
+def _cast(x, dtype):
+    """x in `dtype`, as x itself when it already is (decided at compile time): `Tensor.astype` copies even
+    then, and for the [V, D] head weight that copy was a 297 MB TensorMove per micro-step on `small`."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 def _chunk_logits(h, w):
     """[c, D] x [V, D] -> float32 [c, V] (matmul in h's dtype, as `models.text.lm_logits`)."""
-    return _MM_NT(h, w).astype(ms.float32)
+    return _cast(_MM_NT(h, w), ms.float32)
 
 
 class ChunkedHeadCE(nn.Cell):
@@ -85,7 +91,7 @@ class ChunkedHeadCE(nn.Cell):
 
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]
-        w = weight.astype(hidden.dtype)
+        w = _cast(weight, hidden.dtype)
         ce = ops.zeros(targets.shape, ms.float32)                    # [n, c]
         i = 0
         while i < n:
@@ -102,18 +108,18 @@ class ChunkedHeadCE(nn.Cell):
         #   G = P - onehot(t),  dh = (G @ W) * s,  dW = sum over chunks of G^T @ (h * s)
         # The first chunk's dW is the accumulator itself, so a single-chunk step holds one [V, D] product.
         n = hidden.shape[0]
-        w = weight.astype(hidden.dtype)
+        w = _cast(weight, hidden.dtype)
         dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
         g, hs = self._block_grad(hidden[0], w, targets[0], dout[0])
         dh[0] = _MM(g, w) * hs[1]
-        dw = _MM_TN(g, hs[0]).astype(ms.float32)                      # [V, D]
+        dw = _cast(_MM_TN(g, hs[0]), ms.float32)                      # [V, D]
         i = 1
         while i < n:
             g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
             dh[i] = _MM(g, w) * hs[1]                                  # [c, D]
-            dw = dw + _MM_TN(g, hs[0]).astype(ms.float32)              # [V, D]
+            dw = dw + _cast(_MM_TN(g, hs[0]), ms.float32)              # [V, D]
             i += 1
-        return dh, dw.astype(weight.dtype), ops.zeros_like(targets)
+        return dh, _cast(dw, weight.dtype), ops.zeros_like(targets)
 
     @staticmethod
     def _block_grad(h, w, t, dout):
@@ -121,7 +127,7 @@ class ChunkedHeadCE(nn.Cell):
         c = t.shape[0]
         safe = ops.maximum(t, 0)
         s = (dout * (t != IGNORE).astype(ms.float32)).reshape(-1, 1).astype(h.dtype)  # [c, 1]
-        p = ops.softmax(_chunk_logits(h, w), -1).astype(h.dtype)      # [c, V]
+        p = _cast(ops.softmax(_chunk_logits(h, w), -1), h.dtype)      # [c, V]
         at = ops.stack((ops.arange(c, dtype=ms.int32), safe.astype(ms.int32)), 1)  # [c, 2] (row, target)
         g = ops.tensor_scatter_sub(p, at, ops.ones((c,), p.dtype))    # P - onehot(t)
         return g, (h * s, s)

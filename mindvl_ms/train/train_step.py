@@ -47,6 +47,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .head import ChunkedHeadCE, supervised_layout
+from .heap import release_heap
 from .loss import IGNORE, TrainLoss, token_ce
 from .optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
 
@@ -228,6 +229,7 @@ class TrainStep:
                  stage, dp: int = 1, allreduce_host=None, precision: str = "float32",
                  loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0, loss_scale_window: int = 1000,
                  gradients_mean: bool = False, compiler_reduces: bool = False, pipeline=None):
+        release_heap()  # the model is built: its loading's freed host copies go back to the OS
         self.input_names = list(input_names)
         if "segment_ids" not in self.input_names:
             raise ValueError(f"the model's INPUT_NAMES {self.input_names} must include segment_ids")
@@ -302,6 +304,15 @@ class TrainStep:
                                lay["logit_index"]]
         return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
 
+    def compile_micro(self, feed: List[np.ndarray]) -> None:
+        """Compile the micro-step graph for inputs like `feed` (dynamic shapes), then hand the compiler's
+        freed heap back to the OS (train/heap.py) before the first run allocates activations."""
+        if not self._shaped:
+            raise RuntimeError("compile_micro: the input signature is set by the first run (_set_inputs)")
+        one = Tensor(1.0, ms.float32)
+        self.micro.compile(*[Tensor(a) for a in feed], one, one, one)
+        release_heap()
+
     def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
         """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
         feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
@@ -334,6 +345,8 @@ class TrainStep:
         scale = Tensor(self.scale.asnumpy(), ms.float32)
         loss_sum, load = 0.0, None
         before = len(self.micro.compile_cache)
+        if not before:
+            self.compile_micro(feeds[0])
         for arr in feeds:
             loss, mb_load = self.micro(*[Tensor(a) for a in arr], *scalars, scale)
             loss_sum += float(loss.asnumpy())
