@@ -19,9 +19,10 @@ hits both alike. Reported per config: median step time of each (over rounds x st
 the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of each round's ratio (the two
 implementations' medians within one round, seconds apart, so load that drifts over a run cancels; the
 ratio of whole-run medians mixes quiet and busy minutes and three runs of it spread 8-9%; three runs of
-this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58),
-with the rounds' min-max; peak RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3 matmul in
-MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
+this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58;
+after train/heap.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88), with the rounds' min-max; peak
+RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3
+matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
 attention score FLOPs are left out.
 

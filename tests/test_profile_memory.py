@@ -1,4 +1,5 @@
-"""bench/profile_memory.py's readers of /proc: an allocation of known size shows up in RSS and as a mapping.
+"""bench/profile_memory.py's readers of /proc: an allocation of known size shows up in RSS and as a mapping;
+train/heap.py's release_heap gives freed heap blocks back (seen in RSS).
 Run: pytest -q tests/test_profile_memory.py"""
 import os
 import sys

@@ -308,7 +308,7 @@ class TrainStep:
         """Compile the micro-step graph for inputs like `feed` (dynamic shapes), then hand the compiler's
         freed heap back to the OS (train/heap.py) before the first run allocates activations."""
         if not self._shaped:
-            raise RuntimeError("compile_micro: the input signature is set by the first run (_set_inputs)")
+            self._set_inputs(feed, feed)
         one = Tensor(1.0, ms.float32)
         self.micro.compile(*[Tensor(a) for a in feed], one, one, one)
         release_heap()
