@@ -26,24 +26,25 @@ matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same f
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
 attention score FLOPs are left out.
 
-Peak memory on `small` (5.2 GB against torch's 3.8 GB), measured by phase with `bench/profile_memory.py`
-(RSS from /proc/self/status, the pool from `MS_DEV_RUNTIME_CONF=memory_statistics:True`, the pool's
-allocations over time from `Profiler(profile_memory=True)`). Parameters and AdamW moments cost the same
-in both. Besides them, torch holds `.grad` (0.65 GB). mindvl-ms holds:
-- the fp32 gradient accumulators: one copy of the trainable parameters, 0.64 GB, most of it the
-  151,936 x 512 embedding and head;
-- MindSpore's memory pool: one 1 GB block, peak use 0.89 GB, set by the AdamW update graph. MindSpore's
-  fused `AdamWeightDecay` CPU kernel allocates an output copy of each of var, m and v: 3 x 297 MB for a
-  151,936 x 512 parameter (measured on the kernel alone; `Adam` does the same; AdamW written with
-  in-place `AssignAdd`s peaks at 1.3 GB). The micro-step peaks at 0.73 GB (the head's [c, V] logits blocks,
-  the [V, D] gradients of head and embedding) since a same-dtype `astype` of the head weight, a 297 MB
-  copy per micro-step that made it the larger peak (0.92 GB), was removed (train/head.py);
-- compiled graphs and kernel state: the compiler's heap, 0.44 GB after `malloc_trim` hands back the
-  0.07-0.1 GB glibc kept (train/heap.py), then on the first run six per-thread malloc arenas of ~63 MB
-  filled by kernel threads. MindSpore's CPU Transpose kernel keeps an 8-byte index per element (twice an
-  fp32 tensor) for each Transpose of the graph; moving the attention heads with unstack/stack instead saved
-  77 MB on `small`, and its speed was within bench_vision's run-to-run spread, so it was left out.
-On `tiny` mindvl-ms peaks 3% below torch (1.42 against 1.46 GB).
+Peak memory on `small`: 4.46 GB against torch's 3.84 GB (1.16x), measured by phase with
+`bench/profile_memory.py` (RSS from /proc/self/status and /proc/self/smaps, the pool from
+`MS_DEV_RUNTIME_CONF=memory_statistics:True`, live C++ allocations by call site with an LD_PRELOAD shim).
+Parameters and AdamW moments cost the same in both; the fp32 gradient accumulators (0.64 GB) stand where
+torch keeps `.grad` (0.65 GB). RSS after two steps of profile_memory, step by step:
+- 5,187 MB before;
+- ~4,950 MB: the embedding and head gradients go row-wise into their accumulators from their bprops
+  (train/row_grads.py), so the micro-step makes no dense 151,936 x 512 gradient (297 MB each), and the
+  gradient norm sums those tables in row blocks (train/optim.py) instead of squaring them whole;
+- 4,919 MB: the ViT's RoPE rotation uses the MatMul primitive, whose backward needs no Transpose kernel
+  (MindSpore's CPU Transpose keeps an 8-byte index per element per kernel);
+- 4,413 MB: elementwise operations under dynamic shapes get equal-shape operands (ops/broadcast.py).
+  MindSpore's CPU arithmetic kernels keep two 8-byte index tables per output element for a broadcasting
+  operation; the shim found ~0.5 GB of them (the attention bias add and softmax backward over [B, H, L, S]
+  scores, the norms, RoPE). The same change made the step faster (2.0 s against 2.1-2.2 s).
+What remains above torch: the compiler's heap (~0.5 GB after `malloc_trim`, train/heap.py) and MindSpore's
+1 GB pool block, of which ~0.66 GB is touched (the AdamW update graph allocates an output copy of var, m
+and v per parameter, the fused `AdamWeightDecay` CPU kernel's behaviour).
+On `tiny` mindvl-ms peaks 2% below torch (1.43 against 1.46 GB).
 """
 import argparse
 import json

@@ -59,9 +59,17 @@ class MindVLForConditionalGeneration(nn.Cell):
 
         Without the gathers the ViT uses its dense-mask fallback; `actual_seq_len` feeds the Ascend TND
         flash-attention kernel of the LLM (ignored on CPU)."""
-        b, l = input_ids.shape
-        text = self.model.embed_tokens(input_ids)  # [B, L, D]
-        d = text.shape[-1]
+        return self.hidden_states_from_embeds(
+            self.model.embed_tokens(input_ids), position_ids, segment_ids, pixel_values, vision_pos_ids,
+            window_index, reverse_index, window_segment_ids, full_segment_ids, embed_index, window_gather,
+            full_gather, actual_seq_len)
+
+    def hidden_states_from_embeds(self, text, position_ids, segment_ids, pixel_values, vision_pos_ids,
+                                  window_index, reverse_index, window_segment_ids, full_segment_ids, embed_index,
+                                  window_gather=None, full_gather=None, actual_seq_len=None):
+        """`hidden_states` with the token embeddings `text` [B, L, D] looked up by the caller (the train step
+        looks them up with a row-wise gradient, `train.row_grads`)."""
+        b, l, d = text.shape
         image = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
                             full_segment_ids, window_gather, full_gather)  # [M, D] merged visual tokens
         table = ops.cat((text.reshape(-1, d), image.astype(text.dtype)), 0)  # [B*L + M, D]

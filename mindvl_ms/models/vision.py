@@ -105,6 +105,12 @@ def qkv_rotary(cos, sin, q_scale: float, num_heads: int):
             ops.broadcast_to(ops.stack((sin * q_scale, sin, zero), 1).reshape(n, 3, 1, hd), shape))
 
 
+# the MatMul primitive: its backward is MatMuls with transpose flags. `ops.matmul` (MatMulExt) differentiates
+# through Transpose kernels, and MindSpore's CPU Transpose keeps an 8-byte index per element per kernel
+# (on `small`, bench/profile_memory.py: 30 MB less RSS with the primitive)
+_MATMUL = ops.MatMul()
+
+
 def rotate_half_matrix(hd: int) -> np.ndarray:
     """R [hd, hd] with x @ R = rotate_half(x) = [-x2, x1] (one nonzero +-1 per column: exact in float32)."""
     half = hd // 2
@@ -196,7 +202,7 @@ class VisionAttention(nn.Cell):
         s, w = gather.shape
         # RoPE on q and k in one pass (the values of ApplyRotary: x * cos + rotate_half(x) * sin, float32)
         qkv32 = qkv.astype(ms.float32)
-        rot = ops.matmul(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv.shape)
+        rot = _MATMUL(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv.shape)
         rows = (qkv32 * cos + rot * sin).astype(x.dtype).reshape(n, 3 * e)  # [N, 3E]
         # padding slots (index N) read row N - 1: their keys are masked by key_bias (weight exactly 0) and
         # their queries' outputs are never gathered back, so any real row gives the same result

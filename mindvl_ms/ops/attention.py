@@ -29,6 +29,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
+from .broadcast import expand_as
 from .dispatch import is_ascend
 
 NEG_INF = -1e9  # finite: a fully masked (padding) row gives a uniform softmax instead of NaN
@@ -84,6 +85,20 @@ class SoftmaxV(nn.Cell):
         return p * dp_minus_d, dv
 
 
+class SoftmaxLastAxis(nn.Cell):
+    """softmax over the last axis (the `Softmax` kernel) whose backward, P * (dP - rowsum(dP * P)), broadcasts
+    the [.., L, 1] row sums explicitly under dynamic shapes (`broadcast.expand_as`): autodiff's version
+    subtracts them with an implicitly broadcasting kernel (slow on CPU, index tables of 16 bytes per score).
+    CPU path."""
+
+    def construct(self, scores):
+        return _SOFTMAX(scores)
+
+    def bprop(self, scores, out, dout):
+        d = _ROW_SUM(dout * out, -1)                                      # [.., L, 1]
+        return ((dout - expand_as(d, dout)) * out,)
+
+
 def causal_compressed_mask() -> Tensor:
     """uint8[2048, 2048], 1 above the diagonal: the mask FlashAttentionScore takes with sparse_mode 3."""
     return Tensor(np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE), np.uint8), k=1), ms.uint8)
@@ -127,15 +142,18 @@ class CoreAttention(nn.Cell):
         self.softmax = ops.Softmax(-1)
         self.pv_matmul = ops.BatchMatMul()  # [B, H, L, S] x [B, H, S, Dv]
         self.softmax_v = SoftmaxV()  # the pre-scaled path's softmax + p.v (hand-written backward)
+        self.softmax_cpu = SoftmaxLastAxis()  # CPU: the softmax backward without implicit broadcasting
 
     def construct(self, q, k, v, bias, actual_seq_qlen=None, actual_seq_kvlen=None):
         if self.fused and actual_seq_qlen is not None:
             return self._flash(q, k, v, actual_seq_qlen, actual_seq_kvlen)
         k = self._repeat(k)
         v = self._repeat(v)
-        scores = self.scale_mul(self.qk_matmul(q, k), self.scale)  # [B, H, L, S]
-        scores = self.bias_add(scores.astype(ms.float32), bias)
-        probs = self.softmax(scores).astype(q.dtype)
+        scores = self.scale_mul(self.qk_matmul(q, k), self.scale).astype(ms.float32)  # [B, H, L, S]
+        if self.fused:  # Ascend without sequence lengths: the primitives the parallel layout shards
+            probs = self.softmax(self.bias_add(scores, bias)).astype(q.dtype)
+        else:  # CPU: the [B, 1, L, S] bias broadcast first (ops/broadcast.py), softmax with its own backward
+            probs = self.softmax_cpu(self.bias_add(scores, expand_as(bias, scores))).astype(q.dtype)
         return self.pv_matmul(probs, v)  # [B, H, L, Dv]
 
     def prescaled(self, q, k, v, key_bias):

@@ -5,12 +5,16 @@ Every op is a primitive instance held by the cell (the CPU path's square, mean, 
 multiplies, and the fused `RmsNorm`), so `mindvl_ms.parallel.parallelize` can give each a shard strategy
 (batch or sequence split) without the model knowing about parallelism. The values are those of the
 functional form `ops.mean(x*x)`, `ops.rsqrt`, ...: the same kernels are called.
+CPU path under dynamic shapes (the train step): the [..., 1] statistic and the [D] weight are broadcast to
+x's shape before the two multiplies: MindSpore's CPU arithmetic kernels keep two 8-byte index tables per
+output element for a broadcasting operation, and run it up to 10x slower (`ops/broadcast.py`).
 """
 import mindspore as ms
 from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import initializer
 from mindspore.ops.auto_generate import RmsNorm as _RmsNormPrim
 
+from .broadcast import expand_as
 from .dispatch import is_ascend
 
 
@@ -34,5 +38,5 @@ class RMSNorm(nn.Cell):
         dtype = x.dtype
         x32 = x.astype(ms.float32)
         var = self.mean(self.square(x32, x32), -1)  # [..., 1]
-        x32 = self.mul(x32, self.rsqrt(self.add_eps(var, self.eps)))
-        return self.mul_weight(self.weight.astype(dtype), x32.astype(dtype))
+        x32 = self.mul(x32, expand_as(self.rsqrt(self.add_eps(var, self.eps)), x32))
+        return self.mul_weight(expand_as(self.weight.astype(dtype), x32), x32.astype(dtype))

@@ -4,12 +4,14 @@ Ascend: the fused `RotaryPositionEmbedding` kernel in rotate-half mode (mode 0);
 hardware. cos/sin must broadcast against x ([B, N, S, D] with cos [B|1, 1, S, D]).
 The cell holds every op as a primitive instance (split, neg, concat, the two multiplies, the add, and the
 fused kernel) so the parallel layer can shard them (heads over the tensor-parallel group); the values are
-those of the functional `rotate_half` below (same kernels).
+those of the functional `rotate_half` below (same kernels). CPU path under dynamic shapes: cos/sin are broadcast
+to x's shape first (`ops/broadcast.py`: the CPU kernels' implicit broadcasting is slow and memory-hungry).
 """
 import mindspore as ms
 from mindspore import nn, ops
 from mindspore.ops.auto_generate import RotaryPositionEmbedding as _RopePrim
 
+from .broadcast import expand_as
 from .dispatch import is_ascend
 
 
@@ -37,5 +39,5 @@ class ApplyRotary(nn.Cell):
         x32 = x.astype(ms.float32)
         x1, x2 = self.split(x32)
         rot = self.concat((self.neg(x2), x1))
-        out = self.add(self.mul_cos(x32, cos), self.mul_sin(rot, sin))
+        out = self.add(self.mul_cos(x32, expand_as(cos, x32)), self.mul_sin(rot, expand_as(sin, x32)))
         return out.astype(dtype)

@@ -33,6 +33,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from .row_grads import NO_GRAD, head_weight_grad_into
+
 IGNORE = -100
 PAD_MULTIPLE = 8
 
@@ -131,3 +133,26 @@ class ChunkedHeadCE(nn.Cell):
         at = ops.stack((ops.arange(c, dtype=ms.int32), safe.astype(ms.int32)), 1)  # [c, 2] (row, target)
         g = ops.tensor_scatter_sub(p, at, ops.ones((c,), p.dtype))    # P - onehot(t)
         return g, (h * s, s)
+
+
+class ChunkedHeadCERowGrad(ChunkedHeadCE):
+    """`ChunkedHeadCE` whose backward adds the head's dW into its accumulator in place, in row blocks
+    (`train.row_grads`), instead of returning a [V, D] gradient.
+
+    construct(hidden [n, c, D], weight [V, D], targets [n, c], acc [V, D], token [1]) -> CE [n, c]."""
+
+    def construct(self, hidden, weight, targets, acc, token):
+        return ChunkedHeadCE.construct(self, hidden, weight, targets)
+
+    def bprop(self, hidden, weight, targets, acc, token, out, dout):
+        n = hidden.shape[0]
+        w = _cast(weight, hidden.dtype)
+        dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
+        done = ops.zeros((1,), ms.float32)
+        i = 0
+        while i < n:
+            g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
+            dh[i] = _MM(g, w) * hs[1]                                  # [c, D]
+            done = ops.depend(done, head_weight_grad_into(acc, g, hs[0]))
+            i += 1
+        return (dh, NO_GRAD, ops.zeros_like(targets), NO_GRAD, ops.depend(ops.zeros_like(token), done))

@@ -7,6 +7,8 @@ Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompile
   accumulators. No communication here. For models with `hidden_states` + `head_weight` (MindVL) the
   LM head runs only at the supervised positions, in chunks of `loss.logits_chunk_tokens`
   (`train/head.py`; the host computes the gather grid); other models return full [B, L, V] logits.
+  Their [V, D] tables (embedding, head) add their gradients into the accumulators row-wise from their
+  own bprops (`train/row_grads.py`), so no dense [V, D] gradient is made (standalone / data parallel).
 - `ReduceStep`: once per global batch: all-reduce (sum, in place) of the accumulated gradients and
   the loss across data-parallel ranks (the single gradient synchronisation of openPangu-VL's
   asynchronous accumulation), divided by dp when `parallel.gradients_mean`, and the global gradient
@@ -46,10 +48,11 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .head import ChunkedHeadCE, supervised_layout
+from .head import ChunkedHeadCE, ChunkedHeadCERowGrad, supervised_layout
 from .heap import release_heap
 from .loss import IGNORE, TrainLoss, token_ce
 from .optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
+from .row_grads import RowGradEmbedding, row_grad_token
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +87,29 @@ class ForwardLoss(nn.Cell):
 
     loss_inputs: sparse head (`has_sparse_head`): sup_targets, sup_segment_ids, sup_token_index,
     logit_index, all [n, c] (`head.supervised_layout`); otherwise targets, token_index [B, L] (the model
-    returns full [B, L, V] logits and segment_ids is the model input at `seg_pos`)."""
+    returns full [B, L, V] logits and segment_ids is the model input at `seg_pos`).
+
+    `row_grads` {table Parameter name: accumulator} (sparse head only, `row_grad_tables`): the embedding
+    lookup and/or the head add those tables' gradients into the accumulators themselves (train/row_grads.py);
+    `self.token` then carries the dependency and the tables must be left out of the differentiated weights."""
 
     def __init__(self, model: nn.Cell, loss: TrainLoss, n_model: int, seg_pos: int, aux_weight: float = 1.0,
-                 sparse: bool = False):
+                 sparse: bool = False, row_grads: Optional[Dict[str, Parameter]] = None):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.model, self.loss, self.n_model, self.seg_pos = model, loss, n_model, seg_pos
         self.sparse = sparse
+        self.row_embed = self.row_head = False
         if sparse:
             self.net = backbone(model)
-            self.head = ChunkedHeadCE()
+            row_grads = row_grads or {}
+            table, head = self.net.model.embed_tokens.weight, self.net.head_weight()
+            self.row_embed, self.row_head = table.name in row_grads, head.name in row_grads
+            self.token = row_grad_token() if row_grads else None
+            if self.row_embed:
+                self.embed = RowGradEmbedding(table, row_grads[table.name], self.token)
+            if self.row_head:
+                self.head_acc = row_grads[head.name]
+            self.head = ChunkedHeadCERowGrad() if self.row_head else ChunkedHeadCE()
         self.aux_weight = float(aux_weight)  # 1 / (micro-batches x ranks): the MoE aux loss is a batch mean
 
     def ce_and_aux(self, *args):
@@ -102,11 +118,18 @@ class ForwardLoss(nn.Cell):
         n = self.n_model
         if self.sparse:
             targets, seg, tok, index = args[n], args[n + 1], args[n + 2], args[n + 3]
-            hidden, aux, load = self.net.hidden_states(*model_args)          # [B, L, D]
+            if self.row_embed:
+                text = self.embed(model_args[0])                                 # [B, L, D]
+                hidden, aux, load = self.net.hidden_states_from_embeds(text, *model_args[1:])
+            else:
+                hidden, aux, load = self.net.hidden_states(*model_args)          # [B, L, D]
             d = hidden.shape[-1]
             kept = ops.gather(hidden.reshape(-1, d), index.reshape(-1), 0)    # [n*c, D]
             kept = kept.reshape(index.shape[0], index.shape[1], d)            # [n, c, D]
-            ce = self.head(kept, self.net.head_weight(), targets)             # [n, c]
+            if self.row_head:
+                ce = self.head(kept, self.net.head_weight(), targets, self.head_acc, self.token)  # [n, c]
+            else:
+                ce = self.head(kept, self.net.head_weight(), targets)         # [n, c]
             return ce, (targets != IGNORE).astype(ms.float32), seg, tok, (aux, load)
         out = self.model(*model_args)
         logits = out[0] if isinstance(out, tuple) else out                   # [B, L, V]
@@ -126,19 +149,31 @@ class ForwardLoss(nn.Cell):
 
 
 class MicroStep(nn.Cell):
-    """Forward + backward of one micro-batch; gradients (scaled) are added to the accumulators."""
+    """Forward + backward of one micro-batch; gradients (scaled) are added to the accumulators.
 
-    def __init__(self, forward: ForwardLoss, params: Sequence[Parameter], accum: ParameterTuple):
+    Tables with row-wise gradients (`forward.token` set) are not differentiated: their accumulators are
+    written by the forward's own bprops, and the output depends on the token's gradient, which depends
+    on those writes."""
+
+    def __init__(self, forward: ForwardLoss, params: Sequence[Parameter], accum: ParameterTuple,
+                 row_grads: Optional[Dict[str, Parameter]] = None):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.forward = forward
-        self.weights = ParameterTuple(params)
-        self.accum = accum
+        rows = row_grads or {}
+        pairs = [(p, a) for p, a in zip(params, accum) if p.name not in rows]
+        self.rows = bool(rows)
+        token = [forward.token] if self.rows else []
+        self.weights = ParameterTuple([p for p, _ in pairs] + token)
+        self.accum = ParameterTuple([a for _, a in pairs])
         self.hyper_map = ops.HyperMap()
         self.grad_fn = ops.value_and_grad(self.forward, None, self.weights, has_aux=True)
 
     def construct(self, *args):
         (scaled, load), grads = self.grad_fn(*args)
-        done = self.hyper_map(_acc, self.accum, grads)
+        if self.rows:  # the last gradient is the token's: it orders the row-wise adds before the output
+            done = (self.hyper_map(_acc, self.accum, grads[:-1]), grads[-1])
+        else:
+            done = self.hyper_map(_acc, self.accum, grads)
         return ops.depend(scaled / args[-1], done), load
 
 
@@ -217,6 +252,20 @@ class StepResult:
     expert_load: Optional[np.ndarray] = None  # MoE: routed tokens per expert [moe layers, E], global batch
 
 
+def row_grad_tables(model: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple) -> Dict[str, Parameter]:
+    """{name: accumulator} of the trainable [V, D] tables whose gradients are added row-wise
+    (train/row_grads.py): the token embedding (when the model can take looked-up embeddings,
+    `hidden_states_from_embeds`) and the LM head, for models with the sparse head. Empty otherwise."""
+    if not has_sparse_head(model):
+        return {}
+    net = backbone(model)
+    by_name = {p.name: a for p, a in zip(params, accum)}
+    tables = [net.head_weight()]
+    if callable(getattr(net, "hidden_states_from_embeds", None)):
+        tables.append(net.model.embed_tokens.weight)
+    return {t.name: by_name[t.name] for t in tables if t.name in by_name}
+
+
 def _ms_dtype(a: np.ndarray):
     return {np.dtype(np.int32): ms.int32, np.dtype(np.int64): ms.int64, np.dtype(np.float32): ms.float32,
             np.dtype(np.float16): ms.float16, np.dtype(np.bool_): ms.bool_}[a.dtype]
@@ -228,7 +277,8 @@ class TrainStep:
     def __init__(self, model: nn.Cell, params: List[Parameter], input_names: Sequence[str], loss_cfg,
                  stage, dp: int = 1, allreduce_host=None, precision: str = "float32",
                  loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0, loss_scale_window: int = 1000,
-                 gradients_mean: bool = False, compiler_reduces: bool = False, pipeline=None):
+                 gradients_mean: bool = False, compiler_reduces: bool = False, pipeline=None,
+                 row_grads: bool = True):
         release_heap()  # the model is built: its loading's freed host copies go back to the OS
         self.input_names = list(input_names)
         if "segment_ids" not in self.input_names:
@@ -246,15 +296,19 @@ class TrainStep:
                                requires_grad=False)
         self.good = Parameter(Tensor(0, ms.int32), name="loss_scale_good_steps", requires_grad=False)
         self.factor, self.window = float(loss_scale_factor), int(loss_scale_window)
-        fwd = ForwardLoss(model, self.loss, n_model, self.input_names.index("segment_ids"),
-                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse)
         self.pipeline = pipeline  # (stages, micro_batch_num): Ascend pipeline parallel, see train/pipeline.py
+        # row-wise table gradients (train/row_grads.py): not under a compiler-sharded layout or pipeline stages
+        rows = (row_grad_tables(model, params, self.accum) if row_grads and not compiler_reduces and pipeline is None
+                else {})
+        self.row_grad_tables = sorted(rows)
+        fwd = ForwardLoss(model, self.loss, n_model, self.input_names.index("segment_ids"),
+                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
         if pipeline is not None:
             from .pipeline import PipelineMicroStep
 
             self.micro = PipelineMicroStep(fwd, params, self.accum, pipeline[1])
         else:
-            self.micro = MicroStep(fwd, params, self.accum)
+            self.micro = MicroStep(fwd, params, self.accum, rows)
         self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
         self.zero = ZeroAccum(self.accum)
         self.weight_sum = WeightSumStep(fwd)
