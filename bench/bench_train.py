@@ -20,13 +20,14 @@ the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of eac
 implementations' medians within one round, seconds apart, so load that drifts over a run cancels; the
 ratio of whole-run medians mixes quiet and busy minutes and three runs of it spread 8-9%; three runs of
 this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58;
-after train/heap.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88), with the rounds' min-max; peak
+after train/heap.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88; after train/row_grads.py and
+ops/broadcast.py, tiny 2.48 / 2.49 / 2.52, small 1.97 / 2.03 / 1.92), with the rounds' min-max; peak
 RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3
 matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
 attention score FLOPs are left out.
 
-Peak memory on `small`: 4.46 GB against torch's 3.84 GB (1.16x), measured by phase with
+Peak memory on `small`: 4.44-4.47 GB against torch's 3.83-3.84 GB (1.16x, three runs), measured by phase with
 `bench/profile_memory.py` (RSS from /proc/self/status and /proc/self/smaps, the pool from
 `MS_DEV_RUNTIME_CONF=memory_statistics:True`, live C++ allocations by call site with an LD_PRELOAD shim).
 Parameters and AdamW moments cost the same in both; the fp32 gradient accumulators (0.64 GB) stand where
@@ -44,7 +45,7 @@ torch keeps `.grad` (0.65 GB). RSS after two steps of profile_memory, step by st
 What remains above torch: the compiler's heap (~0.5 GB after `malloc_trim`, train/heap.py) and MindSpore's
 1 GB pool block, of which ~0.66 GB is touched (the AdamW update graph allocates an output copy of var, m
 and v per parameter, the fused `AdamWeightDecay` CPU kernel's behaviour).
-On `tiny` mindvl-ms peaks 2% below torch (1.43 against 1.46 GB).
+On `tiny` mindvl-ms peaks 1-2% below torch (1.43-1.44 against 1.46 GB).
 """
 import argparse
 import json
