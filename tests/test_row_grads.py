@@ -14,7 +14,7 @@ from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import row_grads
 from mindvl_ms.train.head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.optim import select_trainable
-from mindvl_ms.train.train_step import TrainStep
+from mindvl_ms.train.train_step import ForwardLoss, TrainStep
 from test_train_head import _batch, _numpy_ce_and_grads
 from test_train_mindvl import MODEL
 
@@ -126,6 +126,17 @@ def test_train_step_with_row_grads_equals_plain_autodiff(tied):
         np.testing.assert_allclose(out[True][1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
     for name in tables:  # the tables did train
         assert not np.array_equal(out[True][1][name], init[name])
+
+
+def test_row_grads_without_the_sparse_head_are_refused():
+    """Only the sparse head's cells add rows into accumulators: a dense-logits forward given row-wise tables
+    would differentiate nothing for them, so it raises instead of dropping their gradients."""
+    cfg = load(MindVLConfig, MODEL, "test")
+    model = MindVLForConditionalGeneration(cfg)
+    acc = Parameter(Tensor(np.zeros((V, D), np.float32)), name="acc", requires_grad=False)
+    with pytest.raises(ValueError, match="sparse head.*model.embed_tokens.weight"):
+        ForwardLoss(model, None, len(model.INPUT_NAMES), 0, sparse=False,
+                    row_grads={"model.embed_tokens.weight": acc})
 
 
 def test_gradient_norm_sums_large_tables_in_row_blocks(monkeypatch):

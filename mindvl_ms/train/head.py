@@ -105,23 +105,42 @@ class ChunkedHeadCE(nn.Cell):
         return ce
 
     def bprop(self, hidden, weight, targets, out, dout):
-        # d CE / d logits = softmax - onehot(t), times s = dout * valid per row. The onehot is subtracted in
-        # the [c, V] block (c entries scattered), the row scaling applied to the [c, D] operands:
-        #   G = P - onehot(t),  dh = (G @ W) * s,  dW = sum over chunks of G^T @ (h * s)
-        # The first chunk's dW is the accumulator itself, so a single-chunk step holds one [V, D] product.
+        dh, dw = self._backward(hidden, weight, targets, dout, None)
+        return dh, _cast(dw, weight.dtype), ops.zeros_like(targets)
+
+    def _backward(self, hidden, weight, targets, dout, acc):
+        """-> (dh [n, c, D], dW). d CE / d logits = softmax - onehot(t), times s = dout * valid per row. The
+        onehot is subtracted in the [c, V] block (c entries scattered), the row scaling applied to the
+        [c, D] operands:
+          G = P - onehot(t),  dh = (G @ W) * s,  dW = sum over chunks of G^T @ (h * s)
+        acc None: dW is that float32 [V, D] sum; the first chunk's product is the sum itself, so a
+        single-chunk step holds one [V, D] product. acc (the head's accumulator): each chunk's product is
+        added into acc in row blocks (`train.row_grads`) and dW is a [1] zero that depends on those adds."""
         n = hidden.shape[0]
         w = _cast(weight, hidden.dtype)
         dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
         g, hs = self._block_grad(hidden[0], w, targets[0], dout[0])
         dh[0] = _MM(g, w) * hs[1]
-        dw = _cast(_MM_TN(g, hs[0]), ms.float32)                      # [V, D]
+        dw = self._dw_first(g, hs[0], acc)
         i = 1
         while i < n:
             g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
             dh[i] = _MM(g, w) * hs[1]                                  # [c, D]
-            dw = dw + _cast(_MM_TN(g, hs[0]), ms.float32)              # [V, D]
+            dw = self._dw_add(dw, g, hs[0], acc)
             i += 1
-        return dh, _cast(dw, weight.dtype), ops.zeros_like(targets)
+        return dh, dw
+
+    @staticmethod
+    def _dw_first(g, hs, acc):
+        if acc is None:
+            return _cast(_MM_TN(g, hs), ms.float32)                   # [V, D]
+        return ops.depend(ops.zeros((1,), ms.float32), head_weight_grad_into(acc, g, hs))
+
+    @staticmethod
+    def _dw_add(dw, g, hs, acc):
+        if acc is None:
+            return dw + _cast(_MM_TN(g, hs), ms.float32)              # [V, D]
+        return ops.depend(dw, head_weight_grad_into(acc, g, hs))
 
     @staticmethod
     def _block_grad(h, w, t, dout):
@@ -145,14 +164,5 @@ class ChunkedHeadCERowGrad(ChunkedHeadCE):
         return ChunkedHeadCE.construct(self, hidden, weight, targets)
 
     def bprop(self, hidden, weight, targets, acc, token, out, dout):
-        n = hidden.shape[0]
-        w = _cast(weight, hidden.dtype)
-        dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
-        done = ops.zeros((1,), ms.float32)
-        i = 0
-        while i < n:
-            g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
-            dh[i] = _MM(g, w) * hs[1]                                  # [c, D]
-            done = ops.depend(done, head_weight_grad_into(acc, g, hs[0]))
-            i += 1
+        dh, done = self._backward(hidden, weight, targets, dout, acc)
         return (dh, NO_GRAD, ops.zeros_like(targets), NO_GRAD, ops.depend(ops.zeros_like(token), done))

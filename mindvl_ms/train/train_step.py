@@ -99,6 +99,10 @@ class ForwardLoss(nn.Cell):
         self.model, self.loss, self.n_model, self.seg_pos = model, loss, n_model, seg_pos
         self.sparse = sparse
         self.row_embed = self.row_head = False
+        if row_grads and not sparse:
+            raise ValueError("row-wise table gradients need the sparse head (has_sparse_head); got "
+                             f"row_grads for {sorted(row_grads)}")
+        self.row_tables = frozenset(row_grads or ())  # names of the tables MicroStep must not differentiate
         if sparse:
             self.net = backbone(model)
             row_grads = row_grads or {}
@@ -151,15 +155,14 @@ class ForwardLoss(nn.Cell):
 class MicroStep(nn.Cell):
     """Forward + backward of one micro-batch; gradients (scaled) are added to the accumulators.
 
-    Tables with row-wise gradients (`forward.token` set) are not differentiated: their accumulators are
-    written by the forward's own bprops, and the output depends on the token's gradient, which depends
-    on those writes."""
+    Tables with row-wise gradients (`forward.row_tables`, with `forward.token`) are not differentiated:
+    their accumulators are written by the forward's own bprops, and the output depends on the token's
+    gradient, which depends on those writes. Forwards without the attribute (`PolicyForward`) have none."""
 
-    def __init__(self, forward: ForwardLoss, params: Sequence[Parameter], accum: ParameterTuple,
-                 row_grads: Optional[Dict[str, Parameter]] = None):
+    def __init__(self, forward: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.forward = forward
-        rows = row_grads or {}
+        rows = getattr(forward, "row_tables", frozenset())
         pairs = [(p, a) for p, a in zip(params, accum) if p.name not in rows]
         self.rows = bool(rows)
         token = [forward.token] if self.rows else []
@@ -308,7 +311,7 @@ class TrainStep:
 
             self.micro = PipelineMicroStep(fwd, params, self.accum, pipeline[1])
         else:
-            self.micro = MicroStep(fwd, params, self.accum, rows)
+            self.micro = MicroStep(fwd, params, self.accum)
         self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
         self.zero = ZeroAccum(self.accum)
         self.weight_sum = WeightSumStep(fwd)
