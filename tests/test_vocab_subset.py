@@ -9,6 +9,7 @@ special token ids are exercised).
 import copy
 import json
 import os
+import warnings
 
 import mindspore as ms
 import numpy as np
@@ -25,11 +26,17 @@ from mindvl_ms.data.schema import iter_jsonl
 from mindvl_ms.data.tokenizer import load_tokenizer
 from mindvl_ms.data.vocab_subset import SubsetTokenizer, restrict_model_config, subset_ids, write_subset
 from mindvl_ms.demo.datasets import write_demo_data
+from mindvl_ms.eval.runner import load_benchmark
 from mindvl_ms.models.inputs import INPUT_NAMES, build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_CFG = {"system_prompt": "", "image": {"min_pixels": 12544, "max_pixels": 12544}}
+
+
+def prompts(paths):
+    """The held-out benchmarks' prompts as `mindvl eval` reads them (what `mindvl demo` passes)."""
+    return [it.messages for p in paths for it in load_benchmark(p)]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +45,10 @@ def demo_data(tmp_path_factory):
     info = write_demo_data(d, seed=0, sizes={"vqa": (6, 3), "ocr": (2, 2), "grounding": (2, 2)}, progress=False)
     read = lambda split: [s for t in ("vqa", "ocr", "grounding") for _, s in iter_jsonl(info["files"][split][t])]
     proc = MindVLProcessor(config=load(DataConfig, dict(DATA_CFG), "test"))
-    ids = subset_ids(proc, read("train"), prompts=read("heldout"))
+    heldout = list(info["files"]["heldout"].values())
+    ids = subset_ids(proc, read("train"), prompts=prompts(heldout))
     sub_dir = write_subset(str(tmp_path_factory.mktemp("tok")), proc.tokenizer, ids)
-    return proc, ids, sub_dir, read("train"), read("heldout")
+    return proc, ids, sub_dir, read("train"), heldout
 
 
 def test_subset_tokenizer_renumbers_the_full_tokenizer(demo_data):
@@ -69,14 +77,20 @@ def test_subset_holds_train_text_and_heldout_prompts_only(demo_data, tmp_path):
     full = proc.tokenizer
     for s in train:  # every train input id (template, image pads, question, answer) is in
         assert set(proc.process_sample(s)["input_ids"].tolist()) <= set(ids)
-    for s in heldout:  # and every held-out prompt as generation encodes it
-        assert set(proc.encode(s.messages[:-1], [1], add_generation_prompt=True)[0].tolist()) <= set(ids)
-    q = copy.deepcopy(heldout[0])
-    q.messages[-1]["content"] = "zebra"               # a held-out answer adds nothing
-    assert subset_ids(proc, train, prompts=[q]) == subset_ids(proc, train, prompts=heldout[:1])
-    assert "zebra" not in full.decode(subset_ids(proc, train, prompts=[q]))
-    q.messages[0]["content"] = "zebra?"               # a held-out prompt token does
-    assert set(full.encode("zebra")) <= set(subset_ids(proc, train, prompts=[q]))
+    for msgs in prompts(heldout):  # and every held-out prompt as generation encodes it
+        assert set(proc.encode(msgs, [1], add_generation_prompt=True)[0].tolist()) <= set(ids)
+    line = json.loads(open(heldout[0]).readline())
+    assert line["messages"][-1]["role"] == "assistant"
+    line["messages"][-1]["content"] = "zebra"         # a held-out answer adds nothing
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps(line) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # the demo's task/metric fields are benchmark fields
+        q = prompts([str(bench)])
+    assert subset_ids(proc, train, prompts=q) == subset_ids(proc, train, prompts=prompts(heldout)[:1])
+    assert "zebra" not in full.decode(subset_ids(proc, train, prompts=q))
+    q[0][0]["content"] = "zebra?"                     # a held-out prompt token does
+    assert set(full.encode("zebra")) <= set(subset_ids(proc, train, prompts=q))
     bad = tmp_path / "bad"
     write_subset(str(bad), full, ids)
     d = json.load(open(bad / "vocab_subset.json"))
@@ -146,7 +160,9 @@ def test_demo_vocab_field(tmp_path):
         restrict_vocab(cfg, {"vocab": "all"}, str(data), [])
     assert restrict_vocab(cfg, {"vocab": "full"}, str(data), []) == {"mode": "full", "size": 151936}
     assert cfg.data.tokenizer == "" and not (data / "tokenizer").exists()
-    got = restrict_vocab(cfg, demo, str(data), list(info["files"]["heldout"].values()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the held-out files are read as benchmarks: task/metric are known fields
+        got = restrict_vocab(cfg, demo, str(data), list(info["files"]["heldout"].values()))
     ids = json.load(open(data / "tokenizer" / "vocab_subset.json"))["ids"]
     assert got == {"mode": "data", "size": len(ids), "of": 151936} and cfg.model.text.vocab_size == len(ids)
     assert cfg.data.tokenizer == str(data / "tokenizer")

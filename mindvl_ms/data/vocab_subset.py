@@ -90,9 +90,9 @@ def read_subset(directory: str, base: TextTokenizer) -> SubsetTokenizer:
 
 def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int]:
     """Sorted base-tokenizer ids of `samples` (data.schema.Sample) as `processor` renders them (chat
-    template, generation prompt, vision tags), of the prompts of `prompts` (every turn but the last, as
-    generation renders them: inputs an evaluation will feed, never its answers), plus the processor's
-    special tokens."""
+    template, generation prompt, vision tags), of `prompts` (message lists ending with the user turn, as an
+    evaluation feeds them: `eval.runner.EvalItem.messages`, never their answers) as generation renders
+    them, plus the processor's special tokens."""
     from .processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, render
 
     tok = processor.tokenizer
@@ -103,8 +103,8 @@ def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int
     for s in samples:
         ids.update(tok.encode(render(s.messages, sp, add_generation_prompt=False)[0]))
         ids.update(tok.encode(render(s.messages[:-1], sp, add_generation_prompt=True)[0]))
-    for s in prompts:
-        ids.update(tok.encode(render(s.messages[:-1], sp, add_generation_prompt=True)[0]))
+    for msgs in prompts:
+        ids.update(tok.encode(render(msgs, sp, add_generation_prompt=True)[0]))
     return sorted(ids)
 
 

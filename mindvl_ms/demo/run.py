@@ -384,14 +384,15 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
 
 def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[str]) -> Dict[str, Any]:
     """`demo.vocab`: "full" keeps the tokenizer's whole vocabulary; "data" gives the model only the token
-    ids the train sources use, plus those of the `heldout` files' prompts (inputs only, never their answers:
-    an input token no train line has gets an untrained row, as it would in the full vocabulary); see
-    `data.vocab_subset`. A tokenizer directory OUT/data/tokenizer with vocab_subset.json becomes
+    ids the train sources use, plus those of the `heldout` benchmarks' prompts as `mindvl eval` reads them
+    (inputs only, never their answers: an input token no train line has gets an untrained row, as it would
+    in the full vocabulary); see `data.vocab_subset`. A tokenizer directory OUT/data/tokenizer with vocab_subset.json becomes
     `data.tokenizer`, and the model's vocab size and special ids follow it."""
     from ..data.processor import MindVLProcessor
     from ..data.schema import SampleError, iter_jsonl
     from ..config.train import follow_vocab_subset
     from ..data.vocab_subset import subset_ids, write_subset
+    from ..eval.runner import load_benchmark
 
     mode = demo.get("vocab", "full")
     if mode not in ("full", "data"):
@@ -412,8 +413,9 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
                     raise ValueError(str(s))
                 out.append(s)
         return out
+    prompts = [it.messages for p in dict.fromkeys(heldout) for it in load_benchmark(p)]  # as `mindvl eval` feeds them
     run_cfg.data.tokenizer = write_subset(os.path.join(data_dir, "tokenizer"), proc.tokenizer,
-                                          subset_ids(proc, read(paths), prompts=read(heldout)))
+                                          subset_ids(proc, read(paths), prompts=prompts))
     follow_vocab_subset(run_cfg)
     log.info("demo.vocab data: the model's vocabulary is the %d token ids the train data uses (of %d)",
              run_cfg.model.text.vocab_size, full)
