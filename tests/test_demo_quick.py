@@ -266,3 +266,40 @@ def test_post_train_on_the_quick_model(run):
         assert s["mean_iou"] == pytest.approx(ious.mean(), abs=1e-9)
         assert s["acc_iou75"] == pytest.approx(np.mean(ious >= 0.75))
         assert s["acc_iou50"] == pytest.approx(np.mean(ious >= 0.5))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux-only")
+def test_a_killed_demo_leaves_no_phase_process_behind():
+    """`in_child` runs each phase in a spawned process; when the demo's process is killed (SIGKILL: no
+    handler runs), that child ends too instead of training on as an orphan."""
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", "import time; from mindvl_ms.demo.run import in_child; "
+                               "in_child(time.sleep, 300)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def phase_children():  # spawned workers whose parent is `parent`
+        out = []
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{d}/status") as f, open(f"/proc/{d}/cmdline", "rb") as g:
+                    status, cmd = f.read(), g.read()
+            except OSError:
+                continue
+            if f"\nPPid:\t{parent.pid}\n" in status and b"spawn_main" in cmd:
+                out.append(int(d))
+        return out
+
+    deadline = time.time() + 120
+    while not phase_children() and time.time() < deadline:
+        time.sleep(0.2)
+    child = phase_children()
+    assert len(child) == 1, "the phase process did not start"
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 30
+    while os.path.exists(f"/proc/{child[0]}") and time.time() < deadline:
+        time.sleep(0.2)
+    alive = os.path.exists(f"/proc/{child[0]}")
+    if alive:
+        os.kill(child[0], 9)
+    assert not alive, "the phase process outlived the killed demo"

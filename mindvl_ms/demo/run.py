@@ -235,12 +235,29 @@ def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) 
 
 def in_child(fn, *args):
     """Run fn(*args) in a fresh (spawned) process and return its result: MindSpore keeps the memory
-    pool and compiled graphs of a process alive, so each phase gets its own and frees them on exit."""
+    pool and compiled graphs of a process alive, so each phase gets its own and frees them on exit.
+    The child ends with this process (`die_with_parent`), so a killed demo leaves no training behind."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         return pool.submit(fn, *args).result()
+
+
+def die_with_parent(parent: int) -> None:
+    """Child-process initializer: on Linux the kernel sends this process SIGTERM when `parent` ends
+    (prctl PR_SET_PDEATHSIG), however it ends (`kill -9` included); a parent already gone ends it now.
+    Elsewhere the child outlives a killed parent, as before."""
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def train_all(run_cfg, out_dir: str, progress: bool = True) -> Dict[str, Any]:
