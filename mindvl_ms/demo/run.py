@@ -403,8 +403,8 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
     """`demo.vocab`: "full" keeps the tokenizer's whole vocabulary; "data" gives the model only the token
     ids the train sources use, plus those of the `heldout` benchmarks' prompts as `mindvl eval` reads them
     (inputs only, never their answers: an input token no train line has gets an untrained row, as it would
-    in the full vocabulary); see `data.vocab_subset`. A tokenizer directory OUT/data/tokenizer with vocab_subset.json becomes
-    `data.tokenizer`, and the model's vocab size and special ids follow it."""
+    in the full vocabulary); see `data.vocab_subset`. A tokenizer directory OUT/data/tokenizer with
+    vocab_subset.json becomes `data.tokenizer`, and the model's vocab size and special ids follow it."""
     from ..data.processor import MindVLProcessor
     from ..data.schema import SampleError, iter_jsonl
     from ..config.train import follow_vocab_subset
