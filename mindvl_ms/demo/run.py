@@ -248,7 +248,9 @@ def in_child(fn, *args):
 def die_with_parent(parent: int) -> None:
     """Child-process initializer: on Linux the kernel sends this process SIGTERM when `parent` ends
     (prctl PR_SET_PDEATHSIG), however it ends (`kill -9` included); a parent already gone ends it now.
-    Elsewhere the child outlives a killed parent, as before."""
+    The signal follows the thread that started the child: `in_child` starts it in the calling thread and
+    waits there for the result, so that thread outlives the work. Elsewhere the child outlives a killed
+    parent, as before."""
     import signal
     import sys
 
