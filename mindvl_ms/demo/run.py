@@ -257,7 +257,7 @@ def die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
 
@@ -432,7 +432,8 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
                     raise ValueError(str(s))
                 out.append(s)
         return out
-    prompts = [it.messages for p in dict.fromkeys(heldout) for it in load_benchmark(p)]  # as `mindvl eval` feeds them
+    # the held-out prompts as `mindvl eval` feeds them (task/metric are benchmark fields there)
+    prompts = [it.messages for p in dict.fromkeys(heldout) for it in load_benchmark(p)]
     run_cfg.data.tokenizer = write_subset(os.path.join(data_dir, "tokenizer"), proc.tokenizer,
                                           subset_ids(proc, read(paths), prompts=prompts))
     follow_vocab_subset(run_cfg)
