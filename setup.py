@@ -17,7 +17,8 @@ setup(
     # mindvl_ms.configs (installed as mindvl_ms/configs/; found by mindvl_ms.config.packaged).
     packages=find_packages(include=["mindvl_ms", "mindvl_ms.*"]) + ["mindvl_ms.configs"],
     package_dir={"mindvl_ms.configs": "configs"},
-    package_data={"mindvl_ms.configs": ["*.yaml", "*/*.yaml"]},
+    # ops/csrc: the C++ CPU kernels, compiled on first use (mindvl_ms/ops/cpu_kernels.py)
+    package_data={"mindvl_ms.configs": ["*.yaml", "*/*.yaml"], "mindvl_ms.ops": ["csrc/*.cc"]},
     include_package_data=True,
     python_requires=">=3.9,<3.12",
     install_requires=reqs("requirements.txt"),

@@ -106,6 +106,7 @@ def test_wheel(tmp_path):
     shipped = sorted(n[len("mindvl_ms/configs/"):] for n in names if n.startswith("mindvl_ms/configs/"))
     assert shipped == repo_configs()
     assert "mindvl_ms/config/packaged.py" in names
+    assert "mindvl_ms/ops/csrc/qkv_rope.cc" in names  # the CPU kernels' source, built on first use
 
     target = tmp_path / "site"
     _run(pip + ["install", "--no-deps", "-q", "--target", str(target), whl], str(tmp_path), env)
@@ -130,6 +131,8 @@ local = load_run_config("configs/stage/tiny-cpu.yaml")   # the init-config copy
 assert cfg == local and local.model.vision.depth > 0
 run_cfg, demo = load_demo_config(config_path(True), "data")
 assert config_path(True).startswith({str(target)!r}) and len(run_cfg.stages) == 4, config_path(True)
+from mindvl_ms.ops import cpu_kernels
+assert os.path.isfile(os.path.join(cpu_kernels._source_dir(), "qkv_rope.cc"))
 print("lookup ok", len(run_cfg.stages))
 """
     assert "lookup ok 4" in _run([sys.executable, "-c", check], str(work), env)

@@ -35,7 +35,9 @@ from ..config import VisionConfig
 from ..ops import ApplyRotary, CoreAttention, Linear, RMSNorm, SwiGLU, segment_bias
 from ..ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
 from ..ops.attention import NEG_INF
+from ..ops.cpu_kernels import custom_op
 from ..ops.dispatch import is_ascend
+from ..ops.linear import BiasAddMatMulGrad
 
 
 def dense(d_in: int, d_out: int, bias: bool, std: float) -> Linear:
@@ -120,6 +122,64 @@ def rotate_half_matrix(hd: int) -> np.ndarray:
     return r
 
 
+class _QkvRopeKernel(nn.Cell):
+    """The C++ pass (ops/csrc/qkv_rope.cc) with its hand-written backward; float32 [N, 3E] in and out."""
+
+    def __init__(self, fwd, bwd):
+        super().__init__()
+        self.fwd, self.bwd = fwd, bwd
+
+    def construct(self, mm, bias, cos, sin):
+        return self.fwd(mm, bias, cos, sin)
+
+    def bprop(self, mm, bias, cos, sin, out, dout):
+        d = self.bwd(dout, cos, sin)  # [N, 3E]
+        ones = ops.ones((1, d.shape[0]), d.dtype)
+        return d, _MATMUL(ones, d).reshape(bias.shape), ops.zeros_like(cos), ops.zeros_like(sin)
+
+
+class QkvBiasRope(nn.Cell):
+    """CPU block path of VisionAttention: rows [N, 3E] = t * cos + rotate_half(t) * sin on the q and k parts
+    and t on the v part, t = mm + bias (the fused qkv projection without, then with, its bias).
+
+    With `kernel` (the default where `ops/cpu_kernels.py` can build its library) this is one C++ pass over
+    [N, 3E] whose every float op rounds as the composite ops below round it: the same values bit for bit,
+    forward and backward (tests/test_cpu_kernels.py; bench/bench_vision.py's gain is in the README's kernel
+    section). The composite: BiasAdd, rotate_half as one MatMul with a +-1 matrix (exact), two Muls by
+    `qkv_rotary`'s broadcast tables, Add. `tables` gives the cos/sin layout each path takes.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        fwd = bwd = None
+        if not is_ascend():  # Ascend runs the block layout through its fused attention instead
+            fwd = custom_op("QkvBiasRope", 4)
+            bwd = custom_op("QkvRopeGrad", 3)
+        self.fused = _QkvRopeKernel(fwd, bwd) if fwd is not None and bwd is not None else None
+        self.kernel = self.fused is not None  # False: the composite ops (tests compare the two)
+        self.bias_add = BiasAddMatMulGrad()
+        self.rot_half = Tensor(rotate_half_matrix(head_dim))
+
+    def tables(self, cos, sin, q_scale: float):
+        """cos/sin [N, hd] -> the kernel's [N, 2, hd] (q rows times q_scale, k rows) or `qkv_rotary`'s
+        [N, 3, H, hd]."""
+        if self.kernel:
+            return ops.stack((cos * q_scale, cos), 1), ops.stack((sin * q_scale, sin), 1)
+        return qkv_rotary(cos, sin, q_scale, self.num_heads)
+
+    def construct(self, mm, bias, cos, sin):  # mm [N, 3E] = x @ W_qkv^T, bias [3E]
+        dtype = mm.dtype
+        if self.kernel:
+            if dtype != ms.float32:
+                mm, bias = mm.astype(ms.float32), bias.astype(ms.float32)
+            return self.fused(mm, bias, cos, sin).astype(dtype)
+        n = mm.shape[0]
+        qkv32 = self.bias_add(mm, bias).astype(ms.float32).reshape(n, 3, self.num_heads, self.head_dim)
+        rot = _MATMUL(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv32.shape)
+        return (qkv32 * cos + rot * sin).astype(dtype).reshape(n, -1)  # [N, 3E]
+
+
 class VisionMLP(nn.Cell):
     """gated: down(act(gate(x)) * up(x)) as Qwen2.5-ViT; plain: fc2(act(fc1(x))) as openPangu-ViT."""
 
@@ -177,17 +237,17 @@ class VisionAttention(nn.Cell):
         self.rotary = ApplyRotary()
         self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
         self.fused = self.core.fused
-        # CPU block path: rotate_half as one MatMul over the fused qkv, q/k/v split off the gathered blocks
-        # (functional ops, like its gathers: this path never runs under a parallel layout, Ascend takes
-        # the fused one); the queries come pre-scaled (`qkv_rotary`), so attention is `core.prescaled`
-        self.rot_half = Tensor(rotate_half_matrix(cfg.head_dim))
+        # CPU block path: bias and RoPE over the fused qkv in one pass (QkvBiasRope), q/k/v split off the
+        # gathered blocks (functional ops, like its gathers: this path never runs under a parallel layout,
+        # Ascend takes the fused one); the queries come pre-scaled, so attention is `core.prescaled`
+        self.qkv_rope = QkvBiasRope(cfg.num_heads, cfg.head_dim)
 
     def construct(self, x, cos, sin, bias, blocks=None):
         """x [N, E]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias, seq_ends) from
-        VisionBlocks. cos/sin: [N, hd], or [N, 3, H, hd] (`qkv_rotary`) on the CPU block path."""
+        VisionBlocks. cos/sin: [N, hd], or `QkvBiasRope.tables` on the CPU block path."""
         n, e = x.shape
-        qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
         if blocks is None or self.fused:
+            qkv = self.qkv(x).reshape(n, 3, self.num_heads, self.head_dim)  # [N, 3, H, hd]
             qkv = qkv.transpose(1, 2, 0, 3)  # [3, H, N, hd]
             q, k, v = qkv[0:1], qkv[1:2], qkv[2:3]  # [1, H, N, hd] each
             q = self.rotary(q, cos[None, None], sin[None, None])
@@ -201,9 +261,7 @@ class VisionAttention(nn.Cell):
         gather, unpad, key_bias = blocks[0], blocks[1], blocks[2]
         s, w = gather.shape
         # RoPE on q and k in one pass (the values of ApplyRotary: x * cos + rotate_half(x) * sin, float32)
-        qkv32 = qkv.astype(ms.float32)
-        rot = _MATMUL(qkv32.reshape(-1, self.head_dim), self.rot_half).reshape(qkv.shape)
-        rows = (qkv32 * cos + rot * sin).astype(x.dtype).reshape(n, 3 * e)  # [N, 3E]
+        rows = self.qkv_rope(self.qkv.matmul(x, self.qkv.weight), self.qkv.bias, cos, sin)  # [N, 3E]
         # padding slots (index N) read row N - 1: their keys are masked by key_bias (weight exactly 0) and
         # their queries' outputs are never gathered back, so any real row gives the same result
         idx = ops.minimum(gather.reshape(-1), n - 1)
@@ -281,7 +339,6 @@ class VisionTransformer(nn.Cell):
         self.block_layout = VisionBlocks()
         self.fused = is_ascend()  # the attention's path (VisionAttention.fused)
         self.scale = cfg.head_dim ** -0.5  # the block path folds it into the queries' cos/sin
-        self.num_heads = cfg.num_heads
 
     def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
                   full_segment_ids, window_gather=None, full_gather=None):
@@ -302,8 +359,8 @@ class VisionTransformer(nn.Cell):
         else:
             win = (window_gather,) + self.block_layout(window_gather, window_segment_ids, n)
             full = (full_gather,) + self.block_layout(full_gather, full_segment_ids, n)
-            if not self.fused:
-                cos, sin = qkv_rotary(cos, sin, self.scale, self.num_heads)  # [N, 3, H, hd]
+            if not self.fused:  # the CPU block path's layout of the RoPE tables
+                cos, sin = self.blocks[0].attn.qkv_rope.tables(cos, sin, self.scale)
             for i, blk in enumerate(self.blocks):
                 x = blk(x, cos, sin, None, full if self.full[i] else win)
                 if self.taps[i]:
