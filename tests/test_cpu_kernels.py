@@ -150,6 +150,20 @@ def test_vision_tower_with_and_without_kernel_bitwise(tmp_path):
     assert any(np.abs(g).max() > 0 for n, g in zip(names, g_k) if "qkv.bias" in n)
 
 
+def test_drop_kernel_runs_the_composite_ops_and_holds_no_custom_op():
+    """`parallelize` drops the kernel (parallel graphs compile for Ascend): the values stay, and the cell no
+    longer holds the C++ ops (the parallel audit counts every primitive a model holds)."""
+    from mindvl_ms.parallel.audit import iter_primitives
+
+    mm, bias, cos, sin = inputs()
+    op = QkvBiasRope(H, HD)
+    assert {p.name for _, _, p in iter_primitives(op)} == {"Custom"}
+    op.drop_kernel()
+    assert not op.kernel and not list(iter_primitives(op))
+    tc, ts = op.tables(Tensor(cos), Tensor(sin), SCALE)
+    np.testing.assert_array_equal(op(Tensor(mm), Tensor(bias), tc, ts).asnumpy(), reference(mm, bias, cos, sin)[0])
+
+
 @pytest.mark.parametrize("cxx", ["/nonexistent/g++", "false"])
 def test_without_a_working_compiler_the_composite_ops_run(tmp_path, monkeypatch, caplog, cxx):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -161,6 +161,12 @@ class QkvBiasRope(nn.Cell):
         self.bias_add = BiasAddMatMulGrad()
         self.rot_half = Tensor(rotate_half_matrix(head_dim))
 
+    def drop_kernel(self):
+        """Composite ops from now on, and no C++ op held (`parallelize`: a parallel layout compiles for
+        Ascend, where this CPU kernel never runs, and every primitive the model holds gets a strategy)."""
+        self.kernel = False
+        self.fused = None
+
     def tables(self, cos, sin, q_scale: float):
         """cos/sin [N, hd] -> the kernel's [N, 2, hd] (q rows times q_scale, k rows) or `qkv_rotary`'s
         [N, 3, H, hd]."""

@@ -13,6 +13,9 @@ Kernel choice: a SwiGLU whose FFN dim is split by tensor parallelism runs unfuse
 values): the fused Ascend kernel takes concat([gate, up]) on the split dim, which semi-auto parallel cannot
 shard (Concat's axis must be whole).
 
+The ViT's CPU block path (`models/vision.py: QkvBiasRope`) drops its C++ kernel (`ops/cpu_kernels.py`) and
+keeps the composite ops: a parallel layout compiles for Ascend, whose ViT runs the fused attention path.
+
 Strategies only take effect under `semi_auto_parallel` / `auto_parallel` on Ascend; on CPU they are
 declared and read back by the audit tests (`parallel/audit.py`), since such graphs cannot compile on CPU.
 """
@@ -109,7 +112,7 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
     vision_layout = layout if vp == "tp" else dataclasses.replace(layout, tp=1, ep=1, seq_parallel=False)
     moe_types = _moe_types()
     decoder_types, vision_block = _decoder_types()
-    from ..models.vision import VisionMLP as vision_mlp
+    from ..models.vision import QkvBiasRope, VisionMLP as vision_mlp
     skip: List[str] = []  # MoE subtrees, sharded by shard_moe
 
     for name, cell in model.cells_and_names():
@@ -160,6 +163,9 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
             s = S.resolve(S.VISION_ROWS if isinstance(cell, vision_block) else S.HIDDEN, axes)
             _shard(cell.add, (s, s))
             report.cells[name] = "residual"
+        elif isinstance(cell, QkvBiasRope):
+            cell.drop_kernel()  # the CPU block path's C++ kernel: see the module docstring
+            report.cells[name] = "cpu_kernel_dropped"
         elif isinstance(cell, CoreAttention):
             report.delegated[name] = "attention"
             shard_core_attention(cell, vision_layout if vision else layout)
