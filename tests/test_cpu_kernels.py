@@ -181,7 +181,17 @@ def test_without_a_working_compiler_the_composite_ops_run(tmp_path, monkeypatch,
         np.testing.assert_array_equal(op(Tensor(mm), Tensor(bias), tc, ts).asnumpy(), reference(mm, bias, cos, sin)[0])
     finally:
         cpu_kernels.library.cache_clear()
-    assert not list(tmp_path.rglob("*.so"))  # a failed build leaves nothing behind
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # a failed build leaves nothing behind
+
+
+def test_a_library_mindspore_refuses_falls_back_with_one_warning(monkeypatch, caplog):
+    """MindSpore only loads AOT libraries under MS_CUSTOM_AOT_WHITE_LIST when it is set: outside it the
+    ops are refused, and the model keeps the composite ops (one warning per kernel, not per layer)."""
+    monkeypatch.setenv("MS_CUSTOM_AOT_WHITE_LIST", "/nonexistent-white-list")
+    with caplog.at_level(logging.WARNING, logger="mindvl_ms.ops.cpu_kernels"):
+        ops_ = [QkvBiasRope(H, HD) for _ in range(3)]
+    assert not any(op.kernel for op in ops_)
+    assert caplog.text.count("QkvBiasRope not loaded") == 1 and caplog.text.count("QkvRopeGrad not loaded") == 1
 
 
 def test_the_build_is_cached_by_source_and_command(tmp_path, monkeypatch):

@@ -56,19 +56,22 @@ def library():
         logger.warning("mindvl_ms CPU kernels: C++ compiler %r not found (set CXX); using the composite "
                        "MindSpore ops (same values, slower)", cxx)
         return None
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
-    os.close(fd)
-    cmd = [cxx, *FLAGS, *sources, "-o", tmp]
+    tmp = None
     try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=os.path.dirname(out))
+        os.close(fd)
+        cmd = [cxx, *FLAGS, *sources, "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            logger.warning("mindvl_ms CPU kernels: build failed (%s):\n%s\nusing the composite MindSpore ops "
-                           "(same values, slower)", " ".join(cmd), proc.stderr[-2000:])
-            return None
+            raise RuntimeError(f"{' '.join(cmd)}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, out)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        logger.warning("mindvl_ms CPU kernels: build failed (%s); using the composite MindSpore ops (same "
+                       "values, slower)", e)
+        return None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
     return out
 
@@ -91,5 +94,10 @@ def custom_op(name: str, n_inputs: int):
     try:
         return ops.Custom(f"{lib}:{name}", out_shape=None, out_dtype=None, func_type="aot", reg_info=reg)
     except (TypeError, ValueError, RuntimeError) as e:  # e.g. the library outside MS_CUSTOM_AOT_WHITE_LIST
-        logger.warning("mindvl_ms CPU kernel %s not loaded (%s); using the composite MindSpore ops", name, e)
+        if name not in _WARNED:  # once per kernel, not once per layer
+            _WARNED.add(name)
+            logger.warning("mindvl_ms CPU kernel %s not loaded (%s); using the composite MindSpore ops", name, e)
         return None
+
+
+_WARNED = set()
