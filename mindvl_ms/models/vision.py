@@ -145,8 +145,10 @@ class QkvBiasRope(nn.Cell):
     With `kernel` (the default where `ops/cpu_kernels.py` can build its library) this is one C++ pass over
     [N, 3E] whose every float op rounds as the composite ops below round it: for float32 the same values bit
     for bit, forward and backward (tests/test_cpu_kernels.py; bench/bench_vision.py's gain is in the README's
-    kernel section). Other dtypes are cast to float32 before the bias add (the composite adds it first). The composite: BiasAdd, rotate_half as one MatMul with a +-1 matrix (exact), two Muls by
-    `qkv_rotary`'s broadcast tables, Add. `tables` gives the cos/sin layout each path takes.
+    kernel section). Other dtypes are cast to float32 before the bias add (the composite adds it first).
+    The composite: BiasAdd, rotate_half as one MatMul with a +-1 matrix (exact), two Muls by `qkv_rotary`'s
+    broadcast tables, Add. `tables` gives the cos/sin layout each path takes; `drop_kernel` switches to the
+    composite for good.
     """
 
     def __init__(self, num_heads: int, head_dim: int):
@@ -157,7 +159,7 @@ class QkvBiasRope(nn.Cell):
             fwd = custom_op("QkvBiasRope", 4)
             bwd = custom_op("QkvRopeGrad", 3)
         self.fused = _QkvRopeKernel(fwd, bwd) if fwd is not None and bwd is not None else None
-        self.kernel = self.fused is not None  # False: the composite ops (tests compare the two)
+        self.kernel = self.fused is not None  # read by the graph; only drop_kernel changes it
         self.bias_add = BiasAddMatMulGrad()
         self.rot_half = Tensor(rotate_half_matrix(head_dim))
 

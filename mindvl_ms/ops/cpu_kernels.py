@@ -76,6 +76,9 @@ def library():
     return out
 
 
+_WARNED = set()  # kernels whose load failure was already reported
+
+
 def custom_op(name: str, n_inputs: int):
     """ops.Custom for kernel `name` of the library: `n_inputs` float32 tensors in, one float32 tensor out;
     None when the library is not available. Output shape and dtype come from the library's
@@ -98,6 +101,3 @@ def custom_op(name: str, n_inputs: int):
             _WARNED.add(name)
             logger.warning("mindvl_ms CPU kernel %s not loaded (%s); using the composite MindSpore ops", name, e)
         return None
-
-
-_WARNED = set()
