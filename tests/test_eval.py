@@ -234,15 +234,31 @@ def test_resolution_search_table_best_plot_cache_and_save(bench):
 
 
 def test_cli_eval_and_search(bench, monkeypatch, capsys):
+    """Also: both commands load the model in graph mode, whatever mode the process was in (MindSpore's
+    default is PyNative, op by op: `mindvl eval` on the demo checkpoint was ~10x slower that way)."""
+    import mindspore as ms
+
     root, ocr, doc = bench
-    monkeypatch.setattr(runner, "load_backend", lambda ckpt, max_new_tokens=128: FakeBackend())
-    monkeypatch.setattr(resolution_search, "load_backend", lambda ckpt, max_new_tokens=128: FakeBackend())
+    modes = []
+
+    def fake_load(ckpt, max_new_tokens=128):
+        modes.append(ms.get_context("mode"))
+        return FakeBackend()
+
+    monkeypatch.setattr(runner, "load_backend", fake_load)
+    monkeypatch.setattr(resolution_search, "load_backend", fake_load)
     (root / "ck").mkdir()
-    assert cli.main(["eval", "--ckpt", str(root / "ck"), "--data", ocr, doc, "--out", str(root / "ev"),
-                     "--min-pixels", str(16 * UNIT), "--max-pixels", str(2048 * UNIT)]) == 0
+    try:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        assert cli.main(["eval", "--ckpt", str(root / "ck"), "--data", ocr, doc, "--out", str(root / "ev"),
+                         "--min-pixels", str(16 * UNIT), "--max-pixels", str(2048 * UNIT)]) == 0
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        assert cli.main(["search-resolution", "--ckpt", str(root / "ck"), "--data", ocr, "--out", str(root / "s"),
+                         "--min-grid", "4", "16", "--max-grid", "1280", "--no-plot"]) == 0
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    assert modes == [ms.GRAPH_MODE, ms.GRAPH_MODE]
     assert json.load(open(root / "ev" / "doc" / "scores.json"))["tasks"]["docvqa"]["anls"] == 1.0
-    assert cli.main(["search-resolution", "--ckpt", str(root / "ck"), "--data", ocr, "--out", str(root / "s"),
-                     "--min-grid", "4", "16", "--max-grid", "1280", "--no-plot"]) == 0
     out = capsys.readouterr().out
     assert "ocr_demo: best 100.0 at min 16, max 1280" in out
     assert not os.path.exists(root / "s" / "resolution_boxplot.png")

@@ -4,6 +4,7 @@ a valid preference file, and the same file again from the same seed."""
 import json
 import os
 
+import mindspore as ms
 import numpy as np
 import pytest
 from PIL import Image
@@ -50,8 +51,13 @@ def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeyp
     outs = []
     for run in range(2):
         out = tmp_path / "out" / f"pairs{run}.jsonl"
-        assert main(["rollout", "--ckpt", ckpt, "--data", str(data), "--out", str(out), "-k", "4",
-                     "--max-new-tokens", "6", "--seed", "3"]) == 0
+        ms.set_context(mode=ms.PYNATIVE_MODE)  # the command compiles graphs whatever the process's mode
+        try:
+            assert main(["rollout", "--ckpt", ckpt, "--data", str(data), "--out", str(out), "-k", "4",
+                         "--max-new-tokens", "6", "--seed", "3"]) == 0
+            assert ms.get_context("mode") == ms.GRAPH_MODE
+        finally:
+            ms.set_context(mode=ms.GRAPH_MODE)
         summary = json.loads(capsys.readouterr().out)
         outs.append(out.read_text())
     assert outs[0] == outs[1]                                  # reproducible from the seed

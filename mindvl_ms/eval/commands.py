@@ -18,8 +18,10 @@ _FORMAT = ("Benchmark lines use the training JSONL format; the reference answer 
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from ..infer.generate import use_graph_mode
     from .runner import evaluate, load_backend
 
+    use_graph_mode()
     os.makedirs(args.out, exist_ok=True)  # an unwritable output fails before the model is loaded
     backend = load_backend(args.ckpt, args.max_new_tokens)  # loaded once for all files
     for data in args.data:
@@ -35,8 +37,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
+    from ..infer.generate import use_graph_mode
     from .resolution_search import search, summary
 
+    use_graph_mode()
     res = search(args.ckpt, args.data, args.out, min_grid=args.min_grid, max_grid=args.max_grid,
                  batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, limit=args.limit, save=args.save,
                  plot=not args.no_plot)

@@ -82,11 +82,9 @@ class _Session:
     """Model, processor and sampling options shared by generate and chat."""
 
     def __init__(self, args):
-        import mindspore as ms
+        from .generate import load_model, load_processor, use_graph_mode
 
-        from .generate import load_model, load_processor
-
-        ms.set_context(mode=ms.GRAPH_MODE)
+        use_graph_mode()
         self.model = load_model(args.ckpt, args.fp16)
         self.proc = load_processor(args.ckpt, self.model.config)
         if args.min_pixels is not None:
@@ -185,11 +183,10 @@ def _chat(args) -> int:
 
 
 def _export(args) -> int:
-    import mindspore as ms
-
     from .export import export
+    from .generate import use_graph_mode
 
-    ms.set_context(mode=ms.GRAPH_MODE)
+    use_graph_mode()
     meta = export(args.ckpt, args.out, fp16=args.fp16)
     for name, g in meta["graphs"].items():
         print(f"{args.out}/{g['file']}: {g['bytes'] / 2 ** 20:.2f} MiB")

@@ -164,7 +164,7 @@ def _run(args) -> int:
     import logging
 
     from ..data.preference import read_post_file
-    from ..infer.generate import load_model, load_processor
+    from ..infer.generate import load_model, load_processor, use_graph_mode
     from .rewards import Verifier
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -174,6 +174,7 @@ def _run(args) -> int:
         raise ValueError(f"--low {args.low} is above --high {args.high}")
     verifier = Verifier(args.reward, 1.0, args.format_weight)
     prompts = read_post_file(args.data, "prompt")
+    use_graph_mode()
     model = load_model(args.ckpt)
     proc = load_processor(args.ckpt, model.config)
     lines, summary = rollout_pairs(model, proc, prompts, verifier, args.k, args.seed, args.max_new_tokens,
