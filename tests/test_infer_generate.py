@@ -111,3 +111,21 @@ def test_prompt_too_long_and_bad_ids_are_errors(setup):
         generate(model, [{"input_ids": np.ones(ctx - 2, np.int64)}], 5)
     with pytest.raises(ValueError, match="outside the model vocabulary"):
         generate(model, [{"input_ids": np.array([1, 2, 100000])}], 2)
+
+
+def test_backend_warns_in_pynative_mode(setup, caplog):
+    """Generation outside graph mode runs op by op (~30x slower): the backend says so when it is built."""
+    import mindspore as ms
+
+    from mindvl_ms.infer.generate import EagerBackend
+
+    _, model, _ = setup
+    caplog.set_level("WARNING", logger="mindvl_ms.infer.generate")
+    EagerBackend(model)
+    assert not [r for r in caplog.records if "PyNative" in r.getMessage()]
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        EagerBackend(model)
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    assert [r for r in caplog.records if "PyNative mode: generation runs op by op" in r.getMessage()]

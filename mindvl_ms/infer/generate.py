@@ -16,6 +16,7 @@ features stay cached across calls (chat turns). Models without a KV-cache layout
 back to full-sequence forwards of the model per new token (same outputs, slower).
 `load_eval_backend(ckpt)` is what `mindvl eval` calls.
 """
+import logging
 import os
 import weakref
 from typing import Dict, List, Optional, Sequence
@@ -30,6 +31,7 @@ from .kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, build_cells, cac
     supports_cache
 from .sampling import SamplingConfig, choose, stop_reason
 
+log = logging.getLogger(__name__)
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -37,6 +39,9 @@ class EagerBackend:
     """The MindSpore cells of a loaded model behind the Engine interface."""
 
     def __init__(self, model, image_mean=None, image_std=None):
+        if ms.get_context("mode") != ms.GRAPH_MODE:  # the CLI commands call use_graph_mode(); scripts may not
+            log.warning("MindSpore is in PyNative mode: generation runs op by op (~30x slower than compiled "
+                        "graphs); call ms.set_context(mode=ms.GRAPH_MODE) before loading the model")
         self.model = model
         self.dtype = param_dtype(model)
         self.spec = EngineSpec.from_config(model.config, "float16" if self.dtype == ms.float16 else "float32")
