@@ -17,6 +17,7 @@ import pytest
 from mindvl_ms.config import packaged
 from mindvl_ms.config.base import to_dict
 from mindvl_ms.config.train import load_run_config
+from mindvl_ms.ops import cpu_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,7 +107,8 @@ def test_wheel(tmp_path):
     shipped = sorted(n[len("mindvl_ms/configs/"):] for n in names if n.startswith("mindvl_ms/configs/"))
     assert shipped == repo_configs()
     assert "mindvl_ms/config/packaged.py" in names
-    assert "mindvl_ms/ops/csrc/qkv_rope.cc" in names  # the CPU kernels' source, built on first use
+    for src in cpu_kernels.SOURCES:  # the CPU kernels' sources, built on first use
+        assert f"mindvl_ms/ops/csrc/{src}" in names
 
     target = tmp_path / "site"
     _run(pip + ["install", "--no-deps", "-q", "--target", str(target), whl], str(tmp_path), env)
@@ -132,7 +134,7 @@ assert cfg == local and local.model.vision.depth > 0
 run_cfg, demo = load_demo_config(config_path(True), "data")
 assert config_path(True).startswith({str(target)!r}) and len(run_cfg.stages) == 4, config_path(True)
 from mindvl_ms.ops import cpu_kernels
-assert os.path.isfile(os.path.join(cpu_kernels._source_dir(), "qkv_rope.cc"))
+assert all(os.path.isfile(os.path.join(cpu_kernels._source_dir(), s)) for s in cpu_kernels.SOURCES)
 print("lookup ok", len(run_cfg.stages))
 """
     assert "lookup ok 4" in _run([sys.executable, "-c", check], str(work), env)

@@ -7,7 +7,8 @@ only within the same segment (one image, one window, or one packed sample); segm
 `segment_bias` turns them into an additive float32 bias [B, 1, L, S] inside the graph, and the core is
 BatchMatMul -> *scale -> +bias -> float32 Softmax -> BatchMatMul (HF eager semantics; GQA by repeating
 k/v). These are primitive instances so a parallel layout can attach strategies to them
-(`mindvl_ms.parallel.attention.shard_core_attention`).
+(`mindvl_ms.parallel.attention.shard_core_attention`). On CPU the softmax and p.v run as `SoftmaxV`, whose
+hand-written backward has no reduction, broadcast or subtraction over the [B, H, L, S] scores.
 
 The ViT's block path (`CoreAttention.prescaled`, no parallel layout) has queries pre-scaled, its per-key
 padding bias inside the q.k^T matmul and `SoftmaxV`'s hand-written backward (no reduction over the scores).
@@ -85,20 +86,6 @@ class SoftmaxV(nn.Cell):
         return p * dp_minus_d, dv
 
 
-class SoftmaxLastAxis(nn.Cell):
-    """softmax over the last axis (the `Softmax` kernel) whose backward, P * (dP - rowsum(dP * P)), broadcasts
-    the [.., L, 1] row sums explicitly under dynamic shapes (`broadcast.expand_as`): autodiff's version
-    subtracts them with an implicitly broadcasting kernel (slow on CPU, index tables of 16 bytes per score).
-    CPU path."""
-
-    def construct(self, scores):
-        return _SOFTMAX(scores)
-
-    def bprop(self, scores, out, dout):
-        d = _ROW_SUM(dout * out, -1)                                      # [.., L, 1]
-        return ((dout - expand_as(d, dout)) * out,)
-
-
 def causal_compressed_mask() -> Tensor:
     """uint8[2048, 2048], 1 above the diagonal: the mask FlashAttentionScore takes with sparse_mode 3."""
     return Tensor(np.triu(np.ones((FA_MASK_SIZE, FA_MASK_SIZE), np.uint8), k=1), ms.uint8)
@@ -142,7 +129,6 @@ class CoreAttention(nn.Cell):
         self.softmax = ops.Softmax(-1)
         self.pv_matmul = ops.BatchMatMul()  # [B, H, L, S] x [B, H, S, Dv]
         self.softmax_v = SoftmaxV()  # the pre-scaled path's softmax + p.v (hand-written backward)
-        self.softmax_cpu = SoftmaxLastAxis()  # CPU: the softmax backward without implicit broadcasting
 
     def construct(self, q, k, v, bias, actual_seq_qlen=None, actual_seq_kvlen=None):
         if self.fused and actual_seq_qlen is not None:
@@ -152,8 +138,9 @@ class CoreAttention(nn.Cell):
         scores = self.scale_mul(self.qk_matmul(q, k), self.scale).astype(ms.float32)  # [B, H, L, S]
         if self.fused:  # Ascend without sequence lengths: the primitives the parallel layout shards
             probs = self.softmax(self.bias_add(scores, bias)).astype(q.dtype)
-        else:  # CPU: the [B, 1, L, S] bias broadcast first (ops/broadcast.py), softmax with its own backward
-            probs = self.softmax_cpu(self.bias_add(scores, expand_as(bias, scores))).astype(q.dtype)
+        else:  # CPU: the [B, 1, L, S] bias broadcast first (ops/broadcast.py); softmax and p.v with SoftmaxV's
+            # backward (no reduction, broadcast or subtraction over the [B, H, L, S] scores)
+            return self.softmax_v(self.bias_add(scores, expand_as(bias, scores)), v)  # [B, H, L, Dv]
         return self.pv_matmul(probs, v)  # [B, H, L, Dv]
 
     def prescaled(self, q, k, v, key_bias):

@@ -13,8 +13,9 @@ Kernel choice: a SwiGLU whose FFN dim is split by tensor parallelism runs unfuse
 values): the fused Ascend kernel takes concat([gate, up]) on the split dim, which semi-auto parallel cannot
 shard (Concat's axis must be whole).
 
-The ViT's CPU block path (`models/vision.py: QkvBiasRope`) drops its C++ kernel (`ops/cpu_kernels.py`) and
-keeps the composite ops: a parallel layout compiles for Ascend, whose ViT runs the fused attention path.
+The ViT's CPU block path (`models/vision.py: QkvBiasRope`) and every RMSNorm (`ops/norm.py`) drop their C++
+kernels (`ops/cpu_kernels.py`) and keep the composite ops, whose primitives carry the strategies: a parallel
+layout compiles for Ascend, which runs the fused attention and norm kernels.
 
 Strategies only take effect under `semi_auto_parallel` / `auto_parallel` on Ascend; on CPU they are
 declared and read back by the audit tests (`parallel/audit.py`), since such graphs cannot compile on CPU.
@@ -136,6 +137,7 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
             report.linear[name] = role
         elif isinstance(cell, RMSNorm):
             s = S.resolve(S.norm_role(name, vision), axes)
+            cell.drop_kernel()  # the CPU C++ norm: the composite primitives carry the strategy
             _shard_prims(cell, S.norm_strategies(s))
             report.cells[name] = f"norm{s}"
         elif isinstance(cell, ApplyRotary):
