@@ -24,7 +24,7 @@ import tempfile
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("qkv_rope.cc", "rms_norm.cc")
+SOURCES = ("qkv_rope.cc", "rms_norm.cc", "rotary.cc")
 # -ffp-contract=off: no fused multiply-add, every product and sum is rounded as MindSpore's kernels round it
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++14")
 

@@ -13,9 +13,9 @@ Kernel choice: a SwiGLU whose FFN dim is split by tensor parallelism runs unfuse
 values): the fused Ascend kernel takes concat([gate, up]) on the split dim, which semi-auto parallel cannot
 shard (Concat's axis must be whole).
 
-The ViT's CPU block path (`models/vision.py: QkvBiasRope`) and every RMSNorm (`ops/norm.py`) drop their C++
-kernels (`ops/cpu_kernels.py`) and keep the composite ops, whose primitives carry the strategies: a parallel
-layout compiles for Ascend, which runs the fused attention and norm kernels.
+The ViT's CPU block path (`models/vision.py: QkvBiasRope`), every RMSNorm (`ops/norm.py`) and every RoPE
+(`ops/rotary.py`) drop their C++ kernels (`ops/cpu_kernels.py`) and keep the composite ops, whose primitives
+carry the strategies: a parallel layout compiles for Ascend, which runs its fused kernels.
 
 Strategies only take effect under `semi_auto_parallel` / `auto_parallel` on Ascend; on CPU they are
 declared and read back by the audit tests (`parallel/audit.py`), since such graphs cannot compile on CPU.
@@ -141,6 +141,7 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
             _shard_prims(cell, S.norm_strategies(s))
             report.cells[name] = f"norm{s}"
         elif isinstance(cell, ApplyRotary):
+            cell.drop_kernel()  # the CPU C++ RoPE: the composite primitives carry the strategy
             if vision:
                 q, cos = S.VISION_ROPE_Q, S.VISION_ROPE_COS
             elif name.endswith("rotary_k"):
