@@ -21,7 +21,9 @@ implementations' medians within one round, seconds apart, so load that drifts ov
 ratio of whole-run medians mixes quiet and busy minutes and three runs of it spread 8-9%; three runs of
 this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58;
 after train/heap.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88; after train/row_grads.py and
-ops/broadcast.py, tiny 2.48 / 2.49 / 2.52, small 1.97 / 2.03 / 1.92), with the rounds' min-max; peak
+ops/broadcast.py, tiny 2.48 / 2.49 / 2.52, small 1.97 / 2.03 / 1.92; after the C++ RMSNorm and RoPE kernels,
+one run on an AVX-512 CPU: tiny 2.43, small 2.06, small peak RSS 4.54 against 3.83 GB), with the rounds'
+min-max; peak
 RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3
 matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
 parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);

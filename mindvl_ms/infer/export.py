@@ -14,6 +14,8 @@
 Every dimension that varies (patches, batch, prompt length, image tokens, cache length) is dynamic: the
 cells get `set_inputs` placeholders with None dims and `mindspore.export(..., file_format="MINDIR")` stores
 them. `--fp16` casts the weights to float16 first (the KV cache is then float16 too; logits stay float32).
+The graphs hold only MindSpore's own operators: the model's CPU C++ kernels are dropped first (their
+composite ops give the same values), so a MindIR runs wherever MindSpore or Lite does.
 The output directory is written atomically.
 """
 import dataclasses
@@ -25,6 +27,7 @@ from tqdm import tqdm
 
 import mindspore as ms
 
+from ..ops.cpu_kernels import drop_kernels
 from .engine import EngineSpec
 from .kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, Decode, Prefill, VisionEncoder, param_dtype, \
     supports_cache
@@ -65,6 +68,9 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
     if img.patch_size != cfg.vision.patch_size or img.merge_size != cfg.vision.spatial_merge_size or \
             img.temporal_patch_size != cfg.vision.temporal_patch_size:
         raise ValueError("preprocessing patch/merge/temporal sizes disagree with the model's vision config")
+    # portable graphs: the CPU C++ kernels (ops/cpu_kernels.py) would tie the MindIR to a library in this
+    # machine's cache, so the model runs its composite ops from here on (the same forward values)
+    drop_kernels(model)
     dtype = param_dtype(model)
     vision = VisionEncoder(model, img.image_mean, img.image_std, uint8=True)
     video = VisionEncoder(model)

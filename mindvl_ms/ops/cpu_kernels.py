@@ -101,3 +101,16 @@ def custom_op(name: str, n_inputs: int):
             _WARNED.add(name)
             logger.warning("mindvl_ms CPU kernel %s not loaded (%s); using the composite MindSpore ops", name, e)
         return None
+
+
+def drop_kernels(model) -> int:
+    """Switch every cell of `model` that holds one of these kernels (its `drop_kernel`) to its composite
+    MindSpore ops; returns how many. For graphs that leave this machine: an exported MindIR must not name a
+    library built in this machine's cache. Forward values stay the same (each kernel's forward is bitwise
+    equal to its composite ops)."""
+    n = 0
+    for _, cell in model.cells_and_names():
+        if getattr(cell, "kernel", False) and callable(getattr(cell, "drop_kernel", None)):
+            cell.drop_kernel()
+            n += 1
+    return n
