@@ -71,7 +71,8 @@ class SoftmaxV(nn.Cell):
     the dP matmul on operands widened by one column: [dO, -D] [v, 1]^T = dO v^T - D. The backward
     asks for softmax(scores) again; in a compiled graph that is the forward's kernel (common
     subexpression: a 4-block ViT forward+backward profiles 4 Softmax kernels, as its forward alone).
-    Module-level primitives: the path runs without a parallel layout (the vision block path)."""
+    Module-level primitives: it serves CPU paths only (the vision block path, the CPU attention core), which
+    never run under a parallel layout (those compile for Ascend, whose core takes the fused kernel)."""
 
     def construct(self, scores, v):
         return _BMM(_SOFTMAX(scores).astype(v.dtype), v)                  # [.., L, Dv]
