@@ -35,6 +35,11 @@ def _answer(obj):
     return [m["content"] for m in obj["messages"] if m["role"] == "assistant"][-1]
 
 
+def _short(obj):
+    """The short answer of a train line: `meta.short_answer` of a described easy-VQA answer, else the turn."""
+    return obj["meta"].get("short_answer", _answer(obj))
+
+
 def _digest(root):
     h = hashlib.sha256()
     for dirpath, _, files in sorted(os.walk(root)):
@@ -263,15 +268,15 @@ def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
         _, demo = load_demo_config(config_path(quick), str(tmp_path))
         demo["data_sizes"] = {"vqa": [30, 1], "ocr": [1, 1], "grounding": [1, 1]}
         info = write_data(demo, str(tmp_path / str(quick)), seed=0, progress=False)
-        counts[quick] = Counter(_kind(_answer(o)) for o in _lines(info["files"]["train"]["vqa"]))
+        counts[quick] = Counter(_kind(_short(o)) for o in _lines(info["files"]["train"]["vqa"]))
     assert counts[False] == {"yes/no": 10, "colour": 10, "shape": 10}
     assert counts[True]["yes/no"] > 15  # ~73% of 30 (binomial sd ~2.4)
     # `demo.vqa_balance_yes_no` reaches the writer too: 12 yes/no questions, 3 per (wording, answer) cell
     _, demo = load_demo_config(config_path(False), str(tmp_path))
     demo.update(data_sizes={"vqa": [36, 1], "ocr": [1, 1], "grounding": [1, 1]}, vqa_balance_yes_no=True)
     info = write_data(demo, str(tmp_path / "balanced"), seed=0, progress=False)
-    yn = [o for o in _lines(info["files"]["train"]["vqa"]) if _answer(o) in ("yes", "no")]
-    cells = Counter((" not " in o["messages"][0]["content"] or "\nis no " in o["messages"][0]["content"], _answer(o))
+    yn = [o for o in _lines(info["files"]["train"]["vqa"]) if _short(o) in ("yes", "no")]
+    cells = Counter((" not " in o["messages"][0]["content"] or "\nis no " in o["messages"][0]["content"], _short(o))
                     for o in yn)
     assert len(yn) == 12 and sorted(cells.values()) == [3, 3, 3, 3]
 
@@ -326,3 +331,68 @@ def test_vqa_question_first(data, tmp_path):
         for task in ("ocr", "grounding"):
             assert _lines(flipped["files"][split][task]) == _lines(info["files"][split][task])
     assert flipped["baselines"] == info["baselines"]
+
+
+def test_image_attributes_from_questions():
+    """(colour, shape) per easy-VQA image from its questions: answers, the other attribute a question names,
+    yes/no questions the image affirms; images with only one attribute known are left out; a conflict fails."""
+    from mindvl_ms.demo.datasets import image_attributes
+
+    qs = ["what color is the shape?", "is there not a circle?", "is there a red shape?", "is no rectangle present?",
+          "what is the color of the triangle?", "is there a blue shape?", "what shape is present?"]
+    ans = ["red", "no", "yes", "yes", "teal", "no", "circle"]
+    ids = [0, 0, 1, 1, 2, 3, 3]
+    # image 0: red (answer) + circle (negated, answered no); image 1: red only (a negated 'yes' affirms nothing);
+    # image 2: teal + triangle (named by the colour question); image 3: circle only (a plain 'no')
+    assert image_attributes(qs, ans, ids) == {0: ("red", "circle"), 2: ("teal", "triangle")}
+    with pytest.raises(ValueError, match=r"easy-VQA image 0: its questions name colours \['blue', 'red'\]"):
+        image_attributes(qs[:2] + ["is a blue shape present?"], ans[:2] + ["yes"], [0, 0, 0])
+
+
+def test_vqa_describe(tmp_path):
+    """`demo.vqa_describe` (off in full.yaml and quick.yaml): every train answer is 'a <colour> <shape>.
+    <answer>', a yes/no one 'a <colour> <shape>. <word>: <has it>. <answer>', and each agrees with easy-VQA's
+    own answer (colour/shape questions name the described attribute; a yes/no answer is yes iff the image
+    has the word the question names, XOR the wording is negated);
+    held-out lines keep the short answer and carry answer_after '. ', which `mindvl eval` reads."""
+    from mindvl_ms.demo.datasets import VQA_WORDS, answer_of
+    from mindvl_ms.demo.run import config_path, load_demo_config, write_data
+
+    _, quick = load_demo_config(config_path(True), str(tmp_path))
+    _, demo = load_demo_config(config_path(False), str(tmp_path))
+    assert not quick.get("vqa_describe") and not demo.get("vqa_describe")
+    demo["vqa_describe"] = True
+    demo["data_sizes"] = {"vqa": [90, 20], "ocr": [1, 1], "grounding": [1, 1]}
+    demo["vqa_mix"] = {"yes/no": 1, "colour": 1, "shape": 1}
+    info = write_data(demo, str(tmp_path / "d"), seed=0, progress=False)
+    train = _lines(info["files"]["train"]["vqa"])
+    kinds = Counter()
+    for o in train:
+        said, short = _answer(o), o["meta"]["short_answer"]
+        colour, shape = o["meta"]["description"].split()
+        assert answer_of(o) == short
+        q = o["messages"][0]["content"].split("\n", 1)[1].rstrip("?")
+        kind = _kind(short)
+        kinds[kind] += 1
+        if kind == "colour":
+            assert said == f"a {colour} {shape}. {short}" and short == colour
+        elif kind == "shape":
+            assert said == f"a {colour} {shape}. {short}" and short == shape
+        else:  # the plain wording's answer, then the answer itself
+            named = [w for w in q.split() if w in VQA_WORDS]
+            has = named[0] in (colour, shape)
+            negated = " not " in f" {q} " or q.startswith("is no ")
+            assert len(named) == 1 and said == f"a {colour} {shape}. {named[0]}: {'yes' if has else 'no'}. {short}"
+            assert short == ("yes" if has != negated else "no"), o
+    assert kinds == {"yes/no": 30, "colour": 30, "shape": 30}
+    assert info["vqa_describe"] is True and info["baselines"]["vqa"]["answer"] in ("yes", "no")
+    heldout = _lines(info["files"]["heldout"]["vqa"])
+    assert all(o["answer_after"] == ". " and "." not in _answer(o) for o in heldout)
+    items = load_benchmark(info["files"]["heldout"]["vqa"])
+    assert [it.ref for it in items] == [{"answers": [_answer(o)], "category": "", "answer_after": ". "} for o in heldout]
+    # without it, the same held-out questions and plain answers
+    demo["vqa_describe"] = False
+    plain = write_data(demo, str(tmp_path / "p"), seed=0, progress=False)
+    assert [(o["messages"], o["images"]) for o in _lines(plain["files"]["heldout"]["vqa"])] == \
+        [(o["messages"], o["images"]) for o in heldout]
+    assert all("." not in _answer(o) and "short_answer" not in o["meta"] for o in _lines(plain["files"]["train"]["vqa"]))

@@ -117,8 +117,9 @@ def test_reported_scores_recomputed_from_predictions(run):
                 if task == "grounding":
                     box = parse_box(p["prediction"])
                     hits.append(box is not None and iou(np.array(box, float), np.array(parse_box(gold), float)) >= 0.5)
-                else:
-                    hits.append(" ".join(p["prediction"].split()).lower() == gold.lower())
+                else:  # a described easy-VQA answer ("a red circle. yes") is scored after its last ". "
+                    said = p["prediction"].split(h["answer_after"])[-1] if "answer_after" in h else p["prediction"]
+                    hits.append(" ".join(said.split()).lower() == gold.lower())
             assert score == pytest.approx(np.mean(hits))
 
 

@@ -287,3 +287,27 @@ def test_search_on_tiny_model_writes_table_and_plot(tmp_path):
                                                       "vision_reused": 0}
     assert os.path.getsize(tmp_path / "s" / "resolution_boxplot.png") > 0
     assert len(open(tmp_path / "s" / "resolution_table.md").read().splitlines()) == 5
+
+
+def test_answer_after_scores_the_text_after_the_description(bench):
+    """`answer_after`: only the prediction's text after the last occurrence of the string is scored (all of it
+    when the string is missing); predictions.jsonl keeps the whole prediction; a bad value is reported."""
+    root = bench[0]
+    said = {"v1": "a red circle. yes", "v2": "a red circle. no. yes", "v3": "yes", "v4": "a red circle. yes",
+            "v5": "a red circle. red"}
+    rows = [{"id": q, "images": ["small.png"], "answer_after": ". ", "answers": [a],
+             "messages": [{"role": "user", "content": "<image>\nis there a red shape?"}]}
+            for q, a in [("v1", "yes"), ("v2", "yes"), ("v3", "yes"), ("v4", "no"), ("v5", "red")]]
+    rows.append({"id": "v6", "images": ["small.png"], "answers": ["yes"],          # no field: the whole text
+                 "messages": [{"role": "user", "content": "<image>\nis there a red shape?"}]})
+    said["v6"] = "a red circle. yes"
+    fake = FakeBackend(mc_answers={q: (lambda a: lambda p: a)(a) for q, a in said.items()})
+    res = evaluate(None, _jsonl(root / "vqa.jsonl", rows), str(root / "v"), backend=fake, min_pixels=16 * UNIT,
+                   max_pixels=64 * UNIT)
+    preds = [json.loads(x) for x in open(root / "v" / "predictions.jsonl")]
+    assert [p["score"] for p in preds] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    assert [p["prediction"] for p in preds] == [said[f"v{i}"] for i in range(1, 7)]
+    assert res["tasks"]["vqa"]["primary"] == pytest.approx(4 / 6)
+    bad = dict(rows[0], answer_after="")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: answer_after: expected a non-empty string, got ''"):
+        load_benchmark(_jsonl(root / "bad.jsonl", [bad]))

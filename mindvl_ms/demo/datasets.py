@@ -6,6 +6,9 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
   images), so nothing held out is ever seen in training. Images are copied next to the JSONL. The train
   split can be drawn per question type (`vqa_mix`): easy-VQA is 73% yes/no questions that the question
   wording answers about 80% of the time, and at that mix the colour answers' gradient is drowned.
+  With `vqa_describe` each train answer first names the image's colour and shape ("a blue rectangle.
+  red: no. yes" for "is there not a red shape?")
+  and the held-out lines tell `mindvl eval` to score the words after ". " (`answer_after`).
 - `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
   one character per 28-px visual-token column from a random start column, random dark colour on a
   random light 224x56 canvas (see `render_ocr`); the answer is the word.
@@ -143,16 +146,57 @@ def sample_questions(answers: Sequence[str], n: int, rng: np.random.Generator,
     return sorted(out)
 
 
+def image_attributes(questions: Sequence[str], answers: Sequence[str], image_ids: Sequence[int]
+                     ) -> Dict[int, Tuple[str, str]]:
+    """(colour, shape) of each easy-VQA image whose questions name both: the answer of a colour or shape
+    question, the other attribute its wording names ("what is the color of the circle?"), and the words
+    of a yes/no question the image affirms (plain wording answered yes, negated wording answered no).
+    easy-VQA images hold one shape, so each image has one colour and one shape (checked here)."""
+    seen: Dict[int, Dict[str, set]] = {}
+    for q, a, i in zip(questions, answers, image_ids):
+        kind = answer_type(a)
+        if kind == "yes/no" and yes_no_cell(q, a) not in ("plain:yes", "negated:no"):
+            continue
+        words = q.rstrip("?").split() + ([] if kind == "yes/no" else [a])
+        got = seen.setdefault(int(i), {"colour": set(), "shape": set()})
+        got["colour"].update(w for w in words if w in VQA_COLOURS)
+        got["shape"].update(w for w in words if w in VQA_SHAPES)
+    for i, got in seen.items():
+        if len(got["colour"]) > 1 or len(got["shape"]) > 1:
+            raise ValueError(f"easy-VQA image {i}: its questions name colours {sorted(got['colour'])} and "
+                             f"shapes {sorted(got['shape'])}, expected one of each")
+    return {i: (next(iter(g["colour"])), next(iter(g["shape"]))) for i, g in seen.items()
+            if g["colour"] and g["shape"]}
+
+
+def describe_answer(colour: str, shape: str, question: str, answer: str) -> str:
+    """The described answer of `vqa_describe`: 'a blue rectangle. blue' for a colour or shape question,
+    'a blue rectangle. red: no. yes' for a yes/no one ("is there not a red shape?"): the description,
+    then the word the question names with whether the image has it (the plain wording's answer), then
+    the answer. The words carry a leading space, as in the questions ("is there a red shape?"), so they
+    are the questions' tokens; each step is one comparison or one flip of the one before."""
+    if answer not in ("yes", "no"):
+        return f"a {colour} {shape}{DESCRIBE_SEP}{answer}"
+    named = [w for w in question.rstrip("?").split() if w in VQA_WORDS]
+    if len(named) != 1:
+        raise ValueError(f"yes/no question {question!r}: expected one colour or shape word, got {named}")
+    has = "yes" if named[0] in (colour, shape) else "no"
+    return f"a {colour} {shape}{DESCRIBE_SEP}{named[0]}: {has}{DESCRIBE_SEP}{answer}"
+
+
 def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator,
-                   train_mix: Optional[Dict[str, float]] = None,
-                   train_balance_yes_no: bool = False, question_first: bool = False) -> Dict[str, List[dict]]:
+                   train_mix: Optional[Dict[str, float]] = None, train_balance_yes_no: bool = False,
+                   question_first: bool = False, describe: bool = False) -> Dict[str, List[dict]]:
     """Sampled easy-VQA questions; the images used are copied to out_dir/images/vqa/.
 
     `train_mix` ({yes/no, colour, shape: weight}) sets the train split's share of each question type
     (easy-VQA itself is 73% yes/no, 13% colour, 13% shape); the held-out split keeps the package's own
     distribution. `train_balance_yes_no` draws the train split's yes/no questions equally over
     `YES_NO_CELLS` (`sample_questions`). `question_first` puts each question before its image, in both
-    splits (`sample_line`)."""
+    splits (`sample_line`). `describe`: every train answer first names the image's colour and shape
+    (`describe_answer`; only questions on images whose attributes `image_attributes` knows are drawn,
+    about 89% of them), `meta.short_answer` keeps the short answer, and each held-out line gets the
+    `answer_after` field (`mindvl eval` scores the text after the description)."""
     import easy_vqa
 
     splits = {"train": (easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths(), n_train),
@@ -161,13 +205,16 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
     os.makedirs(img_dir, exist_ok=True)
     out: Dict[str, List[dict]] = {}
     for split, ((questions, answers, image_ids), paths, n) in splits.items():
+        attrs = image_attributes(questions, answers, image_ids) if describe and split == "train" else {}
+        pool = (np.flatnonzero([int(i) in attrs for i in image_ids]) if attrs else np.arange(len(answers)))
         try:
-            chosen = (sample_questions(answers, n, rng, train_mix, questions, train_balance_yes_no)
-                      if split == "train" else sample_questions(answers, n, rng))
+            chosen = (sample_questions([answers[i] for i in pool], n, rng, train_mix, [questions[i] for i in pool],
+                                       train_balance_yes_no) if split == "train"
+                      else sample_questions(answers, n, rng))
         except ValueError as e:
             raise ValueError(f"easy-VQA {split}: {e}") from None
         lines = []
-        for i in chosen:
+        for i in (pool[chosen].tolist() if split == "train" else chosen):
             img_id = int(image_ids[i])
             src = paths[img_id]
             rel = f"images/vqa/{split}_{img_id}.png"
@@ -176,8 +223,17 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
                 shutil.copyfile(src, dst)
             with Image.open(dst) as im:
                 size = im.size
-            lines.append(sample_line(f"vqa-{split}-{i}", rel, size, questions[i], answers[i], "vqa",
-                                     question_first=question_first))
+            if attrs:
+                line = sample_line(f"vqa-{split}-{i}", rel, size, questions[i],
+                                   describe_answer(*attrs[img_id], questions[i], answers[i]), "vqa",
+                                   question_first=question_first,
+                                   short_answer=answers[i], description=" ".join(attrs[img_id]))
+            else:
+                line = sample_line(f"vqa-{split}-{i}", rel, size, questions[i], answers[i], "vqa",
+                                   question_first=question_first)
+                if describe:
+                    line["answer_after"] = DESCRIBE_SEP
+            lines.append(line)
         out[split] = lines
     return out
 
@@ -296,7 +352,8 @@ def grounding_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.G
 # ------------------------------------------------------------------------------------------ baselines
 
 def answer_of(line: dict) -> str:
-    return next(m["content"] for m in line["messages"] if m["role"] == "assistant")
+    """The short answer of a line: `meta.short_answer` (a described easy-VQA answer), else its assistant turn."""
+    return line.get("meta", {}).get("short_answer") or next(m["content"] for m in line["messages"] if m["role"] == "assistant")
 
 
 def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) -> Dict[str, object]:
@@ -322,7 +379,9 @@ def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) ->
 
 
 VQA_SHAPES = ("circle", "rectangle", "triangle")
-VQA_WORDS = ("red", "green", "blue", "yellow", "gray", "black", "teal", "brown") + VQA_SHAPES
+VQA_COLOURS = ("red", "green", "blue", "yellow", "gray", "black", "teal", "brown")
+VQA_WORDS = VQA_COLOURS + VQA_SHAPES
+DESCRIBE_SEP = ". "     # between the description and the answer of a described easy-VQA answer
 VQA_TYPES = ("yes/no", "colour", "shape")
 
 
@@ -363,13 +422,15 @@ def write_jsonl(path: str, lines: Sequence[dict]) -> None:
 
 def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple[int, int]]] = None,
                     progress: bool = True, vqa_mix: Optional[Dict[str, float]] = None,
-                    vqa_balance_yes_no: bool = False, vqa_question_first: bool = False) -> Dict[str, object]:
+                    vqa_balance_yes_no: bool = False, vqa_question_first: bool = False,
+                    vqa_describe: bool = False) -> Dict[str, object]:
     """Write train_<task>.jsonl / heldout_<task>.jsonl + images under out_dir; returns files and baselines.
 
     sizes: {task: (n_train, n_heldout)} (default DEFAULT_SIZES). Same seed and sizes -> identical files.
     vqa_mix: {question type: weight} of the easy-VQA train split (`easy_vqa_lines`; None: the package's own).
     vqa_balance_yes_no: its yes/no questions equally over (negated wording, answer) (`sample_questions`).
     vqa_question_first: every easy-VQA question before its image (`sample_line`).
+    vqa_describe: every easy-VQA train answer names the image's colour and shape first (`easy_vqa_lines`).
     Also writes out_dir/info.json with the same content as the return value.
     """
     from tqdm import tqdm
@@ -383,10 +444,11 @@ def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple
             raise ValueError(f"task {task}: need at least one train and one held-out sample, got {n_tr}, {n_ho}")
     os.makedirs(out_dir, exist_ok=True)
     makers = {"vqa": lambda *a: easy_vqa_lines(*a, train_mix=vqa_mix, train_balance_yes_no=vqa_balance_yes_no,
-                                               question_first=vqa_question_first),
+                                               question_first=vqa_question_first, describe=vqa_describe),
               "ocr": ocr_lines, "grounding": grounding_lines}
     info: Dict[str, object] = {"seed": seed, "sizes": {t: list(sizes[t]) for t in TASKS}, "vqa_mix": vqa_mix,
                                "vqa_balance_yes_no": vqa_balance_yes_no, "vqa_question_first": vqa_question_first,
+                               "vqa_describe": vqa_describe,
                                "files": {"train": {}, "heldout": {}}, "baselines": {}}
     for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
         rng = np.random.default_rng([seed, k])  # one stream per task: changing one size leaves the others

@@ -56,8 +56,8 @@ def config_path(quick: bool) -> str:
 
 
 DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first",
-             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
-DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "eval_variants")  # must be YAML true/false
+             "vqa_describe", "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
+DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants")  # must be YAML true/false
 
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
@@ -392,13 +392,15 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
     """The demo's datasets as the `demo:` section sets them: `data_sizes` {task: [train, held-out]} and
     `vqa_mix` {question type: weight} of the easy-VQA train split (null: the package's own mix), and
     `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer) and
-    `vqa_question_first` (each easy-VQA question before its image instead of after it)."""
+    `vqa_question_first` (each easy-VQA question before its image instead of after it), and `vqa_describe`
+    (each easy-VQA train answer names the image's colour and shape first: "a red circle. yes")."""
     from .datasets import write_demo_data
 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
     return write_demo_data(data_dir, seed=seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"),
                            vqa_balance_yes_no=bool(demo.get("vqa_balance_yes_no", False)),
-                           vqa_question_first=bool(demo.get("vqa_question_first", False)))
+                           vqa_question_first=bool(demo.get("vqa_question_first", False)),
+                           vqa_describe=bool(demo.get("vqa_describe", False)))
 
 
 def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[str]) -> Dict[str, Any]:

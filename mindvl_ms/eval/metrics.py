@@ -268,9 +268,16 @@ def metric_for(task: Optional[str], metric: Optional[str]) -> str:
     return "exact_match"
 
 
+def answer_part(pred: str, after: Optional[str]) -> str:
+    """The text of `pred` after the last occurrence of `after` (all of `pred` when it does not occur)."""
+    return pred.rsplit(after, 1)[-1] if after else pred
+
+
 def score_sample(metric: str, pred: str, ref: dict) -> float:
-    """Score of one prediction; `ref` holds answers (list of str), and options/category/box when needed."""
+    """Score of one prediction; `ref` holds answers (list of str), and options/category/box when needed;
+    with `answer_after` only the text after its last occurrence in `pred` is scored (`answer_part`)."""
     answers = ref["answers"]
+    pred = answer_part(pred, ref.get("answer_after"))
     if metric == "anls":
         return anls(pred, answers)
     if metric == "relaxed_accuracy":

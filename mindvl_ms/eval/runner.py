@@ -8,8 +8,11 @@ Benchmark lines use the training format (docs/DATA.md) plus optional evaluation 
      "answers": ["Annual report", "annual report 2020"],   # else the last assistant turn is the answer
      "task": "docvqa", "metric": "anls",                   # metric defaults from task (metrics.TASK_METRIC)
      "options": {"A": "cat", "B": "dog"},                  # multiple choice: appended to the question
-     "group": "img1", "category": "HME100k"}               # MME/circular grouping, OCRBench category
-The prompt is every turn before the last assistant turn. For `circular` (MMBench) a line with options
+     "group": "img1", "category": "HME100k",               # MME/circular grouping, OCRBench category
+     "answer_after": "Answer: "}                           # score only the text after its last occurrence
+The prompt is every turn before the last assistant turn. `answer_after` is for answers that follow a
+generated description or reasoning: the metric sees the prediction's text after the last occurrence of
+that string (all of it when the string does not occur); predictions.jsonl keeps the whole prediction. For `circular` (MMBench) a line with options
 becomes one pass per circular shift of its options; the question counts when every pass is right.
 
 Design:
@@ -45,7 +48,7 @@ from . import metrics as M
 INFERENCE_CONFIG = "inference_config.json"
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 EVAL_FIELDS = {"id", "images", "image_sizes", "messages", "source", "meta", "answers", "task", "metric",
-               "options", "group", "category"}
+               "options", "group", "category", "answer_after"}
 
 
 @dataclass
@@ -120,6 +123,11 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
     uid = str(obj.get("id", f"line{line}"))
     group = str(obj.get("group") or (images[0] if metric == "mme" and images else uid))
     ref = {"answers": answers, "category": str(obj.get("category") or "")}
+    after = obj.get("answer_after")
+    if after is not None:
+        if not isinstance(after, str) or not after:
+            raise ValueError(f"answer_after: expected a non-empty string, got {after!r}")
+        ref["answer_after"] = after
     if metric == "grounding" and M.parse_box(answers[0]) is None:
         raise ValueError(f"grounding reference {answers[0]!r} holds no box")
     if not options:
