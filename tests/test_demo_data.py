@@ -389,10 +389,12 @@ def test_vqa_describe(tmp_path):
     heldout = _lines(info["files"]["heldout"]["vqa"])
     assert all(o["answer_after"] == ". " and "." not in _answer(o) for o in heldout)
     items = load_benchmark(info["files"]["heldout"]["vqa"])
-    assert [it.ref for it in items] == [{"answers": [_answer(o)], "category": "", "answer_after": ". "} for o in heldout]
+    assert [it.ref for it in items] == [{"answers": [_answer(o)], "category": "", "answer_after": ". "}
+                                        for o in heldout]
     # without it, the same held-out questions and plain answers
     demo["vqa_describe"] = False
     plain = write_data(demo, str(tmp_path / "p"), seed=0, progress=False)
     assert [(o["messages"], o["images"]) for o in _lines(plain["files"]["heldout"]["vqa"])] == \
         [(o["messages"], o["images"]) for o in heldout]
-    assert all("." not in _answer(o) and "short_answer" not in o["meta"] for o in _lines(plain["files"]["train"]["vqa"]))
+    assert all("." not in _answer(o) and "short_answer" not in o["meta"]
+               for o in _lines(plain["files"]["train"]["vqa"]))

@@ -6,9 +6,9 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
   images), so nothing held out is ever seen in training. Images are copied next to the JSONL. The train
   split can be drawn per question type (`vqa_mix`): easy-VQA is 73% yes/no questions that the question
   wording answers about 80% of the time, and at that mix the colour answers' gradient is drowned.
-  With `vqa_describe` each train answer first names the image's colour and shape ("a blue rectangle.
-  red: no. yes" for "is there not a red shape?")
-  and the held-out lines tell `mindvl eval` to score the words after ". " (`answer_after`).
+  With `vqa_describe` each train answer first describes the image ("is there not a red shape?" -> "a blue
+  rectangle. red: no. yes"), and the held-out lines tell `mindvl eval` to score the words after the last
+  ". " (`answer_after`).
 - `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
   one character per 28-px visual-token column from a random start column, random dark colour on a
   random light 224x56 canvas (see `render_ocr`); the answer is the word.
@@ -223,7 +223,7 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
                 shutil.copyfile(src, dst)
             with Image.open(dst) as im:
                 size = im.size
-            if attrs:
+            if attrs:  # a described train answer
                 line = sample_line(f"vqa-{split}-{i}", rel, size, questions[i],
                                    describe_answer(*attrs[img_id], questions[i], answers[i]), "vqa",
                                    question_first=question_first,
@@ -231,7 +231,7 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
             else:
                 line = sample_line(f"vqa-{split}-{i}", rel, size, questions[i], answers[i], "vqa",
                                    question_first=question_first)
-                if describe:
+                if describe:  # a held-out line: score the words after the description
                     line["answer_after"] = DESCRIBE_SEP
             lines.append(line)
         out[split] = lines
@@ -353,7 +353,8 @@ def grounding_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.G
 
 def answer_of(line: dict) -> str:
     """The short answer of a line: `meta.short_answer` (a described easy-VQA answer), else its assistant turn."""
-    return line.get("meta", {}).get("short_answer") or next(m["content"] for m in line["messages"] if m["role"] == "assistant")
+    short = line.get("meta", {}).get("short_answer")
+    return short or next(m["content"] for m in line["messages"] if m["role"] == "assistant")
 
 
 def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) -> Dict[str, object]:

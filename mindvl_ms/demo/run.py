@@ -55,9 +55,9 @@ def config_path(quick: bool) -> str:
     return packaged_path("demo/quick.yaml" if quick else "demo/full.yaml")
 
 
-DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first",
-             "vqa_describe", "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
-DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants")  # must be YAML true/false
+DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first", "vqa_describe",
+             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
+DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants")  # YAML true/false
 
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
@@ -393,7 +393,7 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
     `vqa_mix` {question type: weight} of the easy-VQA train split (null: the package's own mix), and
     `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer) and
     `vqa_question_first` (each easy-VQA question before its image instead of after it), and `vqa_describe`
-    (each easy-VQA train answer names the image's colour and shape first: "a red circle. yes")."""
+    (each easy-VQA train answer describes the image first: "a blue rectangle. red: no. yes")."""
     from .datasets import write_demo_data
 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}

@@ -12,8 +12,9 @@ Benchmark lines use the training format (docs/DATA.md) plus optional evaluation 
      "answer_after": "Answer: "}                           # score only the text after its last occurrence
 The prompt is every turn before the last assistant turn. `answer_after` is for answers that follow a
 generated description or reasoning: the metric sees the prediction's text after the last occurrence of
-that string (all of it when the string does not occur); predictions.jsonl keeps the whole prediction. For `circular` (MMBench) a line with options
-becomes one pass per circular shift of its options; the question counts when every pass is right.
+that string (all of it when the string does not occur); predictions.jsonl keeps the whole prediction.
+For `circular` (MMBench) a line with options becomes one pass per circular shift of its options; the
+question counts when every pass is right.
 
 Design:
 - Generation is a backend object: `backend.generate(samples) -> list[str]` (batched greedy decoding),
