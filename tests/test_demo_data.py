@@ -351,9 +351,9 @@ def test_image_attributes_from_questions():
 
 def test_vqa_describe(tmp_path):
     """`demo.vqa_describe` (off in full.yaml and quick.yaml): every train answer is 'a <colour> <shape>.
-    <answer>', a yes/no one 'a <colour> <shape>. <word>: <has it>. <answer>', and each agrees with easy-VQA's
-    own answer (colour/shape questions name the described attribute; a yes/no answer is yes iff the image
-    has the word the question names, XOR the wording is negated);
+    <answer>', a yes/no one 'a <colour> <shape>. <word>: <yes|no, or present|absent if negated>. <answer>',
+    and each agrees with easy-VQA's own answer (colour/shape questions name the described attribute; a
+    yes/no answer is yes iff the image has the word the question names, XOR the wording is negated);
     held-out lines keep the short answer and carry answer_after '. ', which `mindvl eval` reads."""
     from mindvl_ms.demo.datasets import VQA_WORDS, answer_of
     from mindvl_ms.demo.run import config_path, load_demo_config, write_data
@@ -366,7 +366,7 @@ def test_vqa_describe(tmp_path):
     demo["vqa_mix"] = {"yes/no": 1, "colour": 1, "shape": 1}
     info = write_data(demo, str(tmp_path / "d"), seed=0, progress=False)
     train = _lines(info["files"]["train"]["vqa"])
-    kinds = Counter()
+    kinds, steps = Counter(), Counter()
     for o in train:
         said, short = _answer(o), o["meta"]["short_answer"]
         colour, shape = o["meta"]["description"].split()
@@ -382,9 +382,14 @@ def test_vqa_describe(tmp_path):
             named = [w for w in q.split() if w in VQA_WORDS]
             has = named[0] in (colour, shape)
             negated = " not " in f" {q} " or q.startswith("is no ")
-            assert len(named) == 1 and said == f"a {colour} {shape}. {named[0]}: {'yes' if has else 'no'}. {short}"
+            step = ("present" if has else "absent") if negated else ("yes" if has else "no")
+            assert len(named) == 1 and said == f"a {colour} {shape}. {named[0]}: {step}. {short}"
             assert short == ("yes" if has != negated else "no"), o
+            steps[(negated, step, short)] += 1
     assert kinds == {"yes/no": 30, "colour": 30, "shape": 30}
+    # the answer is a lookup of the step's word: yes -> yes, no -> no, present -> no, absent -> yes
+    assert {(st, a) for _, st, a in steps} <= {("yes", "yes"), ("no", "no"), ("present", "no"), ("absent", "yes")}
+    assert {neg for neg, _, _ in steps} == {True, False}
     assert info["vqa_describe"] is True and info["baselines"]["vqa"]["answer"] in ("yes", "no")
     heldout = _lines(info["files"]["heldout"]["vqa"])
     assert all(o["answer_after"] == ". " and "." not in _answer(o) for o in heldout)

@@ -7,7 +7,7 @@ Three tasks, each with a train split and a held-out split, all deterministic fro
   split can be drawn per question type (`vqa_mix`): easy-VQA is 73% yes/no questions that the question
   wording answers about 80% of the time, and at that mix the colour answers' gradient is drowned.
   With `vqa_describe` each train answer first describes the image ("is there not a red shape?" -> "a blue
-  rectangle. red: no. yes"), and the held-out lines tell `mindvl eval` to score the words after the last
+  rectangle. red: absent. yes"), and the held-out lines tell `mindvl eval` to score the words after the last
   ". " (`answer_after`).
 - `ocr`: one of 20 capitalised words rendered with DejaVu Sans Mono Bold (bundled with matplotlib),
   one character per 28-px visual-token column from a random start column, random dark colour on a
@@ -170,18 +170,25 @@ def image_attributes(questions: Sequence[str], answers: Sequence[str], image_ids
 
 
 def describe_answer(colour: str, shape: str, question: str, answer: str) -> str:
-    """The described answer of `vqa_describe`: 'a blue rectangle. blue' for a colour or shape question,
-    'a blue rectangle. red: no. yes' for a yes/no one ("is there not a red shape?"): the description,
-    then the word the question names with whether the image has it (the plain wording's answer), then
-    the answer. The words carry a leading space, as in the questions ("is there a red shape?"), so they
-    are the questions' tokens; each step is one comparison or one flip of the one before."""
+    """The described answer of `vqa_describe`: the description, then for a yes/no question the word it
+    names with whether the image has it, then the answer:
+        "what color is the shape?"  -> 'a blue rectangle. blue'
+        "is there a red shape?"     -> 'a blue rectangle. red: no. no'
+        "is there not a red shape?" -> 'a blue rectangle. red: absent. yes'   (negated: present / absent)
+    The words carry a leading space, as in the questions, so they are the questions' tokens. A negated
+    wording's step says present/absent, so the answer is a lookup of the step's word. With yes/no there
+    too, the answer was an XOR of that word and the wording, and no run learned it (docs/DEMO.md)."""
     if answer not in ("yes", "no"):
         return f"a {colour} {shape}{DESCRIBE_SEP}{answer}"
     named = [w for w in question.rstrip("?").split() if w in VQA_WORDS]
     if len(named) != 1:
         raise ValueError(f"yes/no question {question!r}: expected one colour or shape word, got {named}")
-    has = "yes" if named[0] in (colour, shape) else "no"
-    return f"a {colour} {shape}{DESCRIBE_SEP}{named[0]}: {has}{DESCRIBE_SEP}{answer}"
+    has = named[0] in (colour, shape)
+    if yes_no_cell(question, answer).startswith("negated"):
+        step = "present" if has else "absent"
+    else:
+        step = "yes" if has else "no"
+    return f"a {colour} {shape}{DESCRIBE_SEP}{named[0]}: {step}{DESCRIBE_SEP}{answer}"
 
 
 def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Generator,

@@ -393,7 +393,7 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
     `vqa_mix` {question type: weight} of the easy-VQA train split (null: the package's own mix), and
     `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer) and
     `vqa_question_first` (each easy-VQA question before its image instead of after it), and `vqa_describe`
-    (each easy-VQA train answer describes the image first: "a blue rectangle. red: no. yes")."""
+    (each easy-VQA train answer describes the image first: "a blue rectangle. red: absent. yes")."""
     from .datasets import write_demo_data
 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
