@@ -23,9 +23,9 @@ it against image-blind baselines:
                constant answer); merged vs individual SFT scores; a small test-time resolution search
                on the OCR split
 Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
-OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores (the 2,400 multitask steps at
-about 0.4 s each: the model's vocabulary is the ~100 token ids the data uses, `demo.vocab`), --quick
-about 2 minutes.
+OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores (the 2,000 multitask steps of 8
+rows at about 0.4 s each: the model's vocabulary is the ~100 token ids the data uses, `demo.vocab`),
+--quick about 2 minutes.
 
 --post-train then post-trains OUT/merged as openPangu-VL does after SFT (rollout -> DPO -> GRPO with the
 box-IoU reward on new grounding images) and scores held-out grounding before and after
