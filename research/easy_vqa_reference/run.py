@@ -102,6 +102,22 @@ def first(curve, key, level):
     return next((p["views"] for p in curve if p[key] >= level), None)
 
 
+def plot(curves):
+    """views.png: held-out exact match per question type against question views, one line per seed."""
+    plt = common.plt()
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), sharey=True)
+    for ax, key in zip(axes, ("all",) + TYPES):
+        for s, c in curves.items():
+            ax.plot([p["views"] / 1000 for p in c], [100 * p[key] for p in c], label=f"seed {s}")
+        ax.axhline(90, color="grey", lw=0.5)
+        ax.set_title(key)
+        ax.set_xlabel("question views (thousands)")
+    axes[0].set_ylabel("held-out exact match (%)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, "views.png"), dpi=80)
+
+
 def main():
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -132,18 +148,7 @@ def main():
                                                             first(c, "all", 0.9)))])
     table = common.md_table(["seed", "views", "all", "yes/no", "colour", "shape", "colour >= 90% at",
                              "yes/no >= 90% at", "all >= 90% at"], rows)
-    plt = common.plt()
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), sharey=True)
-    for ax, key in zip(axes, ("all",) + TYPES):
-        for s, c in curves.items():
-            ax.plot([p["views"] for p in c], [100 * p[key] for p in c], label=f"seed {s}")
-        ax.axhline(90, color="grey", lw=0.5)
-        ax.set_title(key)
-        ax.set_xlabel("question views")
-    axes[0].set_ylabel("held-out exact match (%)")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "views.png"), dpi=80)
+    plot(curves)
     common.save(HERE, {"views": args.views, "seeds": args.seeds, "every": EVERY, "curves": curves}, table)
 
 
