@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from mindvl_ms.demo.datasets import VQA_TYPES as TYPES, answer_type  # noqa: E402  (the demo's question types)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TYPES = ("yes/no", "colour", "shape")
 EVERY = 20000
 
 
@@ -46,10 +46,6 @@ def bag_of_words(qs, vocab):
         for w in q.rstrip("?").split():
             x[r, vocab[w]] = 1.0
     return x
-
-
-def answer_type(a):
-    return "yes/no" if a in ("yes", "no") else ("shape" if a in ("circle", "rectangle", "triangle") else "colour")
 
 
 def train(seed, views, data):
