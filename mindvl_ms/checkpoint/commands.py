@@ -9,7 +9,7 @@ import argparse
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .merge import merge
+    from mindvl_ms.checkpoint.merge import merge
 
     rec = merge(args.ckpts, args.out, method=args.method, weights=args.weights, base=args.base,
                 density=args.density, scale=args.scale, only=args.only, overwrite=args.overwrite,

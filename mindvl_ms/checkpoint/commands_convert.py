@@ -11,7 +11,7 @@ import shutil
 
 
 def _convert(args) -> int:
-    from .hf import convert
+    from mindvl_ms.checkpoint.hf import convert
 
     if args.direction == "ms2hf" and os.path.isfile(os.path.join(args.src, "vocab_subset.json")):
         raise SystemExit(f"{args.src}: the model's vocabulary is a subset of its tokenizer's (vocab_subset.json, "
@@ -27,8 +27,8 @@ def _convert(args) -> int:
 
 def write_processor(dst: str, *sources: str):
     """The processor files of a converted/initialised checkpoint (see the module docstring)."""
-    from .hf import is_text_only, read_config_json
-    from .processor_files import carry_processor, tokenizer_source_files
+    from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
+    from mindvl_ms.checkpoint.processor_files import carry_processor, tokenizer_source_files
 
     if is_text_only(read_config_json(dst)):
         copied = []
@@ -41,7 +41,7 @@ def write_processor(dst: str, *sources: str):
 
 
 def _init(args) -> int:
-    from .hf import init_from_pretrained
+    from mindvl_ms.checkpoint.hf import init_from_pretrained
 
     cfg = init_from_pretrained(args.vision_from, args.llm_from, args.out, seed=args.seed)
     files = init_processor(args.out, args.vision_from, args.llm_from)
@@ -54,7 +54,7 @@ def _init(args) -> int:
 def init_processor(out: str, vision_from: str, llm_from: str):
     """init: the LLM's tokenizer (the model's vocabulary), the vision checkpoint's pixel limits; the vision
     checkpoint's whole processor when the LLM's tokenizer lacks the chat/vision special tokens."""
-    from .processor_files import has_tokenizer, processor_of, read_image_config, save_processor
+    from mindvl_ms.checkpoint.processor_files import has_tokenizer, processor_of, read_image_config, save_processor
 
     try:
         proc = processor_of(llm_from if has_tokenizer(llm_from) else None)

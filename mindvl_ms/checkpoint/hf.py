@@ -17,9 +17,9 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from ..config import MindVLConfig, from_hf_dict, load, to_hf_dict
-from ..config.model import text_from_hf, vision_from_hf
-from .io import RawTensor, atomic_dir, read_tensors, write_json, write_tensors
+from mindvl_ms.config import MindVLConfig, from_hf_dict, load, to_hf_dict
+from mindvl_ms.config.model import text_from_hf, vision_from_hf
+from mindvl_ms.checkpoint.io import RawTensor, atomic_dir, read_tensors, write_json, write_tensors
 
 PATCH = "visual.patch_embed.proj.weight"
 NATIVE = "mindvl-native"
@@ -64,7 +64,7 @@ def hf_to_native(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, 
             t = t.reshape(t.shape[0], -1)
         out[name] = t
     if cfg.text.model_type == "deepseek_v3":
-        from . import hf_deepseek
+        from mindvl_ms.checkpoint import hf_deepseek
 
         out = hf_deepseek.hf_to_native(out, cfg.text)
     return out
@@ -72,7 +72,7 @@ def hf_to_native(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, 
 
 def native_to_hf(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, RawTensor]:
     if cfg.text.model_type == "deepseek_v3":
-        from . import hf_deepseek
+        from mindvl_ms.checkpoint import hf_deepseek
 
         tensors = hf_deepseek.native_to_hf(tensors, cfg.text)
     v = cfg.vision
@@ -100,7 +100,7 @@ def model_tensors(model, dtype: Optional[str] = None) -> Dict[str, RawTensor]:
 
 
 def to_bf16(arr: np.ndarray) -> np.ndarray:
-    from .io import to_bf16_bits
+    from mindvl_ms.checkpoint.io import to_bf16_bits
 
     return to_bf16_bits(arr.astype(np.float32))
 
@@ -179,7 +179,7 @@ def is_text_only(cfg_json: dict) -> bool:
 def _text_tensors_to_native(tensors: Dict[str, RawTensor], text) -> Dict[str, RawTensor]:
     tensors = {normalize_hf_name(k): v for k, v in tensors.items()}
     if text.model_type == "deepseek_v3":
-        from . import hf_deepseek
+        from mindvl_ms.checkpoint import hf_deepseek
 
         tensors = hf_deepseek.hf_to_native(tensors, text)
     return tensors
@@ -187,7 +187,7 @@ def _text_tensors_to_native(tensors: Dict[str, RawTensor], text) -> Dict[str, Ra
 
 def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optional[int]) -> Dict[str, RawTensor]:
     """Text-only LLM checkpoints: HF <-> native {"kind": "text"} (the HF config.json is kept verbatim)."""
-    from ..config import TextConfig
+    from mindvl_ms.config import TextConfig
 
     tensors = read_tensors(src)
     if is_native(d):
@@ -201,7 +201,7 @@ def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optiona
         if to == "hf":
             out = tensors
             if text.model_type == "deepseek_v3":
-                from . import hf_deepseek
+                from mindvl_ms.checkpoint import hf_deepseek
 
                 out = hf_deepseek.native_to_hf(tensors, text)
             write_json(os.path.join(tmp, "config.json"), hf_cfg)
@@ -215,7 +215,7 @@ def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optiona
 
 def load_text_model(path: str):
     """A text-only causal LM (TextForCausalLM or DeepseekV3ForCausalLM) from an HF or native text checkpoint."""
-    from ..config import TextConfig
+    from mindvl_ms.config import TextConfig
 
     d = read_config_json(path)
     if is_native(d):
@@ -225,9 +225,9 @@ def load_text_model(path: str):
         text = text_from_hf(d)
         tensors = _text_tensors_to_native(read_tensors(path), text)
     if text.model_type == "deepseek_v3":
-        from ..models.moe import DeepseekV3ForCausalLM as cls
+        from mindvl_ms.models.moe import DeepseekV3ForCausalLM as cls
     else:
-        from ..models.text import TextForCausalLM as cls
+        from mindvl_ms.models.text import TextForCausalLM as cls
     model = cls(text)
     load_into(model, tensors)
     return model
@@ -255,7 +255,7 @@ def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 
     checkpoint, projector (`visual.merger.*`) freshly initialised. Writes a native checkpoint to `out`."""
     import mindspore as ms
 
-    from ..models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
     vd, ld = read_config_json(vision_from), read_config_json(llm_from)
     if is_native(vd):
@@ -263,7 +263,7 @@ def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 
     else:
         vision = vision_from_hf(vd.get("vision_config") or vd)
     if is_native(ld):
-        from ..config import TextConfig
+        from mindvl_ms.config import TextConfig
 
         text = load(TextConfig, ld["config"]) if ld.get("kind") == "text" else config_from_dir(llm_from).text
     else:
@@ -284,7 +284,7 @@ def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 
     if not is_native(ld):
         lt = {normalize_hf_name(k): v for k, v in lt.items()}
         if text.model_type == "deepseek_v3":
-            from . import hf_deepseek
+            from mindvl_ms.checkpoint import hf_deepseek
 
             lt = hf_deepseek.hf_to_native(lt, text)
     lt = {k: v for k, v in lt.items() if re.match(r"^(model\.|lm_head\.)", k)}

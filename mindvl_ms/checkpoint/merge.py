@@ -46,7 +46,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .io import INDEX, atomic_dir, weight_files
+from mindvl_ms.checkpoint.io import INDEX, atomic_dir, weight_files
 
 CHUNK = 1 << 22  # elements per streamed chunk (16 MiB in float32)
 METHODS = ("linear", "task_arithmetic", "ties")
@@ -257,8 +257,8 @@ def _copy_side_files(src: str, dst: str, skip: set) -> List[str]:
 def _ensure_processor(tmp: str, inputs: Sequence[str]) -> str:
     """Make sure a merged MindVL directory carries processor files; returns where they came from (None for
     LLM-only or config-less merges, whose side files are only copied)."""
-    from .hf import is_text_only, read_config_json
-    from .processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, carry_processor, has_tokenizer
+    from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
+    from mindvl_ms.checkpoint.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, carry_processor, has_tokenizer
 
     if not os.path.isfile(os.path.join(tmp, "config.json")) or is_text_only(read_config_json(tmp)):
         return None

@@ -93,7 +93,7 @@ def tokenizer_source_files(source: str) -> List[str]:
 def save_processor(dst: str, processor=None, data_cfg=None) -> List[str]:
     """Write the processor files into checkpoint directory `dst` (from a MindVLProcessor, or from a
     DataConfig: its tokenizer, `image` section and `system_prompt`); returns the file names written."""
-    from ..data.processor import MindVLProcessor
+    from mindvl_ms.data.processor import MindVLProcessor
 
     if processor is None:
         processor = MindVLProcessor(config=data_cfg)
@@ -130,7 +130,7 @@ def has_tokenizer(path: Optional[str]) -> bool:
 
 def read_image_config(ckpt: Optional[str]):
     """ImageConfig from ckpt/preprocessor_config.json (HF keys; `size` as fallback), defaults otherwise."""
-    from ..config.data import ImageConfig
+    from mindvl_ms.config.data import ImageConfig
 
     cfg = ImageConfig()
     fn = os.path.join(ckpt, PREPROCESSOR) if ckpt else ""
@@ -150,8 +150,8 @@ def read_image_config(ckpt: Optional[str]):
 
 def read_video_config(ckpt: Optional[str]):
     """VideoConfig from the `video` section of ckpt/preprocessor_config.json, defaults otherwise."""
-    from ..config.base import load
-    from ..config.video import VideoConfig
+    from mindvl_ms.config.base import load
+    from mindvl_ms.config.video import VideoConfig
 
     fn = os.path.join(ckpt, PREPROCESSOR) if ckpt else ""
     if fn and os.path.isfile(fn):
@@ -165,7 +165,7 @@ def read_video_config(ckpt: Optional[str]):
 def processor_of(ckpt: Optional[str]):
     """The MindVLProcessor a checkpoint records: its tokenizer (else the bundled Qwen3 one), pixel limits and
     system prompt (each else the default)."""
-    from ..data.processor import MindVLProcessor
+    from mindvl_ms.data.processor import MindVLProcessor
 
     if has_tokenizer(ckpt):
         return MindVLProcessor.from_pretrained(ckpt)
@@ -201,7 +201,7 @@ class ProcessorWriter:
         self.data_cfg, self.processor = data_cfg, None
 
     def __call__(self, dst: str) -> List[str]:
-        from ..data.processor import MindVLProcessor
+        from mindvl_ms.data.processor import MindVLProcessor
 
         if self.processor is None:
             self.processor = MindVLProcessor(config=self.data_cfg)

@@ -26,7 +26,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from .io import RawTensor, atomic_dir, read_file, read_tensors, write_file, write_json, write_tensors
+from mindvl_ms.checkpoint.io import RawTensor, atomic_dir, read_file, read_tensors, write_file, write_json, write_tensors
 
 LATEST = "latest.json"
 STATE = "trainer_state.json"
@@ -52,7 +52,7 @@ def save_checkpoint(path: str, model, optim_params: Dict[str, Any], state: Dict[
                     out_dir: Optional[str] = None, extra=None) -> str:
     """Write a complete checkpoint directory atomically; then point OUT/latest.json at it.
     `extra(tmp_dir)` writes further files (the processor) inside the same atomic directory."""
-    from .hf import NATIVE, model_tensors
+    from mindvl_ms.checkpoint.hf import NATIVE, model_tensors
 
     with atomic_dir(path) as tmp:
         cfg = getattr(model, "config", None)

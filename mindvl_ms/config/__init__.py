@@ -1,6 +1,6 @@
 """Typed configuration (dataclasses loaded from YAML with validation); see base.py for the rules."""
-from .base import ConfigError, F, load, read_yaml, set_dotted, deep_merge
-from .model import MindVLConfig, MoEConfig, TextConfig, VisionConfig, from_hf_dict, to_hf_dict
+from mindvl_ms.config.base import ConfigError, F, load, read_yaml, set_dotted, deep_merge
+from mindvl_ms.config.model import MindVLConfig, MoEConfig, TextConfig, VisionConfig, from_hf_dict, to_hf_dict
 
 __all__ = ["ConfigError", "F", "load", "read_yaml", "set_dotted", "deep_merge", "MindVLConfig",
            "MoEConfig", "TextConfig", "VisionConfig", "from_hf_dict", "to_hf_dict", "load_model_config"]

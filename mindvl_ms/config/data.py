@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .base import ConfigError, F, sub
-from .video import VideoConfig
+from mindvl_ms.config.base import ConfigError, F, sub
+from mindvl_ms.config.video import VideoConfig
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional
 
-from .base import F, ConfigError, sub
+from mindvl_ms.config.base import F, ConfigError, sub
 
 
 @dataclass
@@ -211,7 +211,7 @@ def _pick(cls: type, d: Dict[str, Any]) -> Dict[str, Any]:
 
 def text_from_hf(d: Dict[str, Any]) -> TextConfig:
     """Qwen2/Qwen3/Qwen2.5-VL text/DeepseekV3 config.json dict -> TextConfig."""
-    from .base import load
+    from mindvl_ms.config.base import load
 
     mt = d.get("model_type", "qwen2")
     kw = _pick(TextConfig, d)
@@ -248,7 +248,7 @@ def text_from_hf(d: Dict[str, Any]) -> TextConfig:
 
 
 def vision_from_hf(d: Dict[str, Any]) -> VisionConfig:
-    from .base import load
+    from mindvl_ms.config.base import load
 
     kw = _pick(VisionConfig, d)
     kw.pop("mlp_type", None)
@@ -259,7 +259,7 @@ def vision_from_hf(d: Dict[str, Any]) -> VisionConfig:
 
 def from_hf_dict(d: Dict[str, Any]) -> MindVLConfig:
     """Qwen2.5-VL config.json dict -> MindVLConfig (text fields at top level or in text_config)."""
-    from .base import load
+    from mindvl_ms.config.base import load
 
     text = dict(d)
     text.update(d.get("text_config") or {})

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from .base import ConfigError, F
+from mindvl_ms.config.base import ConfigError, F
 
 
 @dataclass
@@ -67,7 +67,7 @@ class GRPOConfig:
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0 or self.numeric_rel_tol < 0:
             raise ConfigError(f"stage '{name}': grpo needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, "
                               f"numeric_rel_tol >= 0")
-        from ..train.rewards import resolve
+        from mindvl_ms.train.rewards import resolve
 
         try:
             resolve(self.reward)

@@ -40,8 +40,8 @@ def _rows(cls: type, prefix: str) -> List[str]:
 
 
 def reference() -> str:
-    from .model import MindVLConfig
-    from .train import RunConfig
+    from mindvl_ms.config.model import MindVLConfig
+    from mindvl_ms.config.train import RunConfig
 
     lines = ["# Configuration reference", "",
              "Generated from the config dataclasses by `python -m mindvl_ms.config.reference`; every key of a "

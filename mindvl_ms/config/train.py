@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from .base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
-from .model import MindVLConfig
-from .post import DPOConfig, GRPOConfig
+from mindvl_ms.config.base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
+from mindvl_ms.config.model import MindVLConfig
+from mindvl_ms.config.post import DPOConfig, GRPOConfig
 
-from .data import DataConfig
+from mindvl_ms.config.data import DataConfig
 
 
 PROJECTOR_PREFIX = "visual.merger."
@@ -295,11 +295,11 @@ def follow_vocab_subset(cfg: RunConfig) -> None:
     """A `data.tokenizer` directory holding vocab_subset.json (data/vocab_subset.py) numbers its tokens
     0..V-1: the model's vocab size and special token ids are set from it (in place), since a YAML cannot
     know them (the subset is written per dataset, e.g. by `mindvl demo`)."""
-    from ..data.vocab_subset import SUBSET_FILE, restrict_model_config
+    from mindvl_ms.data.vocab_subset import SUBSET_FILE, restrict_model_config
 
     tok = cfg.data.tokenizer
     if tok and os.path.isfile(os.path.join(tok, SUBSET_FILE)):
-        from ..data.tokenizer import load_tokenizer
+        from mindvl_ms.data.tokenizer import load_tokenizer
 
         restrict_model_config(cfg.model, load_tokenizer(tok))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from .base import ConfigError, F
+from mindvl_ms.config.base import ConfigError, F
 
 
 @dataclass

@@ -6,9 +6,9 @@ patches, chat template, labels; `MindVLProcessor`), `grounding` (openPangu-VL co
 `dataset` (per-rank loader with resumable state), `validate` (`mindvl data validate`), `commands`
 (the `mindvl data` CLI). Heavy imports (MindSpore) happen only inside the loader.
 """
-from .grounding import box_iou, format_box, format_point, format_quad, parse_grounding
-from .processor import IGNORE_INDEX, MindVLProcessor, image_tokens, patchify, smart_resize
-from .tokenizer import load_tokenizer
+from mindvl_ms.data.grounding import box_iou, format_box, format_point, format_quad, parse_grounding
+from mindvl_ms.data.processor import IGNORE_INDEX, MindVLProcessor, image_tokens, patchify, smart_resize
+from mindvl_ms.data.tokenizer import load_tokenizer
 
 __all__ = ["MindVLProcessor", "smart_resize", "patchify", "image_tokens", "IGNORE_INDEX", "load_tokenizer",
            "parse_grounding", "box_iou", "format_box", "format_point", "format_quad"]

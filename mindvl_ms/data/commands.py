@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from ..config.base import load, read_yaml
-from ..config.data import DataConfig
+from mindvl_ms.config.base import load, read_yaml
+from mindvl_ms.config.data import DataConfig
 
 
 def load_data_config(path: str = None) -> DataConfig:
@@ -24,7 +24,7 @@ def load_data_config(path: str = None) -> DataConfig:
 
 
 def _validate(args) -> int:
-    from .validate import format_report, validate_file
+    from mindvl_ms.data.validate import format_report, validate_file
 
     cfg = load_data_config(args.config)
     report = validate_file(args.file, cfg.image, decode=not args.headers_only, workers=args.workers,
@@ -38,7 +38,7 @@ def _validate(args) -> int:
 
 
 def _pack(args) -> int:
-    from .offline import pack_file
+    from mindvl_ms.data.offline import pack_file
 
     cfg = load_data_config(args.config)
     for flag, field in (("tokenizer", "tokenizer"), ("seq_length", "seq_length"),

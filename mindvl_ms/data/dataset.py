@@ -35,10 +35,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from ..config.data import DataConfig
-from .packing import Item, OnlinePacker
-from .schema import SampleError, parse_raw, parse_sample
-from .skiplog import SkipLog, data_fingerprint
+from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.packing import Item, OnlinePacker
+from mindvl_ms.data.schema import SampleError, parse_raw, parse_sample
+from mindvl_ms.data.skiplog import SkipLog, data_fingerprint
 
 Pack = List[Tuple[Dict[str, Any], str, int]]  # [(raw sample object, source path for relative images, line)]
 
@@ -135,7 +135,7 @@ class OnlinePackSource:
         return [out[i] for i in perm]
 
     def _items(self, epoch: int) -> Iterator[Item]:
-        from .offline import sample_meta
+        from mindvl_ms.data.offline import sample_meta
 
         order = self._epoch_order(epoch)
         self.epoch_total = len(order)
@@ -192,7 +192,7 @@ class DataLoader:
                  model_config=None):
         self.source, self.proc, self.config = source, processor, config
         if collate is None and model_config is not None:
-            from ..models.inputs import build_model_inputs
+            from mindvl_ms.models.inputs import build_model_inputs
 
             pad = config.pad_to or config.seq_length
             collate = lambda rows: build_model_inputs(rows, model_config, pad_to=pad)  # noqa: E731
@@ -223,7 +223,7 @@ class DataLoader:
 
     @classmethod
     def from_config(cls, config: DataConfig, processor=None, model_config=None, collate=None) -> "DataLoader":
-        from .processor import MindVLProcessor
+        from mindvl_ms.data.processor import MindVLProcessor
 
         proc = processor or MindVLProcessor(config=config)
         if config.packing == "offline" and not config.packed_dir:

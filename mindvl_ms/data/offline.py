@@ -25,9 +25,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from tqdm import tqdm
 
-from ..config.data import DataConfig
-from .packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
-from .schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
+from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
+from mindvl_ms.data.schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
 
 _PROC = None  # per-worker processor (tokenizer loaded once per process)
 _CHECK = True  # per-worker: compare image_sizes with the image headers
@@ -36,7 +36,7 @@ _CHECK = True  # per-worker: compare image_sizes with the image headers
 def _init_worker(config: DataConfig, check_sizes: bool = True) -> None:
     global _PROC, _CHECK
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from .processor import MindVLProcessor
+    from mindvl_ms.data.processor import MindVLProcessor
 
     _PROC, _CHECK = MindVLProcessor(config=config), check_sizes
 
@@ -44,7 +44,7 @@ def _init_worker(config: DataConfig, check_sizes: bool = True) -> None:
 def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, int]:
     """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers); with
     `check_sizes`, given image_sizes must match the headers."""
-    from .processor import image_size, image_tokens, quality_errors
+    from mindvl_ms.data.processor import image_size, image_tokens, quality_errors
 
     n_ph = count_placeholders(sample)
     if n_ph != len(sample.images):
@@ -181,7 +181,7 @@ def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int
 def _write_shards(path: str, out_dir: str, ranks, progress: bool) -> None:
     """One JSONL shard per rank; samples copied verbatim except image paths (relative to out_dir).
     Only byte offsets are held in memory; each sample is read back with a seek when its pack is written."""
-    from .dataset import _line_offsets  # one offset index, no JSON parsing
+    from mindvl_ms.data.dataset import _line_offsets  # one offset index, no JSON parsing
 
     offsets = dict(_line_offsets(path))
     base, out_abs = os.path.dirname(os.path.abspath(path)), os.path.abspath(out_dir)

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .schema import IMAGE_PLACEHOLDER, Sample, SampleError, normalise_messages, parse_sample
+from mindvl_ms.data.schema import IMAGE_PLACEHOLDER, Sample, SampleError, normalise_messages, parse_sample
 
 PREF_FIELDS = ("chosen", "rejected")
 RL_FIELDS = ("answer", "reward")
@@ -141,7 +141,7 @@ def response_texts(s: PostSample) -> List[str]:
 
 def encode_prompt(processor, s: PostSample) -> Dict[str, Any]:
     """Prompt tokens (ending with the generation prompt) + pixels: {input_ids, pixel_values, image_grid_thw}."""
-    from .processor import load_image, process_images
+    from mindvl_ms.data.processor import load_image, process_images
 
     try:
         images = [load_image(p) for p in s.images]
@@ -179,7 +179,7 @@ def parse_line_any(text: str, source: str, line: int):
     so the placeholder, raw-token and grounding checks cover them."""
     import json
 
-    from .schema import parse_line
+    from mindvl_ms.data.schema import parse_line
 
     try:
         obj = json.loads(text) if text.strip() else None

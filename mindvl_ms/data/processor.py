@@ -39,11 +39,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
-from ..config.base import load
-from ..config.data import DataConfig, ImageConfig
-from .schema import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleError, count_placeholders,
+from mindvl_ms.config.base import load
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.data.schema import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleError, count_placeholders,
                      normalise_messages)
-from .tokenizer import TextTokenizer, load_tokenizer
+from mindvl_ms.data.tokenizer import TextTokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -209,7 +209,7 @@ def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: 
 def video_metas(sample: Sample, check: bool = True) -> list:
     """VideoMeta per video of a sample: the line's `video_meta`, checked against the container header
     with `check` (or read from the header when the line has none). SampleErrors name file:line, field."""
-    from .video import VideoMeta, probe_video
+    from mindvl_ms.data.video import VideoMeta, probe_video
 
     n_ph = count_placeholders(sample, VIDEO_PLACEHOLDER)
     if n_ph != len(sample.videos):
@@ -236,7 +236,7 @@ def video_metas(sample: Sample, check: bool = True) -> list:
 
 def video_token_counts(sample: Sample, metas, image: ImageConfig, video, seed: int) -> List[int]:
     """Merged tokens per video from metadata (the fps draw is seeded by (data seed, line, index))."""
-    from .video import video_rng, video_tokens
+    from mindvl_ms.data.video import video_rng, video_tokens
 
     try:
         return [video_tokens(m, image, video, video_rng(seed, sample.line, k)) for k, m in enumerate(metas)]
@@ -276,10 +276,10 @@ class MindVLProcessor:
                    "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
                    "image_std": d.get("image_std")}
             cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
-            from ..checkpoint.processor_files import read_video_config
+            from mindvl_ms.checkpoint.processor_files import read_video_config
 
             cfg.video = read_video_config(path)  # the training run's data.video section
-        from ..checkpoint.processor_files import read_system_prompt
+        from mindvl_ms.checkpoint.processor_files import read_system_prompt
 
         system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
         if system_prompt is not None:
@@ -320,7 +320,7 @@ class MindVLProcessor:
     def process_videos(self, sample: Sample) -> Dict:
         """Decode, sample and patchify a sample's videos: pixel_values_videos, video_grid_thw,
         second_per_grid_ts (absent when the sample has none)."""
-        from .video import load_video, video_rng
+        from mindvl_ms.data.video import load_video, video_rng
 
         if not sample.videos and not count_placeholders(sample, VIDEO_PLACEHOLDER):
             return {}

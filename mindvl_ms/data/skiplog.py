@@ -148,8 +148,8 @@ def data_fingerprint(config) -> Dict[str, Any]:
 
 def stage_fingerprint(run_cfg, stage) -> Dict[str, Any]:
     """`data_fingerprint` of a stage's data section (the run's `data` merged with the stage's)."""
-    from ..config.base import ConfigError, deep_merge, load, to_dict
-    from ..config.data import DataConfig
+    from mindvl_ms.config.base import ConfigError, deep_merge, load, to_dict
+    from mindvl_ms.config.data import DataConfig
 
     try:
         cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")

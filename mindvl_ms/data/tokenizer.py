@@ -121,7 +121,7 @@ def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     tok = _load_base(path, directory)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "vocab_subset.json")):
-        from .vocab_subset import read_subset
+        from mindvl_ms.data.vocab_subset import read_subset
 
         return read_subset(path, tok)
     return tok

@@ -35,12 +35,12 @@ from typing import Any, Dict, List, Optional, Tuple
 from PIL import Image
 from tqdm import tqdm
 
-from ..config.data import DataConfig, ImageConfig
-from ..config.video import VideoConfig
-from .grounding import grounding_errors
-from .preference import parse_line_any
-from .processor import quality_errors
-from .schema import VIDEO_PLACEHOLDER, FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.data.grounding import grounding_errors
+from mindvl_ms.data.preference import parse_line_any
+from mindvl_ms.data.processor import quality_errors
+from mindvl_ms.data.schema import VIDEO_PLACEHOLDER, FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
 
 RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
 
@@ -106,8 +106,8 @@ def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bo
 def check_videos(s, image: ImageConfig, video: VideoConfig, decode: bool) -> List[Tuple[str, str]]:
     """Video problems of a sample: counts, readable containers, metadata against headers, and (decoding)
     the sampled clip's token count against the one derived from metadata."""
-    from .processor import video_metas, video_token_counts
-    from .video import load_video, video_rng
+    from mindvl_ms.data.processor import video_metas, video_token_counts
+    from mindvl_ms.data.video import load_video, video_rng
 
     seed = _CFG.get("seed", DataConfig().seed)
     try:

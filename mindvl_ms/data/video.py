@@ -33,9 +33,9 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
-from ..config.data import ImageConfig
-from ..config.video import VideoConfig
-from .processor import normalise_frames, smart_resize
+from mindvl_ms.config.data import ImageConfig
+from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.data.processor import normalise_frames, smart_resize
 
 VIDEO_PLACEHOLDER = "<video>"
 

@@ -22,7 +22,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from .tokenizer import TextTokenizer
+from mindvl_ms.data.tokenizer import TextTokenizer
 
 SUBSET_FILE = "vocab_subset.json"
 
@@ -93,7 +93,7 @@ def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int
     template, generation prompt, vision tags), of `prompts` (message lists ending with the user turn, as an
     evaluation feeds them: `eval.runner.EvalItem.messages`, never their answers) as generation renders
     them, plus the processor's special tokens."""
-    from .processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, render
+    from mindvl_ms.data.processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, render
 
     tok = processor.tokenizer
     if isinstance(tok, SubsetTokenizer):
@@ -110,7 +110,7 @@ def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int
 
 def write_subset(out_dir: str, base: TextTokenizer, ids: Sequence[int]) -> str:
     """A tokenizer directory: `base`'s tokenizer files plus vocab_subset.json; returns it."""
-    from ..checkpoint.processor_files import tokenizer_source_files
+    from mindvl_ms.checkpoint.processor_files import tokenizer_source_files
 
     os.makedirs(out_dir, exist_ok=True)
     for src in tokenizer_source_files(base.source):
@@ -122,7 +122,7 @@ def write_subset(out_dir: str, base: TextTokenizer, ids: Sequence[int]) -> str:
 
 def restrict_model_config(model_cfg, tokenizer: TextTokenizer) -> None:
     """Model vocab size and special token ids as `tokenizer` numbers them (in place)."""
-    from .processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+    from mindvl_ms.data.processor import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 
     model_cfg.text.vocab_size = tokenizer.vocab_size
     for field, token in (("image_token_id", IMAGE_PAD), ("video_token_id", VIDEO_PAD),

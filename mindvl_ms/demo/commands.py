@@ -59,11 +59,11 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from ..config.base import ConfigError
+    from mindvl_ms.config.base import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .post import run_post_train
-    from .run import run_demo
+    from mindvl_ms.demo.post import run_post_train
+    from mindvl_ms.demo.run import run_demo
 
     try:
         if args.post_train:

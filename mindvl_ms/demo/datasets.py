@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from ..data.grounding import box_iou, format_box, to_norm
+from mindvl_ms.data.grounding import box_iou, format_box, to_norm
 
 TASKS = ("vqa", "ocr", "grounding")
 METRIC = {"vqa": "exact_match", "ocr": "exact_match", "grounding": "grounding"}
@@ -366,7 +366,7 @@ def answer_of(line: dict) -> str:
 
 def blind_baseline(task: str, train: Sequence[dict], heldout: Sequence[dict]) -> Dict[str, object]:
     """Held-out score of the best image-blind constant answer learned from the train split."""
-    from ..eval.metrics import parse_box, score_sample
+    from mindvl_ms.eval.metrics import parse_box, score_sample
 
     if task == "grounding":
         boxes = np.array([parse_box(answer_of(s)) for s in train], dtype=np.float64)

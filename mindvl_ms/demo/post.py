@@ -50,8 +50,8 @@ def rewrite_paths(obj: Any, out_dir: str) -> Any:
 def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = None):
     """(RunConfig, demo section) of a post-training demo YAML, its runs/demo/ paths moved to out_dir.
     Overrides starting with `demo.` (e.g. demo.rollout.k=8) set the demo section, the others the run config."""
-    from ..config.base import ConfigError, read_yaml, set_dotted
-    from ..config.train import load_run_config
+    from mindvl_ms.config.base import ConfigError, read_yaml, set_dotted
+    from mindvl_ms.config.train import load_run_config
 
     raw = read_yaml(path)
     demo = raw.pop("demo", None)
@@ -85,7 +85,7 @@ def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = N
 
 def write_prompts(out_dir: str, n: int, seed: int) -> str:
     """n grounding RL prompt lines on new images (OUT/post/data); returns the JSONL path."""
-    from .datasets import GROUND_SIZE, grounding_image, write_jsonl
+    from mindvl_ms.demo.datasets import GROUND_SIZE, grounding_image, write_jsonl
 
     img_dir = os.path.join(out_dir, "images")
     os.makedirs(img_dir, exist_ok=True)
@@ -108,12 +108,12 @@ def write_prompts(out_dir: str, n: int, seed: int) -> str:
 def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any], seed: int,
                   progress: bool) -> Dict[str, Any]:
     """`mindvl rollout` on the prompts with the processor the demo trained with; writes the pairs."""
-    from ..data.preference import read_post_file
-    from ..data.processor import MindVLProcessor
-    from ..infer.generate import load_model
-    from ..train.rewards import Verifier
-    from ..train.rollout import rollout_pairs, write_pairs
-    from .run import child_setup
+    from mindvl_ms.data.preference import read_post_file
+    from mindvl_ms.data.processor import MindVLProcessor
+    from mindvl_ms.infer.generate import load_model
+    from mindvl_ms.train.rewards import Verifier
+    from mindvl_ms.train.rollout import rollout_pairs, write_pairs
+    from mindvl_ms.demo.run import child_setup
 
     child_setup()
     lines, summary = rollout_pairs(load_model(ckpt), MindVLProcessor(config=data_cfg), read_post_file(prompts, "prompt"),
@@ -125,8 +125,8 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
 
 
 def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:
-    from ..train import run_training
-    from .run import child_setup
+    from mindvl_ms.train import run_training
+    from mindvl_ms.demo.run import child_setup
 
     child_setup()
     summary = run_training(run_cfg, out_dir, progress=progress)
@@ -136,8 +136,8 @@ def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:
 def heldout_iou(predictions: str, heldout: str) -> Dict[str, float]:
     """Mean IoU (GRPO's reward on held-out images) and Acc@IoU0.75 of greedy predictions, boxes read by the
     evaluation's parser (`eval.metrics.parse_box`: the printed answer, grounding tags dropped)."""
-    from ..data.grounding import box_iou
-    from ..eval.metrics import parse_box
+    from mindvl_ms.data.grounding import box_iou
+    from mindvl_ms.eval.metrics import parse_box
 
     gold = {}
     with open(heldout, encoding="utf-8") as f:
@@ -170,8 +170,8 @@ def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, An
                progress: bool, reuse: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
     `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun)."""
-    from ..eval.runner import evaluate
-    from .run import child_setup, eval_backend
+    from mindvl_ms.eval.runner import evaluate
+    from mindvl_ms.demo.run import child_setup, eval_backend
 
     child_setup()
     reuse = reuse or {}
@@ -214,9 +214,9 @@ def stage_metrics(metrics: str) -> Dict[str, Dict[str, Any]]:
 def run_post_train(out_dir: str = "runs/demo", config: Optional[str] = None, overrides: Optional[List[str]] = None,
                    progress: bool = True) -> Dict[str, Any]:
     """Post-train OUT/merged of a finished `mindvl demo --out OUT`; returns the report (OUT/post/post_report.json)."""
-    from ..config.base import ConfigError
-    from ..config.packaged import packaged_path, resolve_config
-    from .run import in_child
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.config.packaged import packaged_path, resolve_config
+    from mindvl_ms.demo.run import in_child
 
     t0 = time.perf_counter()
     path = resolve_config(config)[0] if config else packaged_path("demo/post_train.yaml")

@@ -44,13 +44,13 @@ log = logging.getLogger(__name__)
 
 def demo_config_dir() -> str:
     """configs/demo of the packaged configs (an installed wheel or the source checkout)."""
-    from ..config.packaged import configs_dir
+    from mindvl_ms.config.packaged import configs_dir
 
     return os.path.join(configs_dir(), "demo")
 
 
 def config_path(quick: bool) -> str:
-    from ..config.packaged import packaged_path
+    from mindvl_ms.config.packaged import packaged_path
 
     return packaged_path("demo/quick.yaml" if quick else "demo/full.yaml")
 
@@ -63,9 +63,9 @@ DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "e
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
     """(RunConfig, demo section) from a demo YAML; data sources are resolved against data_dir. With
     `demo.vocab: data` and vocab_subset, the subset an earlier run wrote in data_dir/tokenizer is applied."""
-    from ..config.base import ConfigError, deep_merge, read_yaml
-    from ..config.train import load_run_config
-    from ..data.vocab_subset import SUBSET_FILE
+    from mindvl_ms.config.base import ConfigError, deep_merge, read_yaml
+    from mindvl_ms.config.train import load_run_config
+    from mindvl_ms.data.vocab_subset import SUBSET_FILE
 
     raw = read_yaml(path)
     demo = raw.pop("demo", None)
@@ -117,7 +117,7 @@ class DemoRows:
         self.reports: Dict[str, Dict[str, Any]] = {}
 
     def processor(self, data_cfg):
-        from ..data.processor import MindVLProcessor
+        from mindvl_ms.data.processor import MindVLProcessor
 
         if self.proc is None or self.proc.config.image != data_cfg.image or \
                 self.proc.config.system_prompt != data_cfg.system_prompt:
@@ -126,8 +126,8 @@ class DemoRows:
 
     def samples(self, path: str, data_cfg) -> List[Any]:
         """[(Sample, tokens, image_tokens)] of a JSONL file (parsed once, cached)."""
-        from ..data.offline import sample_meta
-        from ..data.schema import SampleError, iter_jsonl
+        from mindvl_ms.data.offline import sample_meta
+        from mindvl_ms.data.schema import SampleError, iter_jsonl
 
         proc = self.processor(data_cfg)
         if path not in self.parsed:
@@ -145,7 +145,7 @@ class DemoRows:
     def collate(self, model_cfg):
         """Trainer collate: process the row's samples, `build_model_inputs` (padded to the longest row);
         the train step compacts the supervised positions itself (`train.head`)."""
-        from ..models.inputs import build_model_inputs
+        from mindvl_ms.models.inputs import build_model_inputs
 
         def collate(rows, stage):
             done = [[self.proc.process_sample(s) for s in row] for row in rows]
@@ -153,10 +153,10 @@ class DemoRows:
         return collate
 
     def __call__(self, run_cfg, stage, stage_index: int, dist):
-        from ..config.base import deep_merge, load, to_dict
-        from ..config.data import DataConfig
-        from ..data.packing import Item, pack_bfd, split_oversized
-        from ..train.data import RowSource
+        from mindvl_ms.config.base import deep_merge, load, to_dict
+        from mindvl_ms.config.data import DataConfig
+        from mindvl_ms.data.packing import Item, pack_bfd, split_oversized
+        from mindvl_ms.train.data import RowSource
 
         data_cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
         rng = np.random.default_rng([run_cfg.seed, stage_index])
@@ -205,7 +205,7 @@ def _stage_loss(summary: Dict[str, Any], metrics_path: str) -> Dict[str, Dict[st
 def train_model(run_cfg, init_from: Optional[str] = None):
     import mindspore as ms
 
-    from ..models.mindvl import MindVLForConditionalGeneration as MindVL
+    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration as MindVL
 
     ms.set_seed(run_cfg.seed)
     return MindVL.from_pretrained(init_from) if init_from else MindVL(run_cfg.model)
@@ -223,7 +223,7 @@ def child_setup() -> None:
 
 def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) -> Dict[str, Any]:
     """`run_training` over run_cfg.stages from random init or `init_from`; per-stage losses and packing."""
-    from ..train import run_training
+    from mindvl_ms.train import run_training
 
     child_setup()
     rows = DemoRows(progress=progress)
@@ -292,8 +292,8 @@ _BACKENDS: Dict[str, Any] = {}
 def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
     """The generation backend of `mindvl eval`, with the processor the demo trained with (no system
     turn); one per checkpoint (its compiled graphs serve the evaluation and the resolution search)."""
-    from ..data.processor import MindVLProcessor
-    from ..infer.generate import EvalBackend, load_model
+    from mindvl_ms.data.processor import MindVLProcessor
+    from mindvl_ms.infer.generate import EvalBackend, load_model
 
     key = os.path.abspath(ckpt)
     if key not in _BACKENDS:
@@ -304,7 +304,7 @@ def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
 def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any],
                  out_dir: str, progress: bool = True) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {task: primary score}} on every held-out split."""
-    from ..eval.runner import evaluate
+    from mindvl_ms.eval.runner import evaluate
 
     scores: Dict[str, Dict[str, float]] = {}
     img = data_cfg.image
@@ -322,7 +322,7 @@ def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo:
 
 def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_dir: str,
                       progress: bool = True) -> Dict[str, Any]:
-    from ..eval.resolution_search import search
+    from mindvl_ms.eval.resolution_search import search
 
     grid = demo.get("resolution_grid") or {"min": [4, 16], "max": [8, 16, 32]}
     res = search([ckpt], [data], out_dir, backend_factory=lambda c: eval_backend(c, data_cfg, int(
@@ -353,8 +353,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     """The whole demo; returns the report (also OUT/report.json) and prints it."""
     import mindspore as ms
 
-    from ..checkpoint.merge import merge
-    from ..config.packaged import resolve_config
+    from mindvl_ms.checkpoint.merge import merge
+    from mindvl_ms.config.packaged import resolve_config
 
     t0 = time.perf_counter()
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -394,7 +394,7 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
     `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer) and
     `vqa_question_first` (each easy-VQA question before its image instead of after it), and `vqa_describe`
     (each easy-VQA train answer describes the image first: "a blue rectangle. red: absent. yes")."""
-    from .datasets import write_demo_data
+    from mindvl_ms.demo.datasets import write_demo_data
 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
     return write_demo_data(data_dir, seed=seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"),
@@ -409,11 +409,11 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
     (inputs only, never their answers: an input token no train line has gets an untrained row, as it would
     in the full vocabulary); see `data.vocab_subset`. A tokenizer directory OUT/data/tokenizer with
     vocab_subset.json becomes `data.tokenizer`, and the model's vocab size and special ids follow it."""
-    from ..data.processor import MindVLProcessor
-    from ..data.schema import SampleError, iter_jsonl
-    from ..config.train import follow_vocab_subset
-    from ..data.vocab_subset import subset_ids, write_subset
-    from ..eval.runner import load_benchmark
+    from mindvl_ms.data.processor import MindVLProcessor
+    from mindvl_ms.data.schema import SampleError, iter_jsonl
+    from mindvl_ms.config.train import follow_vocab_subset
+    from mindvl_ms.data.vocab_subset import subset_ids, write_subset
+    from mindvl_ms.eval.runner import load_benchmark
 
     mode = demo.get("vocab", "full")
     if mode not in ("full", "data"):
@@ -446,7 +446,7 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
 
 def vqa_scores_by_type(predictions: str) -> Dict[str, float]:
     """Exact match per easy-VQA question type (yes/no, colour, shape) from an eval predictions.jsonl."""
-    from .datasets import VQA_TYPES, vqa_type
+    from mindvl_ms.demo.datasets import VQA_TYPES, vqa_type
 
     by: Dict[str, List[float]] = {t: [] for t in VQA_TYPES}
     with open(predictions, encoding="utf-8") as f:

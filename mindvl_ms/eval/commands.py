@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from .metrics import METRICS, TASK_METRIC
+from mindvl_ms.eval.metrics import METRICS, TASK_METRIC
 
 _FORMAT = ("Benchmark lines use the training JSONL format; the reference answer is the last assistant turn or "
            "an 'answers' list. A 'task' field names the benchmark (default: the file name) and chooses the "
@@ -18,8 +18,8 @@ _FORMAT = ("Benchmark lines use the training JSONL format; the reference answer 
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..infer.generate import use_graph_mode
-    from .runner import evaluate, load_backend
+    from mindvl_ms.infer.generate import use_graph_mode
+    from mindvl_ms.eval.runner import evaluate, load_backend
 
     use_graph_mode()
     os.makedirs(args.out, exist_ok=True)  # an unwritable output fails before the model is loaded
@@ -37,8 +37,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from ..infer.generate import use_graph_mode
-    from .resolution_search import search, summary
+    from mindvl_ms.infer.generate import use_graph_mode
+    from mindvl_ms.eval.resolution_search import search, summary
 
     use_graph_mode()
     res = search(args.ckpt, args.data, args.out, min_grid=args.min_grid, max_grid=args.max_grid,

@@ -27,7 +27,7 @@ import re
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from ..data.grounding import box_iou, parse_grounding
+from mindvl_ms.data.grounding import box_iou, parse_grounding
 
 METRICS = ("anls", "relaxed_accuracy", "vqa_accuracy", "ocrbench", "multiple_choice", "circular", "grounding",
            "mme", "exact_match")

@@ -41,10 +41,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
 
-from ..config.data import ImageConfig
-from ..data.processor import image_size, smart_resize
-from ..data.schema import IMAGE_PLACEHOLDER, SampleError, decode_line, normalise_messages, warn_unknown
-from . import metrics as M
+from mindvl_ms.config.data import ImageConfig
+from mindvl_ms.data.processor import image_size, smart_resize
+from mindvl_ms.data.schema import IMAGE_PLACEHOLDER, SampleError, decode_line, normalise_messages, warn_unknown
+from mindvl_ms.eval import metrics as M
 
 INFERENCE_CONFIG = "inference_config.json"
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -323,7 +323,7 @@ def score(items: Sequence[EvalItem], preds: Sequence[str]) -> Tuple[List[float],
 def load_backend(ckpt: str, max_new_tokens: int = 128):
     """The real model behind `mindvl eval`: mindvl_ms.infer.generate.load_eval_backend (imported lazily)."""
     try:
-        from ..infer import generate as gen
+        from mindvl_ms.infer import generate as gen
     except ImportError as e:
         raise RuntimeError(f"generation backend unavailable (mindvl_ms.infer.generate): {e}") from e
     if not hasattr(gen, "load_eval_backend"):

@@ -82,7 +82,7 @@ class _Session:
     """Model, processor and sampling options shared by generate and chat."""
 
     def __init__(self, args):
-        from .generate import load_model, load_processor, use_graph_mode
+        from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
 
         use_graph_mode()
         self.model = load_model(args.ckpt, args.fp16)
@@ -95,7 +95,7 @@ class _Session:
         self.args = args
 
     def answer(self, messages, images, videos=()) -> str:
-        from .generate import decode_answer, encode_chat, generate, stop_token_ids
+        from mindvl_ms.infer.generate import decode_answer, encode_chat, generate, stop_token_ids
 
         a = self.args
         show = getattr(a, "show_special_tokens", False)
@@ -133,9 +133,9 @@ def _with_placeholders(prompt: str, n_images: int, n_videos: int = 0) -> str:
 
 
 def _generate(args) -> int:
-    from .generate import open_image
+    from mindvl_ms.infer.generate import open_image
 
-    from ..data.video import probe_video
+    from mindvl_ms.data.video import probe_video
 
     images = [open_image(p) for p in args.image]  # fail on a bad image or video before loading the model
     for v in args.video:
@@ -147,7 +147,7 @@ def _generate(args) -> int:
 
 
 def _chat(args) -> int:
-    from .generate import open_image
+    from mindvl_ms.infer.generate import open_image
 
     session = _Session(args)
     messages, images, pending = [], [], []
@@ -183,8 +183,8 @@ def _chat(args) -> int:
 
 
 def _export(args) -> int:
-    from .export import export
-    from .generate import use_graph_mode
+    from mindvl_ms.infer.export import export
+    from mindvl_ms.infer.generate import use_graph_mode
 
     use_graph_mode()
     meta = export(args.ckpt, args.out, fp16=args.fp16)

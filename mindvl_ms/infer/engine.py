@@ -23,8 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..data.rope_index import rope_index, vision_metadata, visual_order
-from .sampling import SamplingConfig, choose, stop_reason
+from mindvl_ms.data.rope_index import rope_index, vision_metadata, visual_order
+from mindvl_ms.infer.sampling import SamplingConfig, choose, stop_reason
 
 
 @dataclass

@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 import mindspore as ms
 
-from ..ops.cpu_kernels import drop_kernels
-from .engine import EngineSpec
-from .kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, Decode, Prefill, VisionEncoder, param_dtype, \
+from mindvl_ms.ops.cpu_kernels import drop_kernels
+from mindvl_ms.infer.engine import EngineSpec
+from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, Decode, Prefill, VisionEncoder, param_dtype, \
     supports_cache
 
 EXPORT_JSON = "export.json"
@@ -47,7 +47,7 @@ def _describe(names, placeholders):
 
 def image_config_for(ckpt: str):
     """The checkpoint's preprocessor_config.json values when present, else the Qwen2-VL defaults."""
-    from ..checkpoint.processor_files import read_image_config
+    from mindvl_ms.checkpoint.processor_files import read_image_config
 
     return read_image_config(ckpt)
 
@@ -57,8 +57,8 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
     """Export a loaded model's vision / prefill / decode graphs to `out`; returns the export.json dict.
     The processor files of `processor_from` (a checkpoint; defaults when None) are written next to the
     graphs (tokenizer, preprocessor_config.json, chat_template.json with the training system prompt)."""
-    from ..checkpoint.io import atomic_dir, write_json
-    from ..config.data import ImageConfig
+    from mindvl_ms.checkpoint.io import atomic_dir, write_json
+    from mindvl_ms.config.data import ImageConfig
 
     cfg = model.config
     if not supports_cache(cfg):
@@ -105,8 +105,8 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
                 "file": fn, "bytes": _size(tmp, name), "inputs": _describe(names, inputs),
                 "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in (outs or lm_out)]}
         meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values())
-        from ..checkpoint.processor_files import carry_processor, read_system_prompt, save_processor
-        from ..config.data import DataConfig
+        from mindvl_ms.checkpoint.processor_files import carry_processor, read_system_prompt, save_processor
+        from mindvl_ms.config.data import DataConfig
 
         meta["processor_files"] = (carry_processor(tmp, processor_from) if processor_from else
                                    save_processor(tmp, data_cfg=DataConfig(image=img)))
@@ -130,7 +130,7 @@ def _size(directory: str, name: str) -> int:
 
 def export(ckpt: str, out: str, fp16: bool = False) -> Dict:
     """Load `ckpt` (native or HF directory), export to `out`; returns the export.json dict."""
-    from .generate import load_model
+    from mindvl_ms.infer.generate import load_model
 
     model = load_model(ckpt, fp16)
     return export_model(model, out, image_config_for(ckpt), extra={"source_checkpoint": os.path.abspath(ckpt)},

@@ -26,10 +26,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
-from .engine import Engine, EngineSpec
-from .kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, build_cells, cache_shape, param_dtype, \
+from mindvl_ms.infer.engine import Engine, EngineSpec
+from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, build_cells, cache_shape, param_dtype, \
     supports_cache
-from .sampling import SamplingConfig, choose, stop_reason
+from mindvl_ms.infer.sampling import SamplingConfig, choose, stop_reason
 
 log = logging.getLogger(__name__)
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -105,7 +105,7 @@ def generate(model, batch_samples: Sequence[Dict], max_new_tokens: int = 32, *, 
 
 def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token, rng) -> List[int]:
     """Reference path without a cache: one full forward of the model per new token."""
-    from ..models.inputs import model_args
+    from mindvl_ms.models.inputs import model_args
 
     if sample.get("pixel_frames") is not None or sample.get("image_features") is not None:
         raise ValueError("the no-cache path takes float pixel_values only")
@@ -127,7 +127,7 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
     """Model inputs for prompt + generated tokens in one row. Generated tokens are plain text (an emitted
     <|image_pad|> id is embedded as a token, as in cached decoding) with positions continuing from the
     prompt's max position + 1."""
-    from ..models.inputs import build_model_inputs, llm_actual_seq_len
+    from mindvl_ms.models.inputs import build_model_inputs, llm_actual_seq_len
 
     n = len(np.asarray(sample["input_ids"]).reshape(-1))
     k = len(generated)
@@ -146,8 +146,8 @@ def encode_chat(processor, messages, images: Sequence = (), image_hw: Optional[S
                 videos: Sequence[str] = ()) -> Dict:
     """Chat messages + images (PIL or paths) + video paths -> a generation sample: images as uint8 patches,
     videos sampled and patchified as in training (float temporal patches, second_per_grid_ts)."""
-    from ..data.schema import Sample, normalise_messages
-    from .preprocess import uint8_patches
+    from mindvl_ms.data.schema import Sample, normalise_messages
+    from mindvl_ms.infer.preprocess import uint8_patches
 
     msgs = normalise_messages(messages)
     frames, grids = [], []
@@ -213,7 +213,7 @@ def use_graph_mode() -> None:
 
 def load_model(ckpt: str, fp16: bool = False):
     """A checkpoint directory (native or HF) -> model in inference dtype, with clear errors."""
-    from ..models.mindvl import MindVLForConditionalGeneration, cast_params
+    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration, cast_params
 
     if not os.path.isdir(ckpt):
         raise FileNotFoundError(f"checkpoint directory not found: {ckpt}")
@@ -227,7 +227,7 @@ def load_processor(ckpt: Optional[str], model_config=None):
     """The checkpoint's processor (checkpoint/processor_files.py): its tokenizer when it ships one, else the
     bundled Qwen3 tokenizer; its pixel limits (preprocessor_config.json) and training system prompt
     (chat_template.json) when recorded, else the defaults. Checked against the model's vocabulary."""
-    from ..checkpoint.processor_files import processor_of
+    from mindvl_ms.checkpoint.processor_files import processor_of
 
     proc = processor_of(ckpt)
     if model_config is not None:
@@ -271,7 +271,7 @@ class EvalBackend:
         self.engine = get_engine(model)
 
     def encode_image(self, path: str, height: int, width: int) -> np.ndarray:
-        from .preprocess import uint8_patches
+        from mindvl_ms.infer.preprocess import uint8_patches
 
         frames, grid = uint8_patches(open_image(path), self.processor.image_config, (height, width))
         return self.engine.image_features([{"pixel_frames": frames, "image_grid_thw": grid[None]}])[0][0]
@@ -279,7 +279,7 @@ class EvalBackend:
     def generate(self, samples: Sequence[Dict]) -> List[str]:
         """Greedy answers; samples carry messages, image paths, resized image_hw and optionally the
         features from encode_image (then the images are not decoded again)."""
-        from ..data.schema import normalise_messages
+        from mindvl_ms.data.schema import normalise_messages
 
         if not samples:
             return []

@@ -28,9 +28,9 @@ falls back to full-sequence forwards for other models.
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from ..models.text import lm_logits
-from ..ops.attention import NEG_INF
-from .preprocess import UInt8Normalize
+from mindvl_ms.models.text import lm_logits
+from mindvl_ms.ops.attention import NEG_INF
+from mindvl_ms.infer.preprocess import UInt8Normalize
 
 VISION_META = ("vision_pos_ids", "window_index", "reverse_index", "window_segment_ids", "full_segment_ids")
 PREFILL_NAMES = ("input_ids", "position_ids", "image_embeds", "embed_index", "write_pos", "kv_valid", "last_index")

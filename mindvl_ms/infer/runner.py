@@ -20,10 +20,10 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from .engine import Engine, EngineSpec
-from .export import EXPORT_JSON, FORMAT
-from .kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META
-from .sampling import SamplingConfig
+from mindvl_ms.infer.engine import Engine, EngineSpec
+from mindvl_ms.infer.export import EXPORT_JSON, FORMAT
+from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META
+from mindvl_ms.infer.sampling import SamplingConfig
 
 
 def lite_available() -> bool:

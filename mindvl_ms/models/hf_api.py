@@ -103,8 +103,8 @@ def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image
     import mindspore as ms
     from mindspore import Tensor
 
-    from ..train.loss import TrainLoss
-    from .inputs import INPUT_NAMES, build_model_inputs, model_args
+    from mindvl_ms.train.loss import TrainLoss
+    from mindvl_ms.models.inputs import INPUT_NAMES, build_model_inputs, model_args
 
     if unknown:
         raise TypeError(f"MindVL keyword call: unknown argument(s) {sorted(unknown)}; takes {', '.join(KEYS)}")
@@ -143,7 +143,7 @@ def generate(model, input_ids=None, attention_mask=None, pixel_values=None, imag
     right-padded with pad_token_id (default: the first eos id, else 0). `labels` (a processor output) are
     not used. Further options are those of `mindvl_ms.infer.generate.generate` (temperature, top_k, top_p,
     repetition_penalty, seed, use_cache, ...)."""
-    from ..infer.generate import generate as gen
+    from mindvl_ms.infer.generate import generate as gen
 
     if input_ids is None:
         raise TypeError("generate needs input_ids")

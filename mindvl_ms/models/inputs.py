@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..config import MindVLConfig
-from ..data.rope_index import rope_index, vision_metadata, visual_order
+from mindvl_ms.config import MindVLConfig
+from mindvl_ms.data.rope_index import rope_index, vision_metadata, visual_order
 
 IGNORE = -100
 INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "vision_pos_ids", "window_index",

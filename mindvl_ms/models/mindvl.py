@@ -17,15 +17,15 @@ positional path: models/hf_api.py.
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from ..config import MindVLConfig
-from .inputs import INPUT_NAMES, patch_dim
-from .text import TextModel, TiedHead, lm_logits
-from .vision import VisionTransformer, dense
+from mindvl_ms.config import MindVLConfig
+from mindvl_ms.models.inputs import INPUT_NAMES, patch_dim
+from mindvl_ms.models.text import TextModel, TiedHead, lm_logits
+from mindvl_ms.models.vision import VisionTransformer, dense
 
 
 def build_language_model(cfg) -> nn.Cell:
     if cfg.model_type == "deepseek_v3":
-        from .moe import DeepseekV3Model
+        from mindvl_ms.models.moe import DeepseekV3Model
 
         return DeepseekV3Model(cfg)
     return TextModel(cfg)
@@ -115,7 +115,7 @@ class MindVLForConditionalGeneration(nn.Cell):
         Keywords only, as a processor returns them (`model(**inputs)`): a MindVLOutput with .logits and,
         given labels, .loss, computed through that same positional path."""
         if kwargs and not args:
-            from .hf_api import forward
+            from mindvl_ms.models.hf_api import forward
 
             return forward(self, **kwargs)
         return super().__call__(*args, **kwargs)
@@ -123,7 +123,7 @@ class MindVLForConditionalGeneration(nn.Cell):
     def generate(self, **inputs):
         """`model.generate(**processor_outputs, max_new_tokens=..., do_sample=...)` -> token ids [B, L + n]
         (prompt then new tokens), through mindvl_ms.infer.generate's KV-cache engine."""
-        from .hf_api import generate
+        from mindvl_ms.models.hf_api import generate
 
         return generate(self, **inputs)
 
@@ -131,13 +131,13 @@ class MindVLForConditionalGeneration(nn.Cell):
     @classmethod
     def from_pretrained(cls, path: str, config: MindVLConfig = None) -> "MindVLForConditionalGeneration":
         """Load a native or Hugging Face Qwen2.5-VL directory (config.json + safetensors, sharded too)."""
-        from ..checkpoint.hf import load_pretrained
+        from mindvl_ms.checkpoint.hf import load_pretrained
 
         return load_pretrained(cls, path, config)
 
     def save_pretrained(self, path: str, format: str = "native", max_shard_bytes: int = None) -> None:
         """Write config.json + safetensors; format 'hf' writes transformers' Qwen2.5-VL layout."""
-        from ..checkpoint.hf import save_pretrained
+        from mindvl_ms.checkpoint.hf import save_pretrained
 
         save_pretrained(self, path, format=format, max_shard_bytes=max_shard_bytes)
 

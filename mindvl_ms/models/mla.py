@@ -27,8 +27,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.common.initializer import Normal
 
-from ..ops import ApplyRotary, CoreAttention, Linear, RMSNorm
-from .text import mrope_pair_axis
+from mindvl_ms.ops import ApplyRotary, CoreAttention, Linear, RMSNorm
+from mindvl_ms.models.text import mrope_pair_axis
 
 
 def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> Linear:

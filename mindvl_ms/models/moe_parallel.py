@@ -14,7 +14,7 @@ divisible by TP, and DP x TP x PP equal to the device count when it is given.
 """
 from typing import Any, Dict, Optional
 
-from ..config.base import ConfigError
+from mindvl_ms.config.base import ConfigError
 
 
 def _size(p: Any, *names: str, default: int = 1) -> int:
@@ -99,7 +99,7 @@ def abstract_parameter_shapes(text_config) -> Dict[str, tuple]:
     """Build DeepseekV3ForCausalLM without allocating weights; returns {name: shape}."""
     from mindspore.nn.utils import no_init_parameters
 
-    from .moe import DeepseekV3ForCausalLM
+    from mindvl_ms.models.moe import DeepseekV3ForCausalLM
 
     with no_init_parameters():
         lm = DeepseekV3ForCausalLM(text_config)

@@ -29,7 +29,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ..ops.moe import TopK, tokens_per_expert
+from mindvl_ms.ops.moe import TopK, tokens_per_expert
 
 
 class TopkRouter(nn.Cell):

@@ -21,10 +21,10 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ..config import TextConfig
-from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
-from ..ops.activation import GatedAct
-from .vision import dense
+from mindvl_ms.config import TextConfig
+from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from mindvl_ms.ops.activation import GatedAct
+from mindvl_ms.models.vision import dense
 
 
 def mrope_pair_axis(mrope_section, layout: str = "chunked") -> np.ndarray:

@@ -31,13 +31,13 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ..config import VisionConfig
-from ..ops import ApplyRotary, CoreAttention, Linear, RMSNorm, SwiGLU, segment_bias
-from ..ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
-from ..ops.attention import NEG_INF
-from ..ops.cpu_kernels import custom_op
-from ..ops.dispatch import is_ascend
-from ..ops.linear import BiasAddMatMulGrad
+from mindvl_ms.config import VisionConfig
+from mindvl_ms.ops import ApplyRotary, CoreAttention, Linear, RMSNorm, SwiGLU, segment_bias
+from mindvl_ms.ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
+from mindvl_ms.ops.attention import NEG_INF
+from mindvl_ms.ops.cpu_kernels import custom_op
+from mindvl_ms.ops.dispatch import is_ascend
+from mindvl_ms.ops.linear import BiasAddMatMulGrad
 
 
 def dense(d_in: int, d_out: int, bias: bool, std: float) -> Linear:

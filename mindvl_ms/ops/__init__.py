@@ -5,11 +5,11 @@ kernel (`is_ascend()`), so `construct` holds a constant branch and graphs stay s
 what the test-suite proves against numpy / transformers; the Ascend branches call the fused primitives with
 the same inputs and layouts and are exercised only on Ascend hardware (noted in each docstring).
 """
-from .dispatch import is_ascend
-from .norm import RMSNorm
-from .rotary import ApplyRotary, rotate_half
-from .activation import SwiGLU
-from .attention import CoreAttention, segment_bias
-from .linear import Linear
+from mindvl_ms.ops.dispatch import is_ascend
+from mindvl_ms.ops.norm import RMSNorm
+from mindvl_ms.ops.rotary import ApplyRotary, rotate_half
+from mindvl_ms.ops.activation import SwiGLU
+from mindvl_ms.ops.attention import CoreAttention, segment_bias
+from mindvl_ms.ops.linear import Linear
 
 __all__ = ["is_ascend", "RMSNorm", "ApplyRotary", "rotate_half", "SwiGLU", "CoreAttention", "segment_bias", "Linear"]

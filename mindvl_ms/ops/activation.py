@@ -10,7 +10,7 @@ from mindspore import nn
 from mindspore import ops
 from mindspore.ops.auto_generate import SiLU, Swiglu
 
-from .dispatch import is_ascend
+from mindvl_ms.ops.dispatch import is_ascend
 
 
 class SwiGLU(nn.Cell):

@@ -30,8 +30,8 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
-from .broadcast import expand_as
-from .dispatch import is_ascend
+from mindvl_ms.ops.broadcast import expand_as
+from mindvl_ms.ops.dispatch import is_ascend
 
 NEG_INF = -1e9  # finite: a fully masked (padding) row gives a uniform softmax instead of NaN
 FA_MASK_SIZE = 2048  # the compressed causal mask of sparse_mode 2/3/4

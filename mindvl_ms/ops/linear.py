@@ -11,7 +11,7 @@ conversion is unaffected.
 import mindspore as ms
 from mindspore import nn, ops
 
-from .dispatch import is_ascend
+from mindvl_ms.ops.dispatch import is_ascend
 
 _BIAS_ADD = ops.BiasAdd()
 _MM = ops.MatMul()

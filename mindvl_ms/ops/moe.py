@@ -29,7 +29,7 @@ Semantics (T tokens, k experts per token, E experts, M = T * k routed rows):
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from .dispatch import is_ascend
+from mindvl_ms.ops.dispatch import is_ascend
 
 
 class TopK(nn.Cell):

@@ -21,9 +21,9 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 from mindspore.ops.auto_generate import RmsNorm as _RmsNormPrim
 
-from .broadcast import expand_as
-from .cpu_kernels import custom_op
-from .dispatch import is_ascend
+from mindvl_ms.ops.broadcast import expand_as
+from mindvl_ms.ops.cpu_kernels import custom_op
+from mindvl_ms.ops.dispatch import is_ascend
 
 
 class _RmsNormKernel(nn.Cell):

@@ -16,9 +16,9 @@ import mindspore as ms
 from mindspore import nn, ops
 from mindspore.ops.auto_generate import RotaryPositionEmbedding as _RopePrim
 
-from .broadcast import expand_as
-from .cpu_kernels import custom_op
-from .dispatch import is_ascend
+from mindvl_ms.ops.broadcast import expand_as
+from mindvl_ms.ops.cpu_kernels import custom_op
+from mindvl_ms.ops.dispatch import is_ascend
 
 
 def rotate_half(x):

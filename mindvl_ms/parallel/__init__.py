@@ -7,10 +7,10 @@
 - `recompute.py`: `apply_recompute(model, recompute_config)` (full / select / communication recompute).
 - `audit.py`: reads strategies back (primitive census, parameter shard shapes) for tests.
 """
-from .layout import Layout, RankCoords
-from .parallelize import ParallelReport, parallelize
-from .pipeline import assign_pipeline_stages, layer_stages
-from .recompute import apply_recompute
+from mindvl_ms.parallel.layout import Layout, RankCoords
+from mindvl_ms.parallel.parallelize import ParallelReport, parallelize
+from mindvl_ms.parallel.pipeline import assign_pipeline_stages, layer_stages
+from mindvl_ms.parallel.recompute import apply_recompute
 
 __all__ = ["Layout", "RankCoords", "parallelize", "ParallelReport", "layer_stages", "assign_pipeline_stages",
            "apply_recompute"]

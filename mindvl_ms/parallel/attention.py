@@ -16,8 +16,8 @@ Heads must divide by tp (a clear error otherwise); kv heads too unless there is 
 `split_batch=False` keeps the leading axes whole (dp -> 1): for the ViT, whose dense-path batch axis is
 windows or images (a count that need not divide by dp) and whose packed patch sequence is not split by rows.
 """
-from ..ops.attention import CoreAttention
-from .layout import Layout
+from mindvl_ms.ops.attention import CoreAttention
+from mindvl_ms.parallel.layout import Layout
 
 
 def core_attention_strategies(core: CoreAttention, layout: Layout, split_batch: bool = True) -> dict:

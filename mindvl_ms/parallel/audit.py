@@ -66,7 +66,7 @@ def _dense_shards(cell: nn.Dense) -> Dict[str, Tuple[int, ...]]:
 
 def parameter_splits(model: nn.Cell) -> Dict[str, Tuple[int, ...]]:
     """Parameter name -> split per dim, from the strategy of the primitive that consumes it."""
-    from ..ops import RMSNorm
+    from mindvl_ms.ops import RMSNorm
 
     splits: Dict[str, Tuple[int, ...]] = {}
     for name, cell in model.cells_and_names():

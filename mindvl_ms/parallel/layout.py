@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from ..config.base import ConfigError
+from mindvl_ms.config.base import ConfigError
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from mindspore import nn
 from mindspore.ops.operations import Morph
 from mindspore.parallel import Layout as DeviceLayout
 
-from .layout import Layout
+from mindvl_ms.parallel.layout import Layout
 
 
 def moe_device_layout(layout: Layout) -> DeviceLayout:
@@ -54,8 +54,8 @@ class EPExperts(nn.Cell):
 
     def __init__(self, experts, layout: Layout, top_k: int, dispatcher=None):
         super().__init__()
-        from ..ops import SwiGLU
-        from ..ops.moe import GroupedMatmul
+        from mindvl_ms.ops import SwiGLU
+        from mindvl_ms.ops.moe import GroupedMatmul
 
         e, d, inter = experts.gate_proj.shape
         if e % layout.ep:
@@ -94,7 +94,7 @@ class EPExperts(nn.Cell):
 def mindformers_dispatcher(num_experts: int, top_k: int, hidden: int, layout: Layout, seq_length: int = 4096):
     """MindFormers' MoEAlltoAllTokenDispatcher for these sizes (its EP group is created from the rank when
     the parallel mode is not stand-alone)."""
-    from ..models.moe_mindformers import transformer_config
+    from mindvl_ms.models.moe_mindformers import transformer_config
     from mindformers.parallel_core.training_graph.transformer.moe.token_dispatcher import (
         MoEAlltoAllTokenDispatcher)
 
@@ -124,7 +124,7 @@ def shard_moe(moe_cell, layout: Layout, dispatcher=None):
     moe_cell.gate.gate_matmul.shard(((stage, 1), (1, 1)))
     select = moe_cell.gate.mindformers_select
     if select is not None:  # Ascend: MindFormers' selection, rebuilt with its tokens over the stage
-        from ..models.moe_mindformers import MindFormersSelect
+        from mindvl_ms.models.moe_mindformers import MindFormersSelect
 
         moe_cell.gate.mindformers_select = MindFormersSelect(select.moe_config, layout)
     moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout, moe_cell.top_k, dispatcher)

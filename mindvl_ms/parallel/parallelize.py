@@ -28,13 +28,13 @@ from typing import Dict, List, Optional
 
 from mindspore import nn
 
-from ..ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU
-from ..ops.activation import GatedAct
-from . import strategies as S
-from .attention import shard_core_attention
-from .moe import shard_moe
-from .layout import Layout
-from .pipeline import assign_pipeline_stages
+from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU
+from mindvl_ms.ops.activation import GatedAct
+from mindvl_ms.parallel import strategies as S
+from mindvl_ms.parallel.attention import shard_core_attention
+from mindvl_ms.parallel.moe import shard_moe
+from mindvl_ms.parallel.layout import Layout
+from mindvl_ms.parallel.pipeline import assign_pipeline_stages
 
 
 @dataclass
@@ -69,14 +69,14 @@ def _shard_linear(cell: nn.Dense, role: str, axes) -> None:
 
 
 def _moe_types():
-    from ..models.moe import DeepseekV3MoE
+    from mindvl_ms.models.moe import DeepseekV3MoE
     return (DeepseekV3MoE,)
 
 
 def _decoder_types():
-    from ..models.moe import DeepseekV3DecoderLayer
-    from ..models.text import DecoderLayer
-    from ..models.vision import VisionBlock
+    from mindvl_ms.models.moe import DeepseekV3DecoderLayer
+    from mindvl_ms.models.text import DecoderLayer
+    from mindvl_ms.models.vision import VisionBlock
     return (DecoderLayer, DeepseekV3DecoderLayer), VisionBlock
 
 
@@ -113,7 +113,7 @@ def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None
     vision_layout = layout if vp == "tp" else dataclasses.replace(layout, tp=1, ep=1, seq_parallel=False)
     moe_types = _moe_types()
     decoder_types, vision_block = _decoder_types()
-    from ..models.vision import QkvBiasRope, VisionMLP as vision_mlp
+    from mindvl_ms.models.vision import QkvBiasRope, VisionMLP as vision_mlp
     skip: List[str] = []  # MoE subtrees, sharded by shard_moe
 
     for name, cell in model.cells_and_names():
@@ -201,7 +201,7 @@ def _shard_shared_expert_glu(moe_cell, axes, report: ParallelReport, prefix: str
 
 def set_gradient_fusion(model: nn.Cell, group: int) -> Dict[str, int]:
     """Decoder layer i's parameters get comm_fusion i // group + 1 (their gradients are reduced together)."""
-    from .pipeline import _language_model
+    from mindvl_ms.parallel.pipeline import _language_model
 
     lm = _language_model(model)
     fusion = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from ..config.base import ConfigError
+from mindvl_ms.config.base import ConfigError
 
 
 def layer_stages(num_layers: int, pp: int, offset: Sequence[int] = ()) -> List[int]:

@@ -67,8 +67,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from ..config.base import ConfigError
-from .layout import Layout
+from mindvl_ms.config.base import ConfigError
+from mindvl_ms.parallel.layout import Layout
 
 GB = 2 ** 30  # MindSpore's max_device_memory "58GB" means 58 * 2**30 bytes
 
@@ -430,11 +430,11 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from ..config.train import load_run_config
-    from ..train.distributed import validate_strategy
+    from mindvl_ms.config.train import load_run_config
+    from mindvl_ms.train.distributed import validate_strategy
 
     try:
-        from ..config.packaged import resolve_config
+        from mindvl_ms.config.packaged import resolve_config
 
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
         lay = Layout.from_run_config(cfg)

@@ -17,8 +17,8 @@ from typing import Dict, List, Tuple
 from mindspore import nn
 from mindspore.ops import Primitive
 
-from ..ops import ApplyRotary, CoreAttention, SwiGLU
-from ..ops.activation import GatedAct
+from mindvl_ms.ops import ApplyRotary, CoreAttention, SwiGLU
+from mindvl_ms.ops.activation import GatedAct
 
 SELECT_CELLS = (CoreAttention, ApplyRotary, SwiGLU, GatedAct)
 

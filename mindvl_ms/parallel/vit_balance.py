@@ -168,7 +168,7 @@ def rank_vision_inputs(pixel_values: np.ndarray, grid_thw, images: Sequence[int]
     With `pad_to`, a zero padding image of the missing merged tokens (grid [1, m, m * missing]) is appended so
     the rank's ViT output has exactly `pad_to` rows (equal shapes for the all-gather); its rows are never
     gathered by `gather_index`."""
-    from ..data.rope_index import vision_metadata
+    from mindvl_ms.data.rope_index import vision_metadata
 
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     starts = np.concatenate([[0], np.cumsum(grid.prod(1))])

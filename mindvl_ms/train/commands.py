@@ -38,12 +38,12 @@ def register(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from ..config.base import ConfigError
-    from . import TrainingStopped, load_run_config, run_training
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from ..config.packaged import resolve_config
+        from mindvl_ms.config.packaged import resolve_config
 
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
         summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress,

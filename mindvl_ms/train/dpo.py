@@ -34,8 +34,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from .loss import IGNORE
-from .post_step import target_logp
+from mindvl_ms.train.loss import IGNORE
+from mindvl_ms.train.post_step import target_logp
 
 
 def log_sigmoid(x):

@@ -33,7 +33,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from .row_grads import NO_GRAD, head_weight_grad_into
+from mindvl_ms.train.row_grads import NO_GRAD, head_weight_grad_into
 
 IGNORE = -100
 PAD_MULTIPLE = 8

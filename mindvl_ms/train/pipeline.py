@@ -63,7 +63,7 @@ class PipelineMicroStep(nn.Cell):
 
     def __init__(self, forward: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple, micro_batch_num: int):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
-        from .train_step import _acc
+        from mindvl_ms.train.train_step import _acc
 
         self.micro_batch_num = int(micro_batch_num)
         self.pipe = nn.PipelineCell(_SliceLoss(forward), self.micro_batch_num)

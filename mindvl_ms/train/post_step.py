@@ -22,8 +22,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from .loss import IGNORE
-from .train_step import MicroStep, StepResult, TrainStep, _ms_dtype
+from mindvl_ms.train.loss import IGNORE
+from mindvl_ms.train.train_step import MicroStep, StepResult, TrainStep, _ms_dtype
 
 
 def target_logp(logits, targets, temperature: float = 1.0):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Dict, Optional
 
-from ..data.grounding import box_iou, parse_grounding
+from mindvl_ms.data.grounding import box_iou, parse_grounding
 
 RewardFn = Callable[[str, str], float]
 

@@ -42,8 +42,8 @@ def sample_groups(model, prompts: Sequence[Dict[str, Any]], k: int, seeds: Seque
     own generator seeded `seeds[i]`, so a prompt's responses do not depend on the others in the call. One
     batch of 8 x 8 rows decodes about 1.5x as fast as 8 calls of 8 rows on 2 CPU cores (measured on the
     4-layer demo model: the per-token cost of a tiny model is mostly fixed overhead)."""
-    from ..infer.generate import get_engine, generate
-    from ..infer.kv_cache import supports_cache
+    from mindvl_ms.infer.generate import get_engine, generate
+    from mindvl_ms.infer.kv_cache import supports_cache
 
     rows = [{key: p[key] for key in ("input_ids", "pixel_values", "image_grid_thw") if p.get(key) is not None}
             for p in prompts]
@@ -62,7 +62,7 @@ def strip_eos(ids: Sequence[int], eos: Sequence[int]) -> List[int]:
 def response_text(processor, ids: Sequence[int], eos: Sequence[int]) -> str:
     """A sampled response as the verifiers read it: the text `mindvl generate` prints (special tokens
     dropped except the grounding tags, so `<|box_start|>(x1,y1),(x2,y2)<|box_end|>` stays a box)."""
-    from ..infer.generate import decode_answer
+    from mindvl_ms.infer.generate import decode_answer
 
     return decode_answer(processor, strip_eos(ids, eos)).strip()
 
@@ -83,8 +83,8 @@ def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_ne
     `batch_prompts` prompts are sampled per engine call (the samples do not depend on it)."""
     from tqdm import tqdm
 
-    from ..data.preference import encode_prompt
-    from ..infer.generate import stop_token_ids
+    from mindvl_ms.data.preference import encode_prompt
+    from mindvl_ms.infer.generate import stop_token_ids
 
     eos = stop_token_ids(processor)
     lines, all_scores = [], []
@@ -163,9 +163,9 @@ def register(subparsers) -> None:
 def _run(args) -> int:
     import logging
 
-    from ..data.preference import read_post_file
-    from ..infer.generate import load_model, load_processor, use_graph_mode
-    from .rewards import Verifier
+    from mindvl_ms.data.preference import read_post_file
+    from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
+    from mindvl_ms.train.rewards import Verifier
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.k < 2:

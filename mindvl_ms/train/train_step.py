@@ -48,11 +48,11 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from .head import ChunkedHeadCE, ChunkedHeadCERowGrad, supervised_layout
-from .heap import release_heap
-from .loss import IGNORE, TrainLoss, token_ce
-from .optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
-from .row_grads import RowGradEmbedding, row_grad_token
+from mindvl_ms.train.head import ChunkedHeadCE, ChunkedHeadCERowGrad, supervised_layout
+from mindvl_ms.train.heap import release_heap
+from mindvl_ms.train.loss import IGNORE, TrainLoss, token_ce
+from mindvl_ms.train.optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
+from mindvl_ms.train.row_grads import RowGradEmbedding, row_grad_token
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class TrainStep:
         fwd = ForwardLoss(model, self.loss, n_model, self.input_names.index("segment_ids"),
                           1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
         if pipeline is not None:
-            from .pipeline import PipelineMicroStep
+            from mindvl_ms.train.pipeline import PipelineMicroStep
 
             self.micro = PipelineMicroStep(fwd, params, self.accum, pipeline[1])
         else:
@@ -374,7 +374,7 @@ class TrainStep:
         """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
         feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
         if self.pipeline is not None:  # one call: the pipeline cell slices the stacked micro-batches
-            from .pipeline import stack_micro_batches
+            from mindvl_ms.train.pipeline import stack_micro_batches
 
             slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)  # one head grid for all
             arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]

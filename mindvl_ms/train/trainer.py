@@ -34,14 +34,14 @@ from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 
-from ..checkpoint import trainer_state as ts
-from ..config.base import to_dict
-from .callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
-from .data import micro_batches, rank_slice
-from .distributed import DistInfo, HostAllReduce, gather_json, setup
-from .lr import WarmupCosine
-from .optim import select_trainable
-from .train_step import TrainStep
+from mindvl_ms.checkpoint import trainer_state as ts
+from mindvl_ms.config.base import to_dict
+from mindvl_ms.train.callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
+from mindvl_ms.train.data import micro_batches, rank_slice
+from mindvl_ms.train.distributed import DistInfo, HostAllReduce, gather_json, setup
+from mindvl_ms.train.lr import WarmupCosine
+from mindvl_ms.train.optim import select_trainable
+from mindvl_ms.train.train_step import TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class TrainingStopped(RuntimeError):
 
 
 def default_collate(run_cfg):
-    from ..models.inputs import build_model_inputs
+    from mindvl_ms.models.inputs import build_model_inputs
 
     def collate(rows, stage):
         return build_model_inputs(rows, run_cfg.model, pad_to=stage.seq_length)
@@ -63,10 +63,10 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     `data` overrides, with seq_length / micro batch / data-parallel rank and size taken from the stage."""
     import dataclasses
 
-    from ..config.base import deep_merge, load
-    from ..config.train import DataConfig
-    from ..data.dataset import DataLoader, PackedShardSource
-    from .data import LoaderSource
+    from mindvl_ms.config.base import deep_merge, load
+    from mindvl_ms.config.train import DataConfig
+    from mindvl_ms.data.dataset import DataLoader, PackedShardSource
+    from mindvl_ms.train.data import LoaderSource
 
     raw = deep_merge(to_dict(run_cfg.data), stage.data)
     cfg = load(DataConfig, raw, source=f"stage '{stage.name}' data")
@@ -84,9 +84,9 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
 def _processor_writer(run_cfg, stage, model):
     """Writes the stage's processor (tokenizer, pixel limits, system prompt) into each checkpoint
     (checkpoint/processor_files.py); None for a model without a config (nothing to serve it with)."""
-    from ..checkpoint.processor_files import ProcessorWriter
-    from ..config.base import deep_merge, load
-    from ..config.data import DataConfig
+    from mindvl_ms.checkpoint.processor_files import ProcessorWriter
+    from mindvl_ms.config.base import deep_merge, load
+    from mindvl_ms.config.data import DataConfig
 
     if getattr(model, "config", None) is None:
         return None
@@ -97,7 +97,7 @@ def _processor_writer(run_cfg, stage, model):
 def build_model(run_cfg):
     import mindspore as ms
 
-    from ..models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
     ms.set_seed(run_cfg.seed)
     if run_cfg.init_from:
@@ -111,7 +111,7 @@ def checkpoint_model_config(run_cfg):
     `model:` section that differs from it (which is logged)."""
     import dataclasses
 
-    from ..checkpoint.hf import config_from_dir
+    from mindvl_ms.checkpoint.hf import config_from_dir
 
     ck = config_from_dir(run_cfg.init_from)
     if ck != run_cfg.model:
@@ -129,7 +129,7 @@ def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
     fp32 master weights, which stay the model's parameters and names)."""
     import mindspore as ms
 
-    from ..parallel import apply_recompute, parallelize
+    from mindvl_ms.parallel import apply_recompute, parallelize
 
     if dist is not None and dist.semi_auto:
         rep = parallelize(model, run_cfg)
@@ -173,8 +173,8 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     data_factory(run_cfg, stage, stage_index, dist) -> a row source (see train/data.py);
     collate(rows, stage) -> arrays dict (default: models.inputs.build_model_inputs).
     """
-    from ..checkpoint.hf import load_into
-    from ..data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
+    from mindvl_ms.checkpoint.hf import load_into
+    from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
 
     t_start = time.perf_counter()
     if model is None and run_cfg.init_from:  # the checkpoint is the model: batches follow its config
@@ -225,7 +225,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         ts.clean_partial(stage_dir)
         factory = data_factory
         if stage.type != "sft" and data_factory is default_data_factory:  # preference / prompt files
-            from .post_stage import post_data_factory as factory
+            from mindvl_ms.train.post_stage import post_data_factory as factory
         source = factory(run_cfg, stage, si, dist)
         total = stage.total_steps(getattr(source, "rows_per_epoch", None))
         accum = stage.accumulation(dist.dp)
@@ -234,7 +234,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         ctx = run_cfg.context
         runner = None
         if stage.type != "sft":  # DPO / GRPO: a runner with its own step (post_stage.py)
-            from .post_stage import make_runner
+            from mindvl_ms.train.post_stage import make_runner
 
             runner = make_runner(dict(run_cfg=run_cfg, stage=stage, dist=dist, model=model, net=net, params=params,
                                       names=names, source=source, allreduce=allreduce, collate=collate,
@@ -344,7 +344,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
             run_cfg.plot and dist.is_main) else None
         n_skip, by_reason = guard.skipped(getattr(source, "loader", source))
         if runner is not None and run_cfg.plot and dist.is_main:  # reward / margin panels
-            from .post_stage import plot_post
+            from mindvl_ms.train.post_stage import plot_post
 
             plot_post(recs, os.path.join(stage_dir, "post_metrics.png"), stage.type, stage.name)
         stage_reports.append({"stage": stage.name, "steps": total, "checkpoint": final, "plot": png,
@@ -359,7 +359,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     summary.update({"stages": stage_reports, "out_dir": out_dir, "ranks": dist.world,
                     "peak_gflops_per_device": peak / 1e9})
     if dist.is_main:
-        from ..checkpoint.io import write_json
+        from mindvl_ms.checkpoint.io import write_json
 
         write_json(os.path.join(out_dir, "summary.json"), summary)
     return summary
