@@ -74,7 +74,7 @@ def run(size: str, iters: int, graph_kernel: bool):
     import torch
     from mindspore import Tensor, nn, ops
 
-    from mindvl_ms.models.inputs import build_model_inputs, model_args
+    from mindvl_ms.data.collate import build_model_inputs, model_args
     from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
     ms.set_context(mode=ms.GRAPH_MODE)

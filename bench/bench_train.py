@@ -131,7 +131,7 @@ def ms_engine(path: str, rows: int, report=lambda phase: None):
 
 
 def setup_ms(path: str, rows: int):
-    from mindvl_ms.models.inputs import build_model_inputs
+    from mindvl_ms.data.collate import build_model_inputs
 
     model, eng, data, length = ms_engine(path, rows)
     state = {}

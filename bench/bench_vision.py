@@ -79,7 +79,7 @@ def measure(size: str, hf_visual, model, repeats: int, dense: bool):
     import torch
     from mindspore import Parameter, Tensor, nn
 
-    from mindvl_ms.models.inputs import build_model_inputs
+    from mindvl_ms.data.collate import build_model_inputs
 
     width, height = (int(x) for x in size.split("x"))
     pv, grid = image(width, height, np.random.default_rng(0))

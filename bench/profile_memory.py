@@ -75,7 +75,7 @@ def child(path: str, rows: int, steps: int) -> None:
     import mindspore  # noqa: F401  (the imports phase)
 
     from bench_train import ms_engine
-    from mindvl_ms.models.inputs import build_model_inputs
+    from mindvl_ms.data.collate import build_model_inputs
     from mindvl_ms.models.mindvl import MindVLForConditionalGeneration  # noqa: F401  (the imports phase)
 
     report("imports")

@@ -9,7 +9,7 @@ _LAZY = {
     "MindVLForConditionalGeneration": "mindvl_ms.models.mindvl",
     "MindVLConfig": "mindvl_ms.config",
     "MindVLProcessor": "mindvl_ms.data.processor",
-    "build_model_inputs": "mindvl_ms.models.inputs",
+    "build_model_inputs": "mindvl_ms.data.collate",
 }
 
 

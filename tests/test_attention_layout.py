@@ -7,7 +7,7 @@ import pytest
 from mindspore import Tensor
 
 from mindvl_ms.config import load_model_config
-from mindvl_ms.models.inputs import block_gather, build_model_inputs, llm_actual_seq_len, segment_ends
+from mindvl_ms.data.collate import block_gather, build_model_inputs, llm_actual_seq_len, segment_ends
 from mindvl_ms.models.vision import VisionBlocks
 from mindvl_ms.ops import CoreAttention, segment_bias
 

@@ -10,7 +10,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 import hf_tiny
-from mindvl_ms.models.inputs import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.models.vision import QkvBiasRope
 from mindvl_ms.ops import cpu_kernels

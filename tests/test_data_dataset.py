@@ -11,7 +11,7 @@ from mindvl_ms.config.data import DataConfig, DataSource
 from mindvl_ms.config.model import MindVLConfig, TextConfig, VisionConfig
 from mindvl_ms.data.dataset import DataLoader
 from mindvl_ms.data.offline import pack_file
-from mindvl_ms.models.inputs import INPUT_NAMES, build_model_inputs
+from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
 
 SEQ = 400
 
@@ -159,7 +159,7 @@ def test_packed_loss_equals_one_by_one(packed):
     """Per-sample loss of a packed row == the same samples run alone (block-diagonal attention, positions
     restarting per sample, labels never crossing samples)."""
     import mindspore as ms
-    from mindvl_ms.models.inputs import model_args
+    from mindvl_ms.data.collate import model_args
     from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
     _, out, _ = packed

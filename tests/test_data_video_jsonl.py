@@ -13,7 +13,7 @@ from mindvl_ms.data.offline import sample_meta
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import parse_line
 from mindvl_ms.data.validate import validate_file
-from mindvl_ms.models.inputs import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.config import MindVLConfig
 from video_helpers import write_video
 

@@ -19,7 +19,7 @@ from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import iter_jsonl
 from mindvl_ms.demo.datasets import write_demo_data
 from mindvl_ms.demo.sparse_logits import SupervisedLogitsMindVL, compact_targets
-from mindvl_ms.models.inputs import INPUT_NAMES, build_model_inputs
+from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

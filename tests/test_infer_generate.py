@@ -10,7 +10,7 @@ import torch
 import hf_tiny
 import infer_tiny
 from mindvl_ms.infer.generate import generate, get_engine
-from mindvl_ms.models.inputs import build_model_inputs, model_args
+from mindvl_ms.data.collate import build_model_inputs, model_args
 
 N_NEW = 6
 

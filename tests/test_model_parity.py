@@ -11,7 +11,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 import hf_tiny
-from mindvl_ms.models.inputs import build_model_inputs, model_args
+from mindvl_ms.data.collate import build_model_inputs, model_args
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
 SIZES = [[], [(28, 56)], [(28, 56), (112, 84), (252, 196)]]

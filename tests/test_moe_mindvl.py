@@ -7,7 +7,7 @@ from mindspore import Tensor, nn
 import hf_tiny
 from mindvl_ms.checkpoint.hf import convert, init_from_pretrained
 from mindvl_ms.checkpoint.io import read_tensors
-from mindvl_ms.models.inputs import build_model_inputs, model_args
+from mindvl_ms.data.collate import build_model_inputs, model_args
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train.loss import token_ce
 from test_moe_parity import hf_logits, hf_tiny_deepseek

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mindvl_ms.checkpoint import processor_files as pf
+from mindvl_ms.data import processor_files as pf
 from mindvl_ms.config.base import load
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.data.processor import MindVLProcessor, render

@@ -9,7 +9,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindvl_ms.config.base import load
 from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.config.train import StageConfig
-from mindvl_ms.models.inputs import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import row_grads
 from mindvl_ms.train.head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad

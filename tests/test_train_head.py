@@ -12,7 +12,7 @@ from mindspore import Tensor
 import hf_tiny
 from mindvl_ms.config.base import load
 from mindvl_ms.config.model import MindVLConfig
-from mindvl_ms.models.inputs import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train.head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
 from mindvl_ms.train.loss import TrainLoss

@@ -15,7 +15,7 @@ import torch
 
 import hf_tiny
 from mindvl_ms.data.rope_index import rope_index
-from mindvl_ms.models.inputs import build_model_inputs, model_args
+from mindvl_ms.data.collate import build_model_inputs, model_args
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
 VIDEO = 253

@@ -8,7 +8,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
 import hf_tiny
-from mindvl_ms.models.inputs import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
 META = ["pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",

@@ -14,7 +14,7 @@ from mindspore import Tensor
 from mindspore import ops
 
 from mindvl_ms.config import ConfigError, MindVLConfig, load_model_config, to_hf_dict
-from mindvl_ms.models.inputs import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.vision import PatchMerger, VisionTransformer
 from mindvl_ms.ops import segment_bias
 

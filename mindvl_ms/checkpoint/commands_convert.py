@@ -1,6 +1,6 @@
 """`mindvl convert hf2ms|ms2hf SRC DST` and `mindvl init --vision-from --llm-from --out`.
 
-Both write the processor next to the weights (checkpoint/processor_files.py): convert carries the
+Both write the processor next to the weights (data/processor_files.py): convert carries the
 source's (tokenizer, pixel limits, system prompt; the defaults when it has none); init takes the LLM's
 tokenizer and the vision checkpoint's pixel limits. A text-only LLM conversion copies the tokenizer
 files only.
@@ -28,7 +28,7 @@ def _convert(args) -> int:
 def write_processor(dst: str, *sources: str):
     """The processor files of a converted/initialised checkpoint (see the module docstring)."""
     from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
-    from mindvl_ms.checkpoint.processor_files import carry_processor, tokenizer_source_files
+    from mindvl_ms.data.processor_files import carry_processor, tokenizer_source_files
 
     if is_text_only(read_config_json(dst)):
         copied = []
@@ -54,7 +54,7 @@ def _init(args) -> int:
 def init_processor(out: str, vision_from: str, llm_from: str):
     """init: the LLM's tokenizer (the model's vocabulary), the vision checkpoint's pixel limits; the vision
     checkpoint's whole processor when the LLM's tokenizer lacks the chat/vision special tokens."""
-    from mindvl_ms.checkpoint.processor_files import has_tokenizer, processor_of, read_image_config, save_processor
+    from mindvl_ms.data.processor_files import has_tokenizer, processor_of, read_image_config, save_processor
 
     try:
         proc = processor_of(llm_from if has_tokenizer(llm_from) else None)

@@ -4,7 +4,7 @@ Layout of OUT/<stage>/checkpoint-<step>/ (docs/CHECKPOINTS.md):
     config.json             native model config (when the model has a `.config`)
     model.safetensors       weights, through `checkpoint.io` (HF Qwen2.5-VL parameter names)
     tokenizer files, preprocessor_config.json, chat_template.json   the stage's processor (written by
-                            `extra`, see checkpoint/processor_files.py)
+                            `extra`, see data/processor_files.py)
     optimizer.safetensors   AdamW moments, step, loss scale (fp32/int32, bit-exact round trip)
     trainer_state.json      stage index/name, step, total steps, consumed rows/tokens, data-loader
                             state, numpy/python RNG state, non-finite counters, metrics position

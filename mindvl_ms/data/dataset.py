@@ -192,7 +192,7 @@ class DataLoader:
                  model_config=None):
         self.source, self.proc, self.config = source, processor, config
         if collate is None and model_config is not None:
-            from mindvl_ms.models.inputs import build_model_inputs
+            from mindvl_ms.data.collate import build_model_inputs
 
             pad = config.pad_to or config.seq_length
             collate = lambda rows: build_model_inputs(rows, model_config, pad_to=pad)  # noqa: E731

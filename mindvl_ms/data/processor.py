@@ -263,7 +263,7 @@ class MindVLProcessor:
     def from_pretrained(cls, path: Optional[str] = None, **overrides) -> "MindVLProcessor":
         """Tokenizer files from `path` (default: the bundled Qwen3 tokenizer); pixel limits from its
         preprocessor_config.json when present (HF keys min_pixels/max_pixels/size, patch sizes, mean/std);
-        the system prompt from its chat_template.json when it records one (checkpoint/processor_files.py)."""
+        the system prompt from its chat_template.json when it records one (data/processor_files.py)."""
         cfg = DataConfig(tokenizer=path or "")
         pre = os.path.join(path, "preprocessor_config.json") if path else ""
         if pre and os.path.isfile(pre):
@@ -276,10 +276,10 @@ class MindVLProcessor:
                    "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
                    "image_std": d.get("image_std")}
             cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
-            from mindvl_ms.checkpoint.processor_files import read_video_config
+            from mindvl_ms.data.processor_files import read_video_config
 
             cfg.video = read_video_config(path)  # the training run's data.video section
-        from mindvl_ms.checkpoint.processor_files import read_system_prompt
+        from mindvl_ms.data.processor_files import read_system_prompt
 
         system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
         if system_prompt is not None:

@@ -8,7 +8,7 @@ tokenizer, and id `ids[k]` becomes model id `k` (decoding maps back). A model tr
 embedding over Qwen3's 151,936 rows cost ~40% of its CPU train step while its data uses ~100 ids.
 Training over the subset is training with every other token's logit masked out; `restrict_model_config`
 sets the model's vocab size and special token ids to match. The subset file travels with the tokenizer
-files into every checkpoint (`checkpoint.processor_files`), so `mindvl generate/eval` on such a
+files into every checkpoint (`data.processor_files`), so `mindvl generate/eval` on such a
 checkpoint map ids the same way.
 
 Text that needs a token outside the subset is an error naming the token, not a silent substitute.
@@ -110,7 +110,7 @@ def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int
 
 def write_subset(out_dir: str, base: TextTokenizer, ids: Sequence[int]) -> str:
     """A tokenizer directory: `base`'s tokenizer files plus vocab_subset.json; returns it."""
-    from mindvl_ms.checkpoint.processor_files import tokenizer_source_files
+    from mindvl_ms.data.processor_files import tokenizer_source_files
 
     os.makedirs(out_dir, exist_ok=True)
     for src in tokenizer_source_files(base.source):

@@ -145,7 +145,7 @@ class DemoRows:
     def collate(self, model_cfg):
         """Trainer collate: process the row's samples, `build_model_inputs` (padded to the longest row);
         the train step compacts the supervised positions itself (`train.head`)."""
-        from mindvl_ms.models.inputs import build_model_inputs
+        from mindvl_ms.data.collate import build_model_inputs
 
         def collate(rows, stage):
             done = [[self.proc.process_sample(s) for s in row] for row in rows]

@@ -27,7 +27,7 @@ from typing import Dict
 import numpy as np
 from mindspore import ops
 
-from mindvl_ms.models.inputs import IGNORE, INPUT_NAMES
+from mindvl_ms.data.collate import IGNORE, INPUT_NAMES
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 
 SPARSE_INPUT_NAMES = tuple("attn_segment_ids" if n == "segment_ids" else n for n in INPUT_NAMES) + (

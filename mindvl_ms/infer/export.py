@@ -47,7 +47,7 @@ def _describe(names, placeholders):
 
 def image_config_for(ckpt: str):
     """The checkpoint's preprocessor_config.json values when present, else the Qwen2-VL defaults."""
-    from mindvl_ms.checkpoint.processor_files import read_image_config
+    from mindvl_ms.data.processor_files import read_image_config
 
     return read_image_config(ckpt)
 
@@ -105,7 +105,7 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
                 "file": fn, "bytes": _size(tmp, name), "inputs": _describe(names, inputs),
                 "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in (outs or lm_out)]}
         meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values())
-        from mindvl_ms.checkpoint.processor_files import carry_processor, read_system_prompt, save_processor
+        from mindvl_ms.data.processor_files import carry_processor, read_system_prompt, save_processor
         from mindvl_ms.config.data import DataConfig
 
         meta["processor_files"] = (carry_processor(tmp, processor_from) if processor_from else

@@ -105,7 +105,7 @@ def generate(model, batch_samples: Sequence[Dict], max_new_tokens: int = 32, *, 
 
 def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token, rng) -> List[int]:
     """Reference path without a cache: one full forward of the model per new token."""
-    from mindvl_ms.models.inputs import model_args
+    from mindvl_ms.data.collate import model_args
 
     if sample.get("pixel_frames") is not None or sample.get("image_features") is not None:
         raise ValueError("the no-cache path takes float pixel_values only")
@@ -127,7 +127,7 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
     """Model inputs for prompt + generated tokens in one row. Generated tokens are plain text (an emitted
     <|image_pad|> id is embedded as a token, as in cached decoding) with positions continuing from the
     prompt's max position + 1."""
-    from mindvl_ms.models.inputs import build_model_inputs, llm_actual_seq_len
+    from mindvl_ms.data.collate import build_model_inputs, llm_actual_seq_len
 
     n = len(np.asarray(sample["input_ids"]).reshape(-1))
     k = len(generated)
@@ -224,10 +224,10 @@ def load_model(ckpt: str, fp16: bool = False):
 
 
 def load_processor(ckpt: Optional[str], model_config=None):
-    """The checkpoint's processor (checkpoint/processor_files.py): its tokenizer when it ships one, else the
+    """The checkpoint's processor (data/processor_files.py): its tokenizer when it ships one, else the
     bundled Qwen3 tokenizer; its pixel limits (preprocessor_config.json) and training system prompt
     (chat_template.json) when recorded, else the defaults. Checked against the model's vocabulary."""
-    from mindvl_ms.checkpoint.processor_files import processor_of
+    from mindvl_ms.data.processor_files import processor_of
 
     proc = processor_of(ckpt)
     if model_config is not None:

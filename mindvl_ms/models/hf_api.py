@@ -104,7 +104,7 @@ def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image
     from mindspore import Tensor
 
     from mindvl_ms.train.loss import TrainLoss
-    from mindvl_ms.models.inputs import INPUT_NAMES, build_model_inputs, model_args
+    from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs, model_args
 
     if unknown:
         raise TypeError(f"MindVL keyword call: unknown argument(s) {sorted(unknown)}; takes {', '.join(KEYS)}")

@@ -1,6 +1,6 @@
 """MindVL: vision encoder + patch-merger projector + language model (Qwen3/Qwen2 dense or DeepSeek-V3 MoE).
 
-Inputs are the arrays of `mindvl_ms.models.inputs.build_model_inputs` in INPUT_NAMES order; the merge
+Inputs are the arrays of `mindvl_ms.data.collate.build_model_inputs` in INPUT_NAMES order; the merge
 of image features into the <|image_pad|> positions is one gather over concat(text embeddings, image
 features) with a host-computed index, so `construct` has no value-dependent control flow and one
 compiled graph (dynamic shapes via `set_dynamic_inputs`) serves every sequence length and image size.
@@ -18,7 +18,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from mindvl_ms.config import MindVLConfig
-from mindvl_ms.models.inputs import INPUT_NAMES, patch_dim
+from mindvl_ms.data.collate import INPUT_NAMES, patch_dim
 from mindvl_ms.models.text import TextModel, TiedHead, lm_logits
 from mindvl_ms.models.vision import VisionTransformer, dense
 

@@ -6,7 +6,7 @@ optional learned absolute positions (off by default, as in Qwen2.5-ViT; the demo
 uses them), 2D rotary embedding, MLP, attention, block, patch merger, the encoder.
 
 All images of a batch are one packed sequence of N patches. Everything that depends on image sizes is
-computed host-side (`mindvl_ms.models.inputs.vision_metadata`) and passed in:
+computed host-side (`mindvl_ms.data.collate.vision_metadata`) and passed in:
   vision_pos_ids     int32[N, 2]   (row, col) of each patch, already in window order
   window_index       int32[N/4]    merge-unit order that groups units by attention window
   reverse_index      int32[N/4]    argsort(window_index), restores image order after the merger

@@ -15,7 +15,7 @@ padding bias inside the q.k^T matmul and `SoftmaxV`'s hand-written backward (no 
 
 Ascend path (only runs on Ascend hardware, never exercised here): `FlashAttentionScore` in TND layout
 (tokens of all rows flattened, [T, N, D]) with `actual_seq_qlen` / `actual_seq_kvlen`, the cumulative
-segment ends computed host-side (`mindvl_ms.models.inputs`; no leading 0, last = T). The kernel attends
+segment ends computed host-side (`mindvl_ms.data.collate`; no leading 0, last = T). The kernel attends
 block-diagonally within those lengths, which equals the segment-id mask. Causal cores (the LLM) use
 `sparse_mode` 3 (right-down causal inside each segment) with the compressed 2048x2048 upper-triangular
 mask, as MindFormers does; non-causal cores (the ViT) use `sparse_mode` 0 without a mask. GQA is native

@@ -1,7 +1,7 @@
 """Row sources for the trainer: where each global batch of packed rows comes from, resumably.
 
 A *row* is a list of processed samples packed into one sequence (the `rows` argument of
-`models.inputs.build_model_inputs`). A source hands out whole **global** batches in a deterministic
+`data.collate.build_model_inputs`). A source hands out whole **global** batches in a deterministic
 order (a fresh permutation per epoch from `seed + epoch`); the trainer gives rank r the slice
 `[r*per_rank, (r+1)*per_rank)`, and splits that into micro-batches. Every rank therefore sees the
 same stream and the same state, so a single `state_dict()` ({epoch, pos}) resumes all of them and a

@@ -51,7 +51,7 @@ class TrainingStopped(RuntimeError):
 
 
 def default_collate(run_cfg):
-    from mindvl_ms.models.inputs import build_model_inputs
+    from mindvl_ms.data.collate import build_model_inputs
 
     def collate(rows, stage):
         return build_model_inputs(rows, run_cfg.model, pad_to=stage.seq_length)
@@ -83,8 +83,8 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
 
 def _processor_writer(run_cfg, stage, model):
     """Writes the stage's processor (tokenizer, pixel limits, system prompt) into each checkpoint
-    (checkpoint/processor_files.py); None for a model without a config (nothing to serve it with)."""
-    from mindvl_ms.checkpoint.processor_files import ProcessorWriter
+    (data/processor_files.py); None for a model without a config (nothing to serve it with)."""
+    from mindvl_ms.data.processor_files import ProcessorWriter
     from mindvl_ms.config.base import deep_merge, load
     from mindvl_ms.config.data import DataConfig
 
@@ -171,7 +171,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
 
     model: a Cell taking INPUT_NAMES arrays (default: MindVL from run_cfg.model / init_from);
     data_factory(run_cfg, stage, stage_index, dist) -> a row source (see train/data.py);
-    collate(rows, stage) -> arrays dict (default: models.inputs.build_model_inputs).
+    collate(rows, stage) -> arrays dict (default: data.collate.build_model_inputs).
     """
     from mindvl_ms.checkpoint.hf import load_into
     from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint

@@ -5,7 +5,7 @@
 The trainer has no padding mode (its data pipeline always packs), so this feeds it rows of a single
 sample through its `data_factory` hook (a `train.data.RowSource`, as `mindvl demo` does), decoding images
 per batch in the collate and padding every row to the stage's seq_length with the default collate
-(`models.inputs.build_model_inputs(..., pad_to=seq_length)`), exactly as the packed modes are padded.
+(`data.collate.build_model_inputs(..., pad_to=seq_length)`), exactly as the packed modes are padded.
 """
 import argparse
 import logging
@@ -24,7 +24,7 @@ def main():
     from mindvl_ms.config.train import DataConfig, load_run_config
     from mindvl_ms.data.processor import MindVLProcessor
     from mindvl_ms.data.schema import SampleError, iter_jsonl
-    from mindvl_ms.models.inputs import build_model_inputs
+    from mindvl_ms.data.collate import build_model_inputs
     from mindvl_ms.train import run_training
     from mindvl_ms.train.data import RowSource
 
