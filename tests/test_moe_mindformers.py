@@ -17,7 +17,7 @@ from mindspore import Tensor, nn, ops
 from mindvl_ms.config.model import MoEConfig, TextConfig
 from mindvl_ms.models import moe_mindformers  # noqa: F401  (sets MindFormers' log dir before its import)
 from mindvl_ms.models.moe import DeepseekV3MoE
-from mindvl_ms.models.moe_mindformers import routing_rules_agree, transformer_config
+from mindvl_ms.parallel.mindformers_moe import routing_rules_agree, transformer_config
 
 
 # ---- CPU stand-ins with the Ascend primitives' call signatures (jit_class: usable inside graphs) ----
@@ -254,7 +254,7 @@ def test_mindformers_group_score_differs_when_k_over_topk_group_is_not_2(cpu_min
     assert differ.sum() >= 1, "the chosen inputs must show the difference"
     (vo, _, _), (vt, _, _) = run_both(ours, theirs, b, seq, tc.hidden_size)
     assert abs(float(vt) - float(vo)) > 1e-4 * abs(float(vo))  # so the layers' outputs differ too
-    from mindvl_ms.models.moe_mindformers import MindFormersSelect
+    from mindvl_ms.parallel.mindformers_moe import MindFormersSelect
 
     with pytest.warns(UserWarning, match="ranks groups by their top 3 scores"):
         MindFormersSelect(tc.moe)  # the Ascend path says so when it is built for such a config

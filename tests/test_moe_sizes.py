@@ -7,7 +7,7 @@ import pytest
 
 from mindvl_ms.config import ConfigError, load_model_config
 from mindvl_ms.config.train import ParallelSizes
-from mindvl_ms.models.moe_parallel import abstract_parameter_shapes, count_parameters, validate_moe_parallel
+from mindvl_ms.parallel.moe_validate import abstract_parameter_shapes, count_parameters, validate_moe_parallel
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 BIG = os.path.join(ROOT, "configs/model/mindvl-671b-a37b.yaml")

@@ -15,7 +15,7 @@ from mindvl_ms.config.train import load_run_config
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.parallel import Layout, apply_recompute, assign_pipeline_stages, layer_stages, parallelize
 from mindvl_ms.parallel.audit import strategy_of
-from mindvl_ms.train import distributed as D
+from mindvl_ms.parallel import runtime as D
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

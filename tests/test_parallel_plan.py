@@ -10,7 +10,7 @@ import pytest
 from mindvl_ms.cli import main
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.train import load_run_config
-from mindvl_ms.models.moe_parallel import count_parameters
+from mindvl_ms.parallel.moe_validate import count_parameters
 from mindvl_ms.parallel.layout import Layout
 from mindvl_ms.parallel.plan import (GB, LayerShape, check, korthikanti_layer_bytes, layer_activation_terms,
                                      param_groups, parse_memory, plan_run, stage_layers)

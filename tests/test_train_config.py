@@ -9,7 +9,7 @@ import pytest
 
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.config.train import load_run_config
-from mindvl_ms.train.distributed import setup, validate_strategy
+from mindvl_ms.parallel.runtime import setup, validate_strategy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGE = os.path.join(ROOT, "configs", "stage")

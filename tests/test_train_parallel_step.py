@@ -13,7 +13,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn
 from mindvl_ms.config.base import load
 from mindvl_ms.config.train import RunConfig, StageConfig
 from mindvl_ms.train.data import micro_batches
-from mindvl_ms.train.distributed import DistInfo, fill_coords
+from mindvl_ms.parallel.runtime import DistInfo, fill_coords
 from mindvl_ms.train.optim import AdamWUpdate, select_trainable
 from mindvl_ms.train.pipeline import PipelineMicroStep, stack_micro_batches
 from mindvl_ms.train.train_step import ReduceStep, TrainStep
@@ -145,7 +145,7 @@ def test_pipeline_config_only_on_ascend():
 
 def test_host_counts_are_summed_over_data_parallel_replicas(monkeypatch):
     """Under TP x PP the tp * pp ranks of a replica read the same rows: the world sum counts them once."""
-    from mindvl_ms.train import distributed
+    from mindvl_ms.parallel import runtime
 
     h = distributed.HostAllReduce(world=8, dp=2)  # 8 ranks = 2 replicas x (tp 2 x pp 2)
     per_rank = np.array([10.0, 3.0], np.float32)  # supervised tokens, samples of each rank's replica rows

@@ -45,7 +45,7 @@ from mindvl_ms.ops import RMSNorm, SwiGLU, is_ascend, segment_bias
 from mindvl_ms.ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, capacity_layout,
                        expert_block_size, expert_capacity, expert_ranks, tokens_per_expert)
 from mindvl_ms.models.mla import MLAttention, MRotaryEmbedding, dense
-from mindvl_ms.models.moe_parallel import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
+from mindvl_ms.parallel.moe_validate import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
 from mindvl_ms.models.moe_router import ExpertBiasUpdate, TopkRouter, expert_load, seq_aux_loss
 
 
@@ -217,7 +217,7 @@ def use_mindformers(moe_cell, moe_config, layout=None):
     the EP group of `layout`, default a single device). Parameters stay the cell's."""
     from mindvl_ms.parallel.layout import Layout
     from mindvl_ms.parallel.moe import EPExperts
-    from mindvl_ms.models.moe_mindformers import MindFormersSelect
+    from mindvl_ms.parallel.mindformers_moe import MindFormersSelect
 
     moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
     moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)

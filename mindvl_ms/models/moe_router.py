@@ -17,7 +17,7 @@ Balancing, both from DeepSeek-V3 section 2.1.2:
   "sequence" here is one packed row (padding excluded); the loss is averaged over rows.
 
 On Ascend, the expert selection is MindFormers' `TopKRouter` code (`mindformers_select`, set by
-DeepseekV3MoE through `mindvl_ms.models.moe_mindformers.MindFormersSelect`); scores, bias, routing weights
+DeepseekV3MoE through `mindvl_ms.parallel.mindformers_moe.MindFormersSelect`); scores, bias, routing weights
 and parameters stay this cell's. MindFormers picks groups by the sum of the top (k / topk_group) scores per
 group rather than DeepSeek-V3's top-2: equal when k / topk_group = 2 (DeepSeek-V3's 8 / 4), different
 otherwise (tests/test_moe_mindformers.py shows both). On CPU the selection below is DeepSeek-V3's, with

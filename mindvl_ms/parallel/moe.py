@@ -94,7 +94,7 @@ class EPExperts(nn.Cell):
 def mindformers_dispatcher(num_experts: int, top_k: int, hidden: int, layout: Layout, seq_length: int = 4096):
     """MindFormers' MoEAlltoAllTokenDispatcher for these sizes (its EP group is created from the rank when
     the parallel mode is not stand-alone)."""
-    from mindvl_ms.models.moe_mindformers import transformer_config
+    from mindvl_ms.parallel.mindformers_moe import transformer_config
     from mindformers.parallel_core.training_graph.transformer.moe.token_dispatcher import (
         MoEAlltoAllTokenDispatcher)
 
@@ -124,7 +124,7 @@ def shard_moe(moe_cell, layout: Layout, dispatcher=None):
     moe_cell.gate.gate_matmul.shard(((stage, 1), (1, 1)))
     select = moe_cell.gate.mindformers_select
     if select is not None:  # Ascend: MindFormers' selection, rebuilt with its tokens over the stage
-        from mindvl_ms.models.moe_mindformers import MindFormersSelect
+        from mindvl_ms.parallel.mindformers_moe import MindFormersSelect
 
         moe_cell.gate.mindformers_select = MindFormersSelect(select.moe_config, layout)
     moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout, moe_cell.top_k, dispatcher)

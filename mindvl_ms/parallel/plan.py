@@ -431,7 +431,7 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from mindvl_ms.config.train import load_run_config
-    from mindvl_ms.train.distributed import validate_strategy
+    from mindvl_ms.parallel.runtime import validate_strategy
 
     try:
         from mindvl_ms.config.packaged import resolve_config

@@ -15,7 +15,7 @@ micro_batch_num parts, runs the network on each and adds the results (its `Add`s
     before they are added to the step's accumulators; in stand-alone mode (CPU tests) it is not built.
 What runs here on CPU: construction, the micro-batch count, and the stand-alone execution of the
 PipelineCell (equal to the micro-batch loop); the pipeline schedule itself needs Ascend and
-`pipeline_stages` in the auto-parallel context (set by `train.distributed.setup`). MoE expert load
+`pipeline_stages` in the auto-parallel context (set by `parallel.runtime.setup`). MoE expert load
 is not collected through the pipeline cell (it returns zeros), so aux-loss-free bias updates need
 pipeline_stage 1.
 """

@@ -38,7 +38,7 @@ from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.config.base import to_dict
 from mindvl_ms.train.callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
 from mindvl_ms.train.data import micro_batches, rank_slice
-from mindvl_ms.train.distributed import DistInfo, HostAllReduce, gather_json, setup
+from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
 from mindvl_ms.train.lr import WarmupCosine
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.train_step import TrainStep

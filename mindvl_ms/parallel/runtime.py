@@ -117,7 +117,7 @@ def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
         checks.append(("moe n_routed_experts", t.moe.n_routed_experts, ep))
         if ep * mp > world:
             problems.append(f"expert_parallel ({ep}) x model_parallel ({mp}) exceeds the {world} ranks")
-        from mindvl_ms.models.moe_parallel import validate_moe_parallel
+        from mindvl_ms.parallel.moe_validate import validate_moe_parallel
 
         try:  # the MoE module's own rules (experts / EP / TP divisibility)
             validate_moe_parallel(t, sizes, device_num=world)
