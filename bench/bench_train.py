@@ -20,7 +20,7 @@ the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of eac
 implementations' medians within one round, seconds apart, so load that drifts over a run cancels; the
 ratio of whole-run medians mixes quiet and busy minutes and three runs of it spread 8-9%; three runs of
 this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58;
-after train/heap.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88; after train/row_grads.py and
+after train/memory.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88; after train/row_grads.py and
 ops/broadcast.py, tiny 2.48 / 2.49 / 2.52, small 1.97 / 2.03 / 1.92; after the C++ RMSNorm and RoPE kernels,
 one run on an AVX-512 CPU: tiny 2.43, small 2.06, small peak RSS 4.54 against 3.83 GB), with the rounds'
 min-max; peak
@@ -44,7 +44,7 @@ torch keeps `.grad` (0.65 GB). RSS after two steps of profile_memory, step by st
   MindSpore's CPU arithmetic kernels keep two 8-byte index tables per output element for a broadcasting
   operation; the shim found ~0.5 GB of them (the attention bias add and softmax backward over [B, H, L, S]
   scores, the norms, RoPE). The same change made the step faster (2.0 s against 2.1-2.2 s).
-What remains above torch: the compiler's heap (~0.5 GB after `malloc_trim`, train/heap.py) and MindSpore's
+What remains above torch: the compiler's heap (~0.5 GB after `malloc_trim`, train/memory.py) and MindSpore's
 1 GB pool block, of which ~0.66 GB is touched (the AdamW update graph allocates an output copy of var, m
 and v per parameter, the fused `AdamWeightDecay` CPU kernel's behaviour).
 On `tiny` mindvl-ms peaks 1-2% below torch (1.43-1.44 against 1.46 GB).

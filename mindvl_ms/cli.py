@@ -25,7 +25,7 @@ COMMAND_MODULES = [
     "mindvl_ms.checkpoint.commands",
     "mindvl_ms.eval.commands",
     "mindvl_ms.train.commands",
-    "mindvl_ms.train.rollout",
+    "mindvl_ms.train.post.rollout",
     "mindvl_ms.data.commands",
     "mindvl_ms.infer.commands",
     "mindvl_ms.demo.commands",

@@ -17,7 +17,7 @@ import hf_tiny  # noqa: E402
 from mindvl_ms.config import read_yaml  # noqa: E402
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration  # noqa: E402
 from mindvl_ms.train import load_run_config, run_training  # noqa: E402
-from mindvl_ms.train.data import RowSource  # noqa: E402
+from mindvl_ms.train.batches import RowSource  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

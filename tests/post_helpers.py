@@ -9,7 +9,7 @@ import hf_tiny
 from mindvl_ms.data.preference import encode_response
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import load_run_config, run_training
-from mindvl_ms.train.post_stage import PairSource, PromptSource
+from mindvl_ms.train.post.stage import PairSource, PromptSource
 
 MODEL = {
     "vision": {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,

@@ -16,7 +16,7 @@ from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.cli import main
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train import trainer as trainer_mod
-from mindvl_ms.train.data import RowSource
+from mindvl_ms.train.batches import RowSource
 from train_tiny import IGNORE, TinyVLM, collate, make_rows
 
 

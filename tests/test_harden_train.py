@@ -20,7 +20,7 @@ from PIL import Image
 from mindvl_ms.cli import main
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train import trainer as trainer_mod
-from mindvl_ms.train.data import LoaderSource
+from mindvl_ms.train.batches import LoaderSource
 from train_tiny import IGNORE, TinyVLM, collate
 
 NON_UTF8 = (b'{"images": ["img/ok.png"], "task": "vqa", "metric": "exact_match", "messages": [{"role": "user", '

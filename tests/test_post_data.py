@@ -75,7 +75,7 @@ def test_post_data_factory_reads_files(tmp_path):
     from dpo.ntp_sources; chosen and rejected share the prompt's tokens and pixels."""
     from mindvl_ms.config.train import load_run_config
     from mindvl_ms.data.processor import MindVLProcessor
-    from mindvl_ms.train.post_stage import post_data_factory
+    from mindvl_ms.train.post.stage import post_data_factory
 
     path = _lines(tmp_path)
     lines = open(path).read().splitlines()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from mindspore import Tensor, nn, ops
 
-from mindvl_ms.train.dpo import DPOObjective, dpo_arrays, response_sums
+from mindvl_ms.train.post.dpo import DPOObjective, dpo_arrays, response_sums
 
 IGN = -100
 

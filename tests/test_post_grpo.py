@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor, nn, ops
 
-from mindvl_ms.train.grpo import GRPOObjective, group_advantages, grpo_loss_numpy
+from mindvl_ms.train.post.grpo import GRPOObjective, group_advantages, grpo_loss_numpy
 
 IGN = -100
 

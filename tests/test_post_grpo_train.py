@@ -9,7 +9,7 @@ import numpy as np
 import post_helpers as H
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import load_run_config, run_training
-from mindvl_ms.train.rollout import rollout_seed, sample_group, sample_groups
+from mindvl_ms.train.post.rollout import rollout_seed, sample_group, sample_groups
 
 GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
               "max_lr": 2e-2, "warmup_ratio": 0.0, "epochs": None, "max_steps": 4, "weight_decay": 0.0,

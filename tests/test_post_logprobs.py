@@ -9,8 +9,8 @@ from mindvl_ms.config.train import load_run_config
 from mindvl_ms.data.preference import encode_response
 from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
-from mindvl_ms.train.dpo import response_sums
-from mindvl_ms.train.post_step import LogProbs
+from mindvl_ms.train.post.dpo import response_sums
+from mindvl_ms.train.post.step import LogProbs
 
 
 def test_packed_response_logprobs():

@@ -1,8 +1,8 @@
-"""Verifiable rewards against hand-computed cases (mindvl_ms/train/rewards.py)."""
+"""Verifiable rewards against hand-computed cases (mindvl_ms/train/post/rewards.py)."""
 
 import pytest
 
-from mindvl_ms.train import rewards as R
+from mindvl_ms.train.post import rewards as R
 
 BOX = "<|box_start|>({},{}),({},{})<|box_end|>"
 

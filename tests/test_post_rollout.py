@@ -15,7 +15,7 @@ from mindvl_ms.cli import main
 from mindvl_ms.config import MindVLConfig
 from mindvl_ms.config.base import load, read_yaml
 from mindvl_ms.data.validate import validate_file
-from mindvl_ms.train.rollout import choose_pair
+from mindvl_ms.train.post.rollout import choose_pair
 
 
 def test_choose_pair_rule():
@@ -40,7 +40,7 @@ def ckpt(tmp_path):
 
 
 def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.train.rollout"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.train.post.rollout"])
     (tmp_path / "img").mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28, 3), dtype=np.uint8)).save(
         tmp_path / "img" / "a.png")
@@ -78,8 +78,8 @@ def test_sampled_boxes_reach_the_verifier_with_their_tags():
     so grounding_iou scores a sampled box; plain skip-special decoding would drop the tags and score 0."""
     from mindvl_ms.data.processor import MindVLProcessor
     from mindvl_ms.infer.generate import stop_token_ids
-    from mindvl_ms.train.rewards import grounding_iou
-    from mindvl_ms.train.rollout import response_text
+    from mindvl_ms.train.post.rewards import grounding_iou
+    from mindvl_ms.train.post.rollout import response_text
 
     proc = MindVLProcessor()
     tok, eos = proc.tokenizer, stop_token_ids(proc)

@@ -1,5 +1,5 @@
 """bench/profile_memory.py's readers of /proc: an allocation of known size shows up in RSS and as a mapping;
-train/heap.py's release_heap gives freed heap blocks back (seen in RSS).
+train/memory.py's release_heap gives freed heap blocks back (seen in RSS).
 Run: pytest -q tests/test_profile_memory.py"""
 import os
 import sys
@@ -27,13 +27,13 @@ def test_rss_and_mappings_see_a_256_mb_array():
 
 
 def test_release_heap_returns_freed_small_blocks():
-    """mindvl_ms.train.heap.release_heap (called by TrainStep after the model build and the graph compile):
+    """mindvl_ms.train.memory.release_heap (called by TrainStep after the model build and the graph compile):
     200 MB of 100 KB blocks, below glibc's mmap threshold so they live in the heap, freed while the last
     block stays live (so glibc's automatic trim of the heap top cannot return them): RSS keeps them until
     release_heap(), which gives back nearly all of it."""
     import ctypes
 
-    from mindvl_ms.train.heap import release_heap
+    from mindvl_ms.train.memory import release_heap
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -12,7 +12,7 @@ from mindvl_ms.config.train import StageConfig
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import row_grads
-from mindvl_ms.train.head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
+from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.train_step import ForwardLoss, TrainStep
 from test_train_head import _batch, _numpy_ce_and_grads

@@ -108,7 +108,7 @@ def test_cli_help_and_config_error(tmp_path, capsys):
 
 def test_fp16_dynamic_loss_scale_tracks_fp32(tmp_path):
     from mindvl_ms.train import run_training
-    from mindvl_ms.train.data import RowSource
+    from mindvl_ms.train.batches import RowSource
     from train_tiny import TinyVLM, collate, make_rows
 
     rows = make_rows(16, seed=4)

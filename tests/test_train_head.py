@@ -1,4 +1,4 @@
-"""The LM head at supervised positions only, in chunks (train/head.py), against full computations:
+"""The LM head at supervised positions only, in chunks (train/loss_head.py), against full computations:
 the host layout and its chunk bound, the chunked CE and its gradients against float64 numpy, and the
 train step's forward (MindVL, both losses, several chunks) against the full [B, L, V] logits path.
 
@@ -14,7 +14,7 @@ from mindvl_ms.config.base import load
 from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
-from mindvl_ms.train.head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
+from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
 from mindvl_ms.train.loss import TrainLoss
 from mindvl_ms.train.train_step import ForwardLoss, has_sparse_head
 from test_train_mindvl import MODEL

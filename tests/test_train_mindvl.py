@@ -10,7 +10,7 @@ import numpy as np
 import hf_tiny
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import load_run_config, run_training
-from mindvl_ms.train.data import RowSource
+from mindvl_ms.train.batches import RowSource
 
 MODEL = {
     "vision": {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,

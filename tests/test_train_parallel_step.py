@@ -12,7 +12,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from mindvl_ms.config.base import load
 from mindvl_ms.config.train import RunConfig, StageConfig
-from mindvl_ms.train.data import micro_batches
+from mindvl_ms.train.batches import micro_batches
 from mindvl_ms.parallel.runtime import DistInfo, fill_coords
 from mindvl_ms.train.optim import AdamWUpdate, select_trainable
 from mindvl_ms.train.pipeline import PipelineMicroStep, stack_micro_batches

@@ -15,7 +15,7 @@ import pytest
 from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.checkpoint.hf import load_into
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
-from mindvl_ms.train.data import RowSource
+from mindvl_ms.train.batches import RowSource
 from train_tiny import TinyVLM, collate, make_rows
 
 ROWS = make_rows(48, seed=11)

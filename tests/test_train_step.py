@@ -9,7 +9,7 @@ from mindspore import Parameter, ParameterTuple, Tensor
 
 from mindvl_ms.config.base import load
 from mindvl_ms.config.train import StageConfig
-from mindvl_ms.train.data import micro_batches
+from mindvl_ms.train.batches import micro_batches
 from mindvl_ms.train.optim import AdamWUpdate, GradNorm, select_trainable
 from mindvl_ms.train.train_step import TrainStep
 from train_tiny import TinyVLM, collate, make_rows

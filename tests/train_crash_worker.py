@@ -14,7 +14,7 @@ import mindspore as ms  # noqa: E402
 
 from mindvl_ms.checkpoint import trainer_state as ts  # noqa: E402
 from mindvl_ms.train import run_training  # noqa: E402
-from mindvl_ms.train.data import RowSource  # noqa: E402
+from mindvl_ms.train.batches import RowSource  # noqa: E402
 from test_train_resume import ROWS, run_cfg  # noqa: E402
 from train_tiny import TinyVLM, collate  # noqa: E402
 

@@ -13,7 +13,7 @@ import mindspore as ms  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mindvl_ms.train import load_run_config, run_training  # noqa: E402
-from mindvl_ms.train.data import RowSource  # noqa: E402
+from mindvl_ms.train.batches import RowSource  # noqa: E402
 from train_tiny import TinyVLM, collate, make_rows  # noqa: E402
 
 

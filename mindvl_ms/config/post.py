@@ -15,7 +15,7 @@ from mindvl_ms.config.base import ConfigError, F
 
 @dataclass
 class DPOConfig:
-    """DPO with the Mixed Preference Optimization losses and the NTP mix (train/dpo.py)."""
+    """DPO with the Mixed Preference Optimization losses and the NTP mix (train/post/dpo.py)."""
 
     beta: float = F(0.1, "DPO temperature beta (log-ratio scale)")
     preference_weight: float = F(1.0, "weight of the sigmoid DPO loss")
@@ -37,7 +37,7 @@ class DPOConfig:
 
 @dataclass
 class GRPOConfig:
-    """GRPO with verifiable rewards and DAPO's clip-higher (train/grpo.py, train/rewards.py)."""
+    """GRPO with verifiable rewards and DAPO's clip-higher (train/post/grpo.py, train/post/rewards.py)."""
 
     group_size: int = F(8, "sampled responses per prompt (G)")
     mini_batch_size: int = F(0, "responses per optimizer update over all ranks (0: the whole rollout batch); "
@@ -67,7 +67,7 @@ class GRPOConfig:
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0 or self.numeric_rel_tol < 0:
             raise ConfigError(f"stage '{name}': grpo needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, "
                               f"numeric_rel_tol >= 0")
-        from mindvl_ms.train.rewards import resolve
+        from mindvl_ms.train.post.rewards import resolve
 
         try:
             resolve(self.reward)

@@ -48,7 +48,7 @@ class LossConfig:
     tau1: float = F(0.1, "balanced: order weight 1/ln(e + tau1*i), i = index of the target in its sample")
     tau2: float = F(2.0, "balanced: magnitude weight 2*sigmoid(tau2*CE - 0.5)")
     logits_chunk_tokens: int = F(1024, "most positions whose [tokens, vocab] logits exist at once: the LM head "
-                                       "runs only at supervised positions, this many at a time (train/head.py)")
+                                       "runs only at supervised positions, this many at a time (train/loss_head.py)")
 
     def validate(self) -> None:
         if self.type not in ("token_mean", "balanced"):
@@ -89,7 +89,7 @@ class StageConfig:
     keep_last: int = F(2, "periodic checkpoints kept per stage (the stage-end one is always kept)")
     max_nonfinite: int = F(5, "stop when this many steps in a row have a non-finite loss/gradient")
     log_every: int = F(1, "write a metrics line every N steps")
-    # ---- post-training (config/post.py, train/dpo.py, train/grpo.py) --------------------------------
+    # ---- post-training (config/post.py, train/post/dpo.py, train/post/grpo.py) --------------------------------
     type: str = F("sft", "sft (next-token loss), dpo (preference pairs) or grpo (RL with verifiable rewards)")
     dpo: DPOConfig = sub(DPOConfig, "DPO / MPO settings (type: dpo)")
     grpo: GRPOConfig = sub(GRPOConfig, "GRPO settings (type: grpo)")

@@ -10,7 +10,7 @@ RL prompt line:
      "answer": "2", "reward": "numeric"}
 `messages` is the prompt: it must end with a user turn (the model answers next). Where prompts are read
 (GRPO stages, `mindvl rollout`) an SFT line also serves: its last assistant turn is the `answer`. `chosen`, `rejected`
-and `answer` are strings; `reward` (optional) names the verifier of that line (train/rewards.py).
+and `answer` are strings; `reward` (optional) names the verifier of that line (train/post/rewards.py).
 Image, placeholder, raw-token and grounding checks are the SFT ones (`data/validate.py` dispatches a
 line with `chosen`/`rejected` or `answer` here); the chosen/rejected answers are grounding-checked too.
 

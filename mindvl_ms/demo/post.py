@@ -11,7 +11,7 @@ Steps (everything lands in OUT/post, the demo run's files are only read):
 2. before    greedy held-out grounding of the merged checkpoint (OUT/data/heldout_grounding.jsonl: the
              demo's held-out split, which no stage trains on); the demo's own evaluation of it
              (OUT/eval/merged/grounding) is read when its checkpoint, data and pixel limits match.
-3. rollout   `train.rollout.rollout_pairs` (what `mindvl rollout` runs): k samples per prompt from the
+3. rollout   `train.post.rollout.rollout_pairs` (what `mindvl rollout` runs): k samples per prompt from the
              merged model, scored by box IoU; a prompt gives a preference pair when its best sample
              scores above `high` and its worst below `low`.
 4. train     configs/demo/post.yaml's chain through `run_training`: a DPO stage on those pairs (with the
@@ -111,8 +111,8 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
     from mindvl_ms.data.preference import read_post_file
     from mindvl_ms.data.processor import MindVLProcessor
     from mindvl_ms.infer.generate import load_model
-    from mindvl_ms.train.rewards import Verifier
-    from mindvl_ms.train.rollout import rollout_pairs, write_pairs
+    from mindvl_ms.train.post.rewards import Verifier
+    from mindvl_ms.train.post.rollout import rollout_pairs, write_pairs
     from mindvl_ms.demo.run import child_setup
 
     child_setup()

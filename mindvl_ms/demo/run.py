@@ -20,7 +20,7 @@ Design:
   deterministically, and `data.packing.pack_bfd` packs them into rows of the stage's sequence
   length; the trainer gets them as an in-memory `RowSource`, and images are decoded per batch.
 - Training uses the plain MindVL model; the train step runs the LM head only at supervised positions,
-  in chunks (`train.head`: the head over the 151,936-token vocabulary is almost all of the tiny
+  in chunks (`train.loss_head`: the head over the 151,936-token vocabulary is almost all of the tiny
   model's compute).
 - Evaluation runs `eval.runner.evaluate` (batched greedy generation through
   `mindvl_ms.infer.generate`) on each task's held-out split for the two SFT variants and the merged
@@ -144,7 +144,7 @@ class DemoRows:
 
     def collate(self, model_cfg):
         """Trainer collate: process the row's samples, `build_model_inputs` (padded to the longest row);
-        the train step compacts the supervised positions itself (`train.head`)."""
+        the train step compacts the supervised positions itself (`train.loss_head`)."""
         from mindvl_ms.data.collate import build_model_inputs
 
         def collate(rows, stage):
@@ -156,7 +156,7 @@ class DemoRows:
         from mindvl_ms.config.base import deep_merge, load, to_dict
         from mindvl_ms.config.data import DataConfig
         from mindvl_ms.data.packing import Item, pack_bfd, split_oversized
-        from mindvl_ms.train.data import RowSource
+        from mindvl_ms.train.batches import RowSource
 
         data_cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
         rng = np.random.default_rng([run_cfg.seed, stage_index])

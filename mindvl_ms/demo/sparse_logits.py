@@ -1,7 +1,7 @@
 """MindVL whose forward returns logits only at supervised positions, per row ([B, K, V]).
 
 Training no longer needs it: the train step does this for every model with `hidden_states` and
-`head_weight` (MindVL), in bounded chunks over a flat supervised-position grid (`mindvl_ms.train.head`;
+`head_weight` (MindVL), in bounded chunks over a flat supervised-position grid (`mindvl_ms.train.loss_head`;
 `mindvl demo` trains the plain model). This module stays for code that wants the kept logits from a
 model forward; `TrainStep` runs it on the full-logits path, since its inputs differ from
 `hidden_states`'.

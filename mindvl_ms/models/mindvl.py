@@ -78,7 +78,7 @@ class MindVLForConditionalGeneration(nn.Cell):
 
     def head_weight(self):
         """The LM head's [V, D] weight (the embedding table when tied): the train step's chunked head
-        (`train.head`) multiplies the supervised hidden states by it."""
+        (`train.loss_head`) multiplies the supervised hidden states by it."""
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     def logits(self, hidden):

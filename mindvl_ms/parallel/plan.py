@@ -46,7 +46,7 @@ ViT (stage 0): the same terms with the ViT shapes over P = b * visual budget * m
 data.max_image_tokens, or seq_length when 0); with `parallel_config.vision_parallel: dp` every rank of a TP
 group encodes all P patches with whole weights, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
 backward: one block's activations at a time. Logits (last stage): the LM head runs in chunks of
-each stage's `loss.logits_chunk_tokens` supervised tokens (train/head.py): fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
+each stage's `loss.logits_chunk_tokens` supervised tokens (train/loss_head.py): fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
 vocab-parallel: `vocab_emb_dp: false`).
 
 Communication per optimizer step and device (m = micro-batches per rank per step, x = 2sbh bytes):

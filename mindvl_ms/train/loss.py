@@ -66,7 +66,7 @@ class TrainLoss(nn.Cell):
     construct(logits [B,L,V], targets [B,L], segment_ids [B,L], token_index [B,L],
               token_norm [] float32, num_samples [] float32) -> loss []
     from_ce(ce [B,L], mask [B,L], segment_ids, token_index, token_norm, num_samples) -> loss []
-      (the train step's path: CE from `train.head.ChunkedHeadCE` on the supervised-only grid)
+      (the train step's path: CE from `train.loss_head.ChunkedHeadCE` on the supervised-only grid)
     """
 
     def __init__(self, kind: str = "token_mean", lambda1: float = 1.0, lambda2: float = 1.0,
@@ -83,7 +83,7 @@ class TrainLoss(nn.Cell):
 
     def from_ce(self, ce, mask, segment_ids, token_index, token_norm, num_samples):
         """The loss share from per-position CE (0 where unsupervised) and its mask, any [B, L] layout
-        (the full one, or the compact supervised-only grid of `train.head`)."""
+        (the full one, or the compact supervised-only grid of `train.loss_head`)."""
         if not self.balanced:
             return ce.sum() / ops.maximum(token_norm, 1.0)
         w = balanced_weights(ce, mask, token_index, self.tau1, self.tau2)

@@ -11,7 +11,7 @@ gradient norm's row blocks (train/optim.py) the RSS after two steps from 5,187 t
 How (graph side; standalone and data-parallel runs: `TrainStep` keeps plain autodiff under
 semi/auto parallel and pipeline stages, where the accumulators are sharded by the compiler):
 - The table is left out of the autodiff weight list. The cell that reads it (`RowGradEmbedding`
-  for the lookup, `train.head.ChunkedHeadCERowGrad` for the head) takes the accumulator and a one-element
+  for the lookup, `train.loss_head.ChunkedHeadCERowGrad` for the head) takes the accumulator and a one-element
   `token` Parameter as inputs; its custom bprop adds the table's gradient into the accumulator in
   place (`ops.scatter_add`: the looked-up rows; the head: `HEAD_ROW_BLOCK` rows of dW per MatMul)
   and returns the token's gradient, a zero that depends on those adds. The token *is* in the weight

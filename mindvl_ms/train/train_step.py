@@ -6,7 +6,7 @@ Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompile
   not in the weight list, so autodiff produces no gradient for them), added into fp32
   accumulators. No communication here. For models with `hidden_states` + `head_weight` (MindVL) the
   LM head runs only at the supervised positions, in chunks of `loss.logits_chunk_tokens`
-  (`train/head.py`; the host computes the gather grid); other models return full [B, L, V] logits.
+  (`train/loss_head.py`; the host computes the gather grid); other models return full [B, L, V] logits.
   Their [V, D] tables (embedding, head) add their gradients into the accumulators row-wise from their
   own bprops (`train/row_grads.py`), so no dense [V, D] gradient is made (standalone / data parallel).
 - `ReduceStep`: once per global batch: all-reduce (sum, in place) of the accumulated gradients and
@@ -48,8 +48,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from mindvl_ms.train.head import ChunkedHeadCE, ChunkedHeadCERowGrad, supervised_layout
-from mindvl_ms.train.heap import release_heap
+from mindvl_ms.train.loss_head import ChunkedHeadCE, ChunkedHeadCERowGrad, supervised_layout
+from mindvl_ms.train.memory import release_heap
 from mindvl_ms.train.loss import IGNORE, TrainLoss, token_ce
 from mindvl_ms.train.optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
 from mindvl_ms.train.row_grads import RowGradEmbedding, row_grad_token
@@ -73,7 +73,7 @@ def backbone(model: nn.Cell) -> nn.Cell:
 
 def has_sparse_head(model: nn.Cell) -> bool:
     """True when the model exposes `hidden_states(*inputs)` and `head_weight()` (MindVL does): the
-    step then runs the LM head only at supervised positions, in chunks (train/head.py)."""
+    step then runs the LM head only at supervised positions, in chunks (train/loss_head.py)."""
     net = backbone(model)
     hs, hw = getattr(net, "hidden_states", None), getattr(net, "head_weight", None)
     if not (callable(hs) and callable(hw)):
@@ -355,7 +355,7 @@ class TrainStep:
         if missing:
             raise KeyError(f"micro-batch lacks arrays {missing}; has {sorted(mb)}")
         model_in = [np.ascontiguousarray(mb[k]) for k in self.input_names]
-        if self.sparse:  # LM head only at supervised positions, chunked (train/head.py)
+        if self.sparse:  # LM head only at supervised positions, chunked (train/loss_head.py)
             lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], self.chunk, min_slots)
             return model_in + [lay["sup_targets"], lay["sup_segment_ids"], lay["sup_token_index"],
                                lay["logit_index"]]
@@ -363,7 +363,7 @@ class TrainStep:
 
     def compile_micro(self, feed: List[np.ndarray]) -> None:
         """Compile the micro-step graph for inputs like `feed` (dynamic shapes), then hand the compiler's
-        freed heap back to the OS (train/heap.py) before the first run allocates activations."""
+        freed heap back to the OS (train/memory.py) before the first run allocates activations."""
         if not self._shaped:
             self._set_inputs(feed, feed)
         one = Tensor(1.0, ms.float32)

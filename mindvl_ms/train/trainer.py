@@ -37,7 +37,7 @@ import numpy as np
 from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.config.base import to_dict
 from mindvl_ms.train.callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
-from mindvl_ms.train.data import micro_batches, rank_slice
+from mindvl_ms.train.batches import micro_batches, rank_slice
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
 from mindvl_ms.train.lr import WarmupCosine
 from mindvl_ms.train.optim import select_trainable
@@ -66,7 +66,7 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     from mindvl_ms.config.base import deep_merge, load
     from mindvl_ms.config.train import DataConfig
     from mindvl_ms.data.dataset import DataLoader, PackedShardSource
-    from mindvl_ms.train.data import LoaderSource
+    from mindvl_ms.train.batches import LoaderSource
 
     raw = deep_merge(to_dict(run_cfg.data), stage.data)
     cfg = load(DataConfig, raw, source=f"stage '{stage.name}' data")
@@ -170,7 +170,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     """Run every stage of `run_cfg`; returns the run summary (also written to OUT/summary.json).
 
     model: a Cell taking INPUT_NAMES arrays (default: MindVL from run_cfg.model / init_from);
-    data_factory(run_cfg, stage, stage_index, dist) -> a row source (see train/data.py);
+    data_factory(run_cfg, stage, stage_index, dist) -> a row source (see train/batches.py);
     collate(rows, stage) -> arrays dict (default: data.collate.build_model_inputs).
     """
     from mindvl_ms.checkpoint.hf import load_into
@@ -225,7 +225,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         ts.clean_partial(stage_dir)
         factory = data_factory
         if stage.type != "sft" and data_factory is default_data_factory:  # preference / prompt files
-            from mindvl_ms.train.post_stage import post_data_factory as factory
+            from mindvl_ms.train.post.stage import post_data_factory as factory
         source = factory(run_cfg, stage, si, dist)
         total = stage.total_steps(getattr(source, "rows_per_epoch", None))
         accum = stage.accumulation(dist.dp)
@@ -234,7 +234,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
         ctx = run_cfg.context
         runner = None
         if stage.type != "sft":  # DPO / GRPO: a runner with its own step (post_stage.py)
-            from mindvl_ms.train.post_stage import make_runner
+            from mindvl_ms.train.post.stage import make_runner
 
             runner = make_runner(dict(run_cfg=run_cfg, stage=stage, dist=dist, model=model, net=net, params=params,
                                       names=names, source=source, allreduce=allreduce, collate=collate,
@@ -344,7 +344,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
             run_cfg.plot and dist.is_main) else None
         n_skip, by_reason = guard.skipped(getattr(source, "loader", source))
         if runner is not None and run_cfg.plot and dist.is_main:  # reward / margin panels
-            from mindvl_ms.train.post_stage import plot_post
+            from mindvl_ms.train.post.stage import plot_post
 
             plot_post(recs, os.path.join(stage_dir, "post_metrics.png"), stage.type, stage.name)
         stage_reports.append({"stage": stage.name, "steps": total, "checkpoint": final, "plot": png,

@@ -3,7 +3,7 @@
     python research/packing/padded.py --config research/packing/train.yaml --data MIX.jsonl --out DIR
 
 The trainer has no padding mode (its data pipeline always packs), so this feeds it rows of a single
-sample through its `data_factory` hook (a `train.data.RowSource`, as `mindvl demo` does), decoding images
+sample through its `data_factory` hook (a `train.batches.RowSource`, as `mindvl demo` does), decoding images
 per batch in the collate and padding every row to the stage's seq_length with the default collate
 (`data.collate.build_model_inputs(..., pad_to=seq_length)`), exactly as the packed modes are padded.
 """
@@ -26,7 +26,7 @@ def main():
     from mindvl_ms.data.schema import SampleError, iter_jsonl
     from mindvl_ms.data.collate import build_model_inputs
     from mindvl_ms.train import run_training
-    from mindvl_ms.train.data import RowSource
+    from mindvl_ms.train.batches import RowSource
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")

@@ -35,7 +35,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindvl_ms.train.loss import IGNORE
-from mindvl_ms.train.post_step import target_logp
+from mindvl_ms.train.post.step import target_logp
 
 
 def log_sigmoid(x):

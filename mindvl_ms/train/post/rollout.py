@@ -165,7 +165,7 @@ def _run(args) -> int:
 
     from mindvl_ms.data.preference import read_post_file
     from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
-    from mindvl_ms.train.rewards import Verifier
+    from mindvl_ms.train.post.rewards import Verifier
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.k < 2:

@@ -33,7 +33,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-from mindvl_ms.train.post_step import target_logp
+from mindvl_ms.train.post.step import target_logp
 
 
 def group_advantages(rewards, group_size: int, eps: float = 1e-6) -> np.ndarray:

@@ -7,10 +7,10 @@ PostTrainStep) and its `source` (resumable: `state_dict` / `load_state_dict`).
 
 Data: every rank loads the stage's whole (small) post-training set into memory (images decoded once),
 draws the same global batch in a per-epoch shuffled order and takes its contiguous slice, like
-`train.data.RowSource`; a `data_factory` passed to `run_training` may return a `PairSource` or
+`train.batches.RowSource`; a `data_factory` passed to `run_training` may return a `PairSource` or
 `PromptSource` built in memory instead.
 
-GRPO step: this rank samples G responses for each of its prompts (train/rollout.py, seeds from the
+GRPO step: this rank samples G responses for each of its prompts (train/post/rollout.py, seeds from the
 prompt's dataset index and the step, so the global rollouts do not depend on the rank count), scores
 them, normalises advantages per group, computes the behaviour log-probs once, then runs
 global_batch * G / mini_batch_size optimizer updates over consecutive slices of the responses.
@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from mindvl_ms.train.data import RowSource, micro_batches, rank_slice
+from mindvl_ms.train.batches import RowSource, micro_batches, rank_slice
 from mindvl_ms.train.loss import IGNORE
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist):
     from mindvl_ms.data.processor import MindVLProcessor
     from mindvl_ms.data.schema import SampleError, iter_jsonl
     from mindvl_ms.infer.generate import stop_token_ids
-    from mindvl_ms.train.rollout import response_text
+    from mindvl_ms.train.post.rollout import response_text
 
     cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
     if not cfg.sources:
@@ -136,7 +136,7 @@ class _Runner:
         #                           collate, stage_dir, resuming
 
     def _engine(self, objective, temperature: float = 1.0):
-        from mindvl_ms.train.post_step import PostTrainStep
+        from mindvl_ms.train.post.step import PostTrainStep
 
         c = self.run_cfg.context
         return PostTrainStep(self.net, self.params, self.names, objective, self.stage, self.dist.dp, self.allreduce,
@@ -164,7 +164,7 @@ class _Runner:
 class DPORunner(_Runner):
     def __init__(self, ctx):
         super().__init__(ctx)
-        from mindvl_ms.train.dpo import DPOObjective, RunningMean
+        from mindvl_ms.train.post.dpo import DPOObjective, RunningMean
 
         d = self.stage.dpo
         for i, (c, r) in enumerate(self.source.pairs):
@@ -179,7 +179,7 @@ class DPORunner(_Runner):
 
     def _reference(self) -> Dict[str, np.ndarray]:
         """Summed response log-probs of every pair under the starting weights (ranks split the pairs)."""
-        from mindvl_ms.train.dpo import response_sums, segment_of_rows
+        from mindvl_ms.train.post.dpo import response_sums, segment_of_rows
 
         n = len(self.source.pairs)
         out = np.zeros((n, 2), np.float32)
@@ -193,7 +193,7 @@ class DPORunner(_Runner):
         return {"logps": self.allreduce(out.reshape(-1)).reshape(n, 2)}
 
     def step(self, step: int, lr: float):
-        from mindvl_ms.train.dpo import dpo_arrays, segment_of_rows
+        from mindvl_ms.train.post.dpo import dpo_arrays, segment_of_rows
 
         st, d, dist = self.stage, self.stage.dpo, self.dist
         idx = rank_slice(self.source.main.next_global_batch(st.global_batch_size), dist.rank, dist.dp)
@@ -228,8 +228,8 @@ class DPORunner(_Runner):
 class GRPORunner(_Runner):
     def __init__(self, ctx):
         super().__init__(ctx)
-        from mindvl_ms.train.grpo import GRPOObjective
-        from mindvl_ms.train.rewards import Verifier
+        from mindvl_ms.train.post.grpo import GRPOObjective
+        from mindvl_ms.train.post.rewards import Verifier
 
         g = self.stage.grpo
         self.engine = self._engine(GRPOObjective(g.clip_low, g.clip_high, g.kl_coef, g.temperature), g.temperature)
@@ -242,7 +242,7 @@ class GRPORunner(_Runner):
     def rollouts(self, step: int, idx: Sequence[int]):
         """Samples (prompt + response, labels on the response), rewards and response lengths."""
         from mindvl_ms.data.preference import encode_response
-        from mindvl_ms.train.rollout import rollout_seed, sample_groups
+        from mindvl_ms.train.post.rollout import rollout_seed, sample_groups
 
         g, src = self.stage.grpo, self.source
         samples, rewards, lengths = [], [], []
@@ -259,7 +259,7 @@ class GRPORunner(_Runner):
         return samples, np.asarray(rewards, np.float64), np.asarray(lengths, np.float64)
 
     def step(self, step: int, lr: float):
-        from mindvl_ms.train.grpo import group_advantages
+        from mindvl_ms.train.post.grpo import group_advantages
 
         st, g, dist = self.stage, self.stage.grpo, self.dist
         idx = rank_slice(self.source.main.next_global_batch(st.global_batch_size), dist.rank, dist.dp)
