@@ -86,7 +86,7 @@ def child(kind, work, size, n_new, rep):
     from mindvl_ms.data.rope_index import vision_metadata
     from mindvl_ms.infer.generate import get_engine, load_model
     from mindvl_ms.infer.preprocess import uint8_patches
-    from mindvl_ms.infer.runner import ExportedRunner
+    from mindvl_ms.infer.mindir_runner import ExportedRunner
     from mindvl_ms.infer.sampling import SamplingConfig
 
     ms.set_context(mode=ms.GRAPH_MODE)

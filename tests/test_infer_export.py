@@ -15,7 +15,7 @@ from mindvl_ms.config.data import ImageConfig
 from mindvl_ms.infer.export import export
 from mindvl_ms.infer.generate import generate
 from mindvl_ms.infer.preprocess import uint8_patches
-from mindvl_ms.infer.runner import ExportedRunner
+from mindvl_ms.infer.mindir_runner import ExportedRunner
 
 N_NEW = 5
 

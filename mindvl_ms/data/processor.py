@@ -26,7 +26,7 @@ costs that line, named by file:line and field, instead of the run.
 Usage:
     proc = MindVLProcessor.from_pretrained(dir_or_None)
     batch = proc(messages=[...], images=[PIL.Image...])           # HF-style numpy batch of one
-    out = model(**batch)                                           # .logits, .loss (models/hf_api.py)
+    out = model(**batch)                                           # .logits, .loss (infer/hf_api.py)
     sample = proc.process_sample(parse_sample(obj, "file.jsonl", 1))   # per-sample dict for packing
 """
 from __future__ import annotations

@@ -70,7 +70,7 @@ def register(sub) -> None:
                        description="Write OUT/vision.mindir, prefill.mindir, decode.mindir (dynamic shapes; the "
                                    "decode graph takes and returns the KV cache) and OUT/export.json with shapes, "
                                    "dtypes, token ids and preprocessing. Run them with "
-                                   "mindvl_ms.infer.runner.ExportedRunner (MindSpore Lite when installed, else "
+                                   "mindvl_ms.infer.mindir_runner.ExportedRunner (MindSpore Lite when installed, else "
                                    "mindspore GraphCell).")
     e.add_argument("--ckpt", required=True, help="checkpoint directory (native or Hugging Face layout)")
     e.add_argument("--out", required=True, help="output directory (written atomically)")

@@ -12,7 +12,7 @@ Outputs (the same for every configuration):
 
 Parameter names follow transformers' Qwen2.5-VL checkpoint layout: `visual.*`, `model.*`, `lm_head.*`.
 Keyword calls (`model(**processor(...))`, `model.generate(**inputs)`) are a host-side layer over this
-positional path: models/hf_api.py.
+positional path: infer/hf_api.py.
 """
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -109,13 +109,13 @@ class MindVLForConditionalGeneration(nn.Cell):
         self.set_inputs(*self.dynamic_inputs())
         return self
 
-    # -- Hugging Face style calls (models/hf_api.py) ------------------------------------------------
+    # -- Hugging Face style calls (infer/hf_api.py) ------------------------------------------------
     def __call__(self, *args, **kwargs):
         """Positional INPUT_NAMES arrays: the compiled graph, returning (logits, aux_loss, expert_load).
         Keywords only, as a processor returns them (`model(**inputs)`): a MindVLOutput with .logits and,
         given labels, .loss, computed through that same positional path."""
         if kwargs and not args:
-            from mindvl_ms.models.hf_api import forward
+            from mindvl_ms.infer.hf_api import forward
 
             return forward(self, **kwargs)
         return super().__call__(*args, **kwargs)
@@ -123,7 +123,7 @@ class MindVLForConditionalGeneration(nn.Cell):
     def generate(self, **inputs):
         """`model.generate(**processor_outputs, max_new_tokens=..., do_sample=...)` -> token ids [B, L + n]
         (prompt then new tokens), through mindvl_ms.infer.generate's KV-cache engine."""
-        from mindvl_ms.models.hf_api import generate
+        from mindvl_ms.infer.hf_api import generate
 
         return generate(self, **inputs)
 
