@@ -15,7 +15,7 @@ from PIL import Image
 from mindvl_ms.data.grounding import parse_grounding
 from mindvl_ms.data.schema import parse_sample
 from mindvl_ms.demo.datasets import COLOURS, OCR_CELL, OCR_WORDS, write_demo_data
-from mindvl_ms.eval.runner import load_benchmark
+from mindvl_ms.eval.benchmark import load_benchmark
 
 SIZES = {"vqa": (40, 12), "ocr": (30, 10), "grounding": (40, 12)}
 

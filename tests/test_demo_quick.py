@@ -135,7 +135,7 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
     import mindvl_ms.infer.generate as gen
     from mindvl_ms.demo.run import eval_backend, load_demo_config
     from mindvl_ms.eval.metrics import parse_box
-    from mindvl_ms.eval.runner import evaluate
+    from mindvl_ms.eval.benchmark import evaluate
 
     out, rep, _ = run
     merged, heldout = os.path.join(out, "merged"), os.path.join(out, "data", "heldout_grounding.jsonl")

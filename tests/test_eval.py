@@ -16,9 +16,10 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
 from mindvl_ms import cli
-from mindvl_ms.eval import resolution_search, runner
+from mindvl_ms.eval import benchmark
+from mindvl_ms.eval import resolution_search
 from mindvl_ms.eval.resolution_search import search
-from mindvl_ms.eval.runner import evaluate, load_benchmark, resolve_pixels
+from mindvl_ms.eval.benchmark import evaluate, load_benchmark, resolve_pixels
 
 UNIT = 28 * 28
 SIZES = {"small.png": (60, 40), "medium.png": (400, 300), "large.png": (2000, 1500)}  # (width, height)

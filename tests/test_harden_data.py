@@ -66,7 +66,7 @@ def mixed(tmp_path):
 
 def test_non_utf8_named_in_validate_pack_loader_and_eval(mixed, tmp_path, capsys):
     from mindvl_ms.data.offline import pack_file
-    from mindvl_ms.eval.runner import load_benchmark
+    from mindvl_ms.eval.benchmark import load_benchmark
 
     src, _ = mixed
     want = f"{src}:3: {_non_utf8_detail()}"
@@ -82,7 +82,7 @@ def test_non_utf8_named_in_validate_pack_loader_and_eval(mixed, tmp_path, capsys
 
 def test_size_mismatch_costs_one_line_in_the_loader_and_is_named_everywhere(mixed, capsys):
     from mindvl_ms.data.validate import validate_file
-    from mindvl_ms.eval.runner import Sizes, load_benchmark
+    from mindvl_ms.eval.benchmark import Sizes, load_benchmark
 
     src, strip = mixed
     mismatch = f"image size mismatch: field image_sizes[0]=[112, 112] but {strip} is 2000x20"

@@ -117,7 +117,7 @@ def test_generate_uses_the_saved_processor_and_matches_eval(trained_ckpt, tmp_pa
     image tokens: 12544 pixels / 28^2) and the same generated ids."""
     import mindvl_ms.infer.generate as G
     from mindvl_ms.cli import main
-    from mindvl_ms.eval.runner import evaluate
+    from mindvl_ms.eval.benchmark import evaluate
 
     path, model = trained_ckpt
     monkeypatch.setattr(G, "load_model", lambda ckpt, fp16=False: model)  # one model: one set of graphs

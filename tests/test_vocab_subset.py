@@ -26,7 +26,7 @@ from mindvl_ms.data.schema import iter_jsonl
 from mindvl_ms.data.tokenizer import load_tokenizer
 from mindvl_ms.data.vocab_subset import SubsetTokenizer, restrict_model_config, subset_ids, write_subset
 from mindvl_ms.demo.datasets import write_demo_data
-from mindvl_ms.eval.runner import load_benchmark
+from mindvl_ms.eval.benchmark import load_benchmark
 from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 

@@ -91,7 +91,7 @@ def read_subset(directory: str, base: TextTokenizer) -> SubsetTokenizer:
 def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int]:
     """Sorted base-tokenizer ids of `samples` (data.schema.Sample) as `processor` renders them (chat
     template, generation prompt, vision tags), of `prompts` (message lists ending with the user turn, as an
-    evaluation feeds them: `eval.runner.EvalItem.messages`, never their answers) as generation renders
+    evaluation feeds them: `eval.benchmark.EvalItem.messages`, never their answers) as generation renders
     them, plus the processor's special tokens."""
     from mindvl_ms.data.processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, render
 

@@ -461,7 +461,7 @@ def write_demo_data(out_dir: str, seed: int = 0, sizes: Optional[Dict[str, Tuple
     for k, task in enumerate(tqdm(TASKS, desc="demo data", disable=not progress)):
         rng = np.random.default_rng([seed, k])  # one stream per task: changing one size leaves the others
         split_lines = makers[task](out_dir, *sizes[task], rng)
-        for obj in split_lines["heldout"]:  # evaluation fields read by mindvl_ms.eval.runner
+        for obj in split_lines["heldout"]:  # evaluation fields read by mindvl_ms.eval.benchmark
             obj["task"], obj["metric"] = task, METRIC[task]
         for split in ("train", "heldout"):
             path = os.path.join(out_dir, f"{split}_{task}.jsonl")

@@ -170,7 +170,7 @@ def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, An
                progress: bool, reuse: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
     `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun)."""
-    from mindvl_ms.eval.runner import evaluate
+    from mindvl_ms.eval.benchmark import evaluate
     from mindvl_ms.demo.run import child_setup, eval_backend
 
     child_setup()

@@ -22,7 +22,7 @@ Design:
 - Training uses the plain MindVL model; the train step runs the LM head only at supervised positions,
   in chunks (`train.loss_head`: the head over the 151,936-token vocabulary is almost all of the tiny
   model's compute).
-- Evaluation runs `eval.runner.evaluate` (batched greedy generation through
+- Evaluation runs `eval.benchmark.evaluate` (batched greedy generation through
   `mindvl_ms.infer.generate`) on each task's held-out split for the two SFT variants and the merged
   checkpoint, and `eval.resolution_search.search` on the OCR split of the merged checkpoint.
 - Everything lands in OUT: data/, train/ (pre-SFT stages), sft_<name>/, merged/, eval/,
@@ -304,7 +304,7 @@ def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
 def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any],
                  out_dir: str, progress: bool = True) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {task: primary score}} on every held-out split."""
-    from mindvl_ms.eval.runner import evaluate
+    from mindvl_ms.eval.benchmark import evaluate
 
     scores: Dict[str, Dict[str, float]] = {}
     img = data_cfg.image
@@ -413,7 +413,7 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
     from mindvl_ms.data.schema import SampleError, iter_jsonl
     from mindvl_ms.config.train import follow_vocab_subset
     from mindvl_ms.data.vocab_subset import subset_ids, write_subset
-    from mindvl_ms.eval.runner import load_benchmark
+    from mindvl_ms.eval.benchmark import load_benchmark
 
     mode = demo.get("vocab", "full")
     if mode not in ("full", "data"):

@@ -19,7 +19,7 @@ _FORMAT = ("Benchmark lines use the training JSONL format; the reference answer 
 
 def _eval(args: argparse.Namespace) -> int:
     from mindvl_ms.infer.generate import use_graph_mode
-    from mindvl_ms.eval.runner import evaluate, load_backend
+    from mindvl_ms.eval.benchmark import evaluate, load_backend
 
     use_graph_mode()
     os.makedirs(args.out, exist_ok=True)  # an unwritable output fails before the model is loaded

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Sequence
 
 from tqdm import tqdm
 
-from mindvl_ms.eval.runner import INFERENCE_CONFIG, Sizes, VisionCache, load_backend, load_benchmark, predict, score
+from mindvl_ms.eval.benchmark import INFERENCE_CONFIG, Sizes, VisionCache, load_backend, load_benchmark, predict, score
 
 UNIT = 28 * 28
 MIN_GRID = (4, 16, 32, 64)
