@@ -28,7 +28,7 @@ COMMAND_MODULES = [
     "mindvl_ms.train.post.rollout",
     "mindvl_ms.data.commands",
     "mindvl_ms.infer.commands",
-    "mindvl_ms.demo.commands",
+    "mindvl_ms.recipes.demo.commands",
     "mindvl_ms.parallel.plan",
     "mindvl_ms.config.packaged",
 ]

@@ -56,7 +56,7 @@ def test_post_train_demo_config_paths_and_overrides(tmp_path):
     """configs/demo/post_train.yaml: runs/demo/ paths move to --out, `demo.` overrides set the demo section
     (unknown keys are refused), and a missing demo run is named with the command that makes it."""
     from mindvl_ms.config.base import ConfigError
-    from mindvl_ms.demo.post import load_post_config, run_post_train
+    from mindvl_ms.recipes.demo.post import load_post_config, run_post_train
 
     path = os.path.join(ROOT, "configs", "demo", "post_train.yaml")
     out = str(tmp_path / "d")

@@ -25,7 +25,7 @@ from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import iter_jsonl
 from mindvl_ms.data.tokenizer import load_tokenizer
 from mindvl_ms.data.vocab_subset import SubsetTokenizer, restrict_model_config, subset_ids, write_subset
-from mindvl_ms.demo.datasets import write_demo_data
+from mindvl_ms.recipes.demo.datasets import write_demo_data
 from mindvl_ms.eval.benchmark import load_benchmark
 from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
@@ -149,7 +149,7 @@ def test_init_from_run_builds_batches_for_the_checkpoints_config(demo_data, tmp_
 def test_demo_vocab_field(tmp_path):
     """`demo.vocab`: "full" leaves the model and tokenizer alone, "data" restricts both (to what the train
     sources and held-out prompts use), anything else is an error naming the choices."""
-    from mindvl_ms.demo.run import config_path, load_demo_config, restrict_vocab
+    from mindvl_ms.recipes.demo.run import config_path, load_demo_config, restrict_vocab
 
     data = tmp_path / "data"
     info = write_demo_data(str(data), seed=0, sizes={"vqa": (6, 3), "ocr": (2, 2), "grounding": (2, 2)},

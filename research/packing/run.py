@@ -3,7 +3,7 @@
 
     python research/packing/run.py
 
-1. Demo data (`mindvl_ms.demo.datasets.write_demo_data`, seed 0, the research scale's train sizes), the
+1. Demo data (`mindvl_ms.recipes.demo.datasets.write_demo_data`, seed 0, the research scale's train sizes), the
    three train files concatenated into one mix JSONL.
 2. offline:  `mindvl data pack MIX OUT/packed --config train.yaml --seq-length 256` (timed), then
              `mindvl train --config train.yaml --set data.packed_dir=OUT/packed`
@@ -54,7 +54,7 @@ def steps(path):
 
 
 def main():
-    from mindvl_ms.demo.datasets import write_demo_data
+    from mindvl_ms.recipes.demo.datasets import write_demo_data
 
     out = os.path.join(common.OUT, "packing")
     data = os.path.join(out, "data")

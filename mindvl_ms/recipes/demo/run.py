@@ -1,6 +1,6 @@
 """The `mindvl demo` pipeline: data -> warm-up -> multitask -> SFT x 2 sequence lengths -> merge -> eval.
 
-    from mindvl_ms.demo.run import run_demo
+    from mindvl_ms.recipes.demo.run import run_demo
     report = run_demo("runs/demo", quick=False)      # what `mindvl demo` does
 
 Design:
@@ -394,7 +394,7 @@ def write_data(demo: Dict[str, Any], data_dir: str, seed: int, progress: bool = 
     `vqa_balance_yes_no` (its yes/no questions equally over negated/plain wording x yes/no answer) and
     `vqa_question_first` (each easy-VQA question before its image instead of after it), and `vqa_describe`
     (each easy-VQA train answer describes the image first: "a blue rectangle. red: absent. yes")."""
-    from mindvl_ms.demo.datasets import write_demo_data
+    from mindvl_ms.recipes.demo.datasets import write_demo_data
 
     sizes = {k: tuple(v) for k, v in (demo.get("data_sizes") or {}).items()}
     return write_demo_data(data_dir, seed=seed, sizes=sizes, progress=progress, vqa_mix=demo.get("vqa_mix"),
@@ -446,7 +446,7 @@ def restrict_vocab(run_cfg, demo: Dict[str, Any], data_dir: str, heldout: List[s
 
 def vqa_scores_by_type(predictions: str) -> Dict[str, float]:
     """Exact match per easy-VQA question type (yes/no, colour, shape) from an eval predictions.jsonl."""
-    from mindvl_ms.demo.datasets import VQA_TYPES, vqa_type
+    from mindvl_ms.recipes.demo.datasets import VQA_TYPES, vqa_type
 
     by: Dict[str, List[float]] = {t: [] for t in VQA_TYPES}
     with open(predictions, encoding="utf-8") as f:

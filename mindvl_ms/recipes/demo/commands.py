@@ -62,8 +62,8 @@ def _run(args) -> int:
     from mindvl_ms.config.base import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from mindvl_ms.demo.post import run_post_train
-    from mindvl_ms.demo.run import run_demo
+    from mindvl_ms.recipes.demo.post import run_post_train
+    from mindvl_ms.recipes.demo.run import run_demo
 
     try:
         if args.post_train:

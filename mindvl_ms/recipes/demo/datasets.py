@@ -28,7 +28,7 @@ nearly unique, this is the chance level of a model that ignores the image; for g
 constant guess is the mean training box, scored with Acc@IoU0.5).
 
 Usage:
-    from mindvl_ms.demo.datasets import write_demo_data
+    from mindvl_ms.recipes.demo.datasets import write_demo_data
     info = write_demo_data("runs/demo/data", seed=0, sizes={"vqa": (2000, 200), ...})
     info["files"]["train"]["vqa"], info["files"]["heldout"]["ocr"], info["baselines"]["vqa"]
 """

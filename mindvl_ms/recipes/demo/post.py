@@ -2,7 +2,7 @@
 
     mindvl demo --out runs/demo                 # the three-stage demo: writes runs/demo/merged
     mindvl demo --out runs/demo --post-train    # this: post-trains runs/demo/merged
-    from mindvl_ms.demo.post import run_post_train; run_post_train("runs/demo")
+    from mindvl_ms.recipes.demo.post import run_post_train; run_post_train("runs/demo")
 
 Steps (everything lands in OUT/post, the demo run's files are only read):
 1. prompts   new grounding images (`demo.datasets.grounding_image`, a seed stream the demo never uses):
@@ -85,7 +85,7 @@ def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = N
 
 def write_prompts(out_dir: str, n: int, seed: int) -> str:
     """n grounding RL prompt lines on new images (OUT/post/data); returns the JSONL path."""
-    from mindvl_ms.demo.datasets import GROUND_SIZE, grounding_image, write_jsonl
+    from mindvl_ms.recipes.demo.datasets import GROUND_SIZE, grounding_image, write_jsonl
 
     img_dir = os.path.join(out_dir, "images")
     os.makedirs(img_dir, exist_ok=True)
@@ -113,7 +113,7 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
     from mindvl_ms.infer.generate import load_model
     from mindvl_ms.train.post.rewards import Verifier
     from mindvl_ms.train.post.rollout import rollout_pairs, write_pairs
-    from mindvl_ms.demo.run import child_setup
+    from mindvl_ms.recipes.demo.run import child_setup
 
     child_setup()
     lines, summary = rollout_pairs(load_model(ckpt), MindVLProcessor(config=data_cfg), read_post_file(prompts, "prompt"),
@@ -126,7 +126,7 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
 
 def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:
     from mindvl_ms.train import run_training
-    from mindvl_ms.demo.run import child_setup
+    from mindvl_ms.recipes.demo.run import child_setup
 
     child_setup()
     summary = run_training(run_cfg, out_dir, progress=progress)
@@ -171,7 +171,7 @@ def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, An
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
     `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun)."""
     from mindvl_ms.eval.benchmark import evaluate
-    from mindvl_ms.demo.run import child_setup, eval_backend
+    from mindvl_ms.recipes.demo.run import child_setup, eval_backend
 
     child_setup()
     reuse = reuse or {}
@@ -216,7 +216,7 @@ def run_post_train(out_dir: str = "runs/demo", config: Optional[str] = None, ove
     """Post-train OUT/merged of a finished `mindvl demo --out OUT`; returns the report (OUT/post/post_report.json)."""
     from mindvl_ms.config.base import ConfigError
     from mindvl_ms.config.packaged import packaged_path, resolve_config
-    from mindvl_ms.demo.run import in_child
+    from mindvl_ms.recipes.demo.run import in_child
 
     t0 = time.perf_counter()
     path = resolve_config(config)[0] if config else packaged_path("demo/post_train.yaml")

@@ -1,0 +1,1 @@
+"""mindvl_ms.recipes."""
