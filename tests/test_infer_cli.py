@@ -16,7 +16,7 @@ from mindvl_ms.config.base import load, read_yaml
 @pytest.fixture(autouse=True)
 def only_infer_commands(monkeypatch):
     """The real `mindvl` entry point with just this area's subcommands registered."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.infer.commands"])
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.cli.infer"])
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def test_export_json_describes_dynamic_graphs(exported):
 
 
 def test_fp16_export_runs_and_is_close(exported, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.infer.commands"])  # `mindvl export` alone
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.cli.infer"])  # `mindvl export` alone
     path, out32, meta32 = exported
     out16 = str(tmp_path / "fp16")
     assert main(["export", "--ckpt", path, "--out", out16, "--fp16"]) == 0

@@ -157,7 +157,7 @@ def test_generate_uses_the_saved_processor_and_matches_eval(trained_ckpt, tmp_pa
 
 
 def test_merge_and_convert_keep_the_processor(trained_ckpt, tmp_path):
-    from mindvl_ms.checkpoint.commands_convert import write_processor
+    from mindvl_ms.cli.convert import write_processor
     from mindvl_ms.checkpoint.hf import convert
     from mindvl_ms.checkpoint.merge import merge
 

@@ -14,7 +14,6 @@ checkout's `configs/` (editable install, PYTHONPATH on a checkout).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -122,36 +121,3 @@ def copy_config(name: str, dst: str = PREFIX, overwrite: bool = False) -> List[s
         os.makedirs(os.path.dirname(t) or ".", exist_ok=True)
         shutil.copyfile(os.path.join(root, rel), t)
     return targets
-
-
-def register(subparsers) -> None:
-    """`mindvl init-config [NAME] [DST]`."""
-    p = subparsers.add_parser(
-        "init-config", help="copy a packaged config (and the files it includes) to edit",
-        description="Copy one of the YAML configs shipped with mindvl-ms, together with every file it includes "
-                    "(`_include_`, the demo's model YAML), into DST keeping their relative paths; the copy loads "
-                    "exactly like the original. Without NAME, list the packaged configs.",
-        epilog="examples:\n  mindvl init-config                       # list\n"
-               "  mindvl init-config stage/tiny-cpu.yaml   # -> configs/stage/tiny-cpu.yaml, configs/model/tiny.yaml\n"
-               "  mindvl train --config configs/stage/tiny-cpu.yaml ...",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", nargs="?", help="packaged config, e.g. demo/quick.yaml or configs/stage/tiny-cpu.yaml")
-    p.add_argument("dst", nargs="?", default=PREFIX, help="directory to copy into (default: ./configs)")
-    p.add_argument("--force", action="store_true", help="overwrite existing files")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    if not args.name:
-        print(f"packaged configs ({configs_dir()}):")
-        for n in list_configs():
-            print(f"  {n}")
-        return 0
-    try:
-        written = copy_config(args.name, args.dst, overwrite=args.force)
-    except FileExistsError as e:
-        raise ValueError(str(e)) from None
-    for w in written:
-        print(f"wrote {w}")
-    return 0
-

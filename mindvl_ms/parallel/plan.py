@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -415,37 +414,3 @@ def check(run_cfg, plans: List[DevicePlan], limit: Optional[float]) -> List[str]
 
 # ------------------------------------------------------------------------------------------------
 # command line
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "plan", help="per-device memory and communication of a run's parallel layout",
-        description="Per-device memory (weights, gradients, optimizer states, activations, ViT activations, "
-                    "logits chunk) and per-step communication (TP, EP, PP, DP) of the run config's layout, for "
-                    "every training stage and pipeline stage. Validates the strategy first. Exits 1 when a device "
-                    "exceeds context.max_device_memory, naming the component.")
-    p.add_argument("--config", required=True, help="run YAML (e.g. configs/run/mindvl-8b-64npu.yaml)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.set_defaults(func=_run)
-
-
-def _run(args) -> int:
-    from mindvl_ms.config.train import load_run_config
-    from mindvl_ms.parallel.runtime import validate_strategy
-
-    try:
-        from mindvl_ms.config.packaged import resolve_config
-
-        cfg = load_run_config(resolve_config(args.config)[0], args.set)
-        lay = Layout.from_run_config(cfg)
-        validate_strategy(cfg.model, cfg.parallel_config, lay.world)
-        limit = parse_memory(cfg.context.max_device_memory)
-        plans = plan_run(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(cfg, plans, limit))
-    bad = check(cfg, plans, limit)
-    for msg in bad:
-        print(f"does not fit: {msg}", file=sys.stderr)
-    return 1 if bad else 0

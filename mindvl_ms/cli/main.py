@@ -21,16 +21,16 @@ _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 _NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
 
 COMMAND_MODULES = [
-    "mindvl_ms.checkpoint.commands_convert",
-    "mindvl_ms.checkpoint.commands",
-    "mindvl_ms.eval.commands",
-    "mindvl_ms.train.commands",
-    "mindvl_ms.train.post.rollout",
-    "mindvl_ms.data.commands",
-    "mindvl_ms.infer.commands",
-    "mindvl_ms.recipes.demo.commands",
-    "mindvl_ms.parallel.plan",
-    "mindvl_ms.config.packaged",
+    "mindvl_ms.cli.convert",
+    "mindvl_ms.cli.merge",
+    "mindvl_ms.cli.eval",
+    "mindvl_ms.cli.train",
+    "mindvl_ms.cli.rollout",
+    "mindvl_ms.cli.data",
+    "mindvl_ms.cli.infer",
+    "mindvl_ms.cli.demo",
+    "mindvl_ms.cli.plan",
+    "mindvl_ms.cli.init_config",
 ]
 
 
