@@ -1,11 +1,9 @@
 """Test set-up: MindSpore graph mode on CPU, fixed seeds, and a tmp checkpoint helper."""
 import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only
 

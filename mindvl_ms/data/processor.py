@@ -1,7 +1,7 @@
 """Sample processing: smart_resize, patchification, the Qwen chat template and assistant-only labels.
 
 Image path (identical to transformers 4.57.1 `Qwen2VLImageProcessor`, slow path, checked in
-tests/test_data_processor.py): RGB -> `smart_resize` (sides multiples of patch*merge=28, area in
+tests/data/test_processor.py): RGB -> `smart_resize` (sides multiples of patch*merge=28, area in
 [min_pixels, max_pixels], aspect ratio <= 200) -> PIL bicubic resize -> x*(1/255) in float64 then
 float32 -> (x - mean) / std with the OpenAI CLIP statistics -> the still image is repeated to
 `temporal_patch_size` frames -> patches [grid_t*grid_h*grid_w, C*T*P*P] ordered by 2x2 merge unit,

@@ -4,7 +4,7 @@
     score_sample("anls", "hello", {"answers": ["Hello"]}) -> 1.0
     aggregate("mme", [{"score": 1.0, "group": "img1"}, ...]) -> {"acc": ..., "acc_plus": ..., "primary": ...}
 
-Definitions (each has a hand-computed test in tests/test_metrics.py):
+Definitions (each has a hand-computed test in tests/eval/test_metrics.py):
 - anls (DocVQA, InfoVQA): per question max over answers of 1 - NL if NL < 0.5 else 0, NL = Levenshtein
   distance / max length, on lower-cased, whitespace-collapsed strings (Biten et al. 2019).
 - relaxed_accuracy (ChartQA): numbers within 5% relative error of the target ("12%" reads as 0.12, as in

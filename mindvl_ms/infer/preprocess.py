@@ -11,7 +11,7 @@ and `UInt8Normalize` (a Cell, part of the exported vision graph) turns them into
 [N, C*T*P*P] the vision tower takes. Normalisation is a 256-entry lookup table per channel whose entries
 are computed with the float pipeline's own arithmetic (x * (1/255) in float64 -> float32, then
 (x - mean) / std in float32), so the in-graph result is bit-identical to the float path, not just close.
-Test: pytest tests/test_infer_preprocess.py
+Test: pytest tests/infer/test_preprocess.py
 """
 from typing import Optional, Sequence, Tuple
 

@@ -2,7 +2,7 @@
 
 The order and semantics follow transformers' logits processors (RepetitionPenaltyLogitsProcessor, then
 TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, each keeping at least one token), which
-tests/test_infer_sampling.py checks against transformers itself. Logits are float32 numpy [B, V].
+tests/infer/test_sampling.py checks against transformers itself. Logits are float32 numpy [B, V].
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -106,7 +106,7 @@ def sample_scores(scores: np.ndarray, u: np.ndarray, block: int = 1024) -> np.nd
     sums of blocks of `block` tokens, and a float64 cumulative sum only inside the block holding the uniform
     (2-4x faster than a float64 softmax and full cumulative sum over 151,936 tokens, batch 8 to 64). The
     draws are choice()'s with the same uniforms except where one falls within float32 rounding of a
-    cumulative boundary (tests/test_infer_sampling.py counts the agreement)."""
+    cumulative boundary (tests/infer/test_sampling.py counts the agreement)."""
     x = np.asarray(scores, np.float32)
     b, v = x.shape
     e = np.exp(x - x.max(-1, keepdims=True))                                        # [B, V], -inf -> 0

@@ -17,12 +17,12 @@ maps them to and from HF's per-expert Linear weights. Multi-token-prediction lay
 
 Routed experts, by device:
 - Ascend (default there): MindFormers' MoE code with this cell's parameters (`use_mindformers`): the expert
-  selection of MindFormers' TopKRouter (`moe_mindformers.MindFormersSelect`), then its
+  selection of MindFormers' TopKRouter (`parallel.mindformers_moe.MindFormersSelect`), then its
   MoEAlltoAllTokenDispatcher (AlltoAll counts + AlltoAllV rows inside the EP group) and GroupedMatmul experts
   in one Morph (`mindvl_ms.parallel.moe.EPExperts`); `mindvl_ms.parallel.moe.shard_moe` declares the
   semi-auto strategies (experts split by expert_parallel). MindFormers' group score is the sum of each
   group's top (k / topk_group) scores, DeepSeek-V3's the top 2: equal for DeepSeek-V3's own sizes (8 / 4)
-  and the tiny config (2 / 1), different otherwise (tests/test_moe_mindformers.py shows both, and runs
+  and the tiny config (2 / 1), different otherwise (tests/parallel/test_mindformers_moe.py shows both, and runs
   MindFormers' MoELayer on CPU with this project's weights, its Ascend kernels swapped inside the test).
 - CPU (default there): DeepSeek-V3's routing (moe_router.TopkRouter) and sparse experts (`RoutedExperts`
   dispatch "sparse"): routed rows only, in an [E, C] capacity layout or, when an expert overflows C,

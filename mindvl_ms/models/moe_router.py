@@ -20,7 +20,7 @@ On Ascend, the expert selection is MindFormers' `TopKRouter` code (`mindformers_
 DeepseekV3MoE through `mindvl_ms.parallel.mindformers_moe.MindFormersSelect`); scores, bias, routing weights
 and parameters stay this cell's. MindFormers picks groups by the sum of the top (k / topk_group) scores per
 group rather than DeepSeek-V3's top-2: equal when k / topk_group = 2 (DeepSeek-V3's 8 / 4), different
-otherwise (tests/test_moe_mindformers.py shows both). On CPU the selection below is DeepSeek-V3's, with
+otherwise (tests/parallel/test_mindformers_moe.py shows both). On CPU the selection below is DeepSeek-V3's, with
 `mindvl_ms.ops.moe.TopK`.
 """
 import numpy as np

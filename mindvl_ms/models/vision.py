@@ -144,7 +144,7 @@ class QkvBiasRope(nn.Cell):
 
     With `kernel` (the default where `ops/cpu_kernels.py` can build its library) this is one C++ pass over
     [N, 3E] whose every float op rounds as the composite ops below round it: for float32 the same values bit
-    for bit, forward and backward (tests/test_cpu_kernels.py; bench/bench_vision.py's gain is in the README's
+    for bit, forward and backward (tests/ops/test_cpu_kernels.py; bench/bench_vision.py's gain is in the README's
     kernel section). Other dtypes are cast to float32 before the bias add (the composite adds it first).
     The composite: BiasAdd, rotate_half as one MatMul with a +-1 matrix (exact), two Muls by `qkv_rotary`'s
     broadcast tables, Add. `tables` gives the cos/sin layout each path takes; `drop_kernel` switches to the

@@ -5,7 +5,7 @@ MindFormers' MoE (router, token dispatcher, grouped experts) calls Ascend-only p
 `SortExt`, `CumsumExt`, `MoeTokenPermute`/`MoeTokenUnpermute`, `GroupedMatmul`. Each cell below decides
 once, at construction (`is_ascend()`), whether to call that fused primitive or a CPU equivalent written with
 primitives MindSpore has on CPU (TopK, Sort, CumSum, Gather, ScatterNd, BatchMatMul). The CPU branches are
-unit-tested against numpy (tests/test_moe_ops.py); the Ascend branches pass the same inputs in the layouts
+unit-tested against numpy (tests/ops/test_moe_ops.py); the Ascend branches pass the same inputs in the layouts
 the fused kernels take and run only on Ascend hardware.
 
 Semantics (T tokens, k experts per token, E experts, M = T * k routed rows):

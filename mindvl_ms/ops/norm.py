@@ -5,7 +5,7 @@ Three paths, chosen at construction:
 - CPU, float32 (the default where `ops/cpu_kernels.py` can build its library): one C++ pass per row
   (`ops/csrc/rms_norm.cc`) with a hand-written backward (two passes: d(x) and d(weight)). Its forward
   equals the composite ops below bit for bit; its backward is the analytic gradient, equal to autodiff's
-  to float32 rounding (tests/test_cpu_norm.py). It replaces six kernels per norm forward (eight with
+  to float32 rounding (tests/ops/test_cpu_norm.py). It replaces six kernels per norm forward (eight with
   dynamic shapes) and autodiff's ~12 backward kernels, broadcasts and reductions included.
 - The composite: every op a primitive instance held by the cell (square, mean, add, rsqrt and the two
   multiplies), so `mindvl_ms.parallel.parallelize` can give each a shard strategy (batch or sequence split)

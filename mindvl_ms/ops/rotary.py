@@ -5,7 +5,7 @@ Three paths, chosen at construction:
   hardware. cos/sin must broadcast against x ([B, N, S, D] with cos [B|1, 1, S, D]).
 - CPU, float32 [B, N, S, D] (the default where `ops/cpu_kernels.py` can build its library): one C++ pass
   (`ops/csrc/rotary.cc`) for the forward and one for the backward, equal to the composite ops below bit for
-  bit (tests/test_cpu_rotary.py); cos/sin get no gradient (they come from position ids).
+  bit (tests/ops/test_cpu_rotary.py); cos/sin get no gradient (they come from position ids).
 - The composite: the cell holds every op as a primitive instance (split, neg, concat, the two multiplies,
   the add) so the parallel layer can shard them (heads over the tensor-parallel group); `drop_kernel`
   switches to it for good (a parallel layout compiles for Ascend). The values are those of the functional

@@ -13,7 +13,7 @@ MindFormers' TopKRouter and MoEAlltoAllTokenDispatcher read, from the DeepSeek-V
 Routing difference (MindFormers 1.9.0 `TopKRouter._group_limited_topk`): a group's score is the sum of its
 top (num_experts_per_tok // topk_group) biased scores, DeepSeek-V3's is the sum of its top 2. The two agree
 exactly when num_experts_per_tok // topk_group == 2 (DeepSeek-V3's 8 // 4, the tiny config's 2 // 1);
-`routing_rules_agree` says whether they do, and tests/test_moe_mindformers.py shows a config where they
+`routing_rules_agree` says whether they do, and tests/parallel/test_mindformers_moe.py shows a config where they
 differ.
 
 Importing MindFormers writes its log under $LOCAL_DEFAULT_PATH (default ./output); this module points it
@@ -68,7 +68,7 @@ class MindFormersSelect(nn.Cell):
     Only the selection code runs (`_group_limited_topk`, or `_topk` without groups, on an [S, T/S, E] view, S = dp*tp):
     TopkExt and MindFormers' group rule. The router's own Parameters are dropped (logits, bias, routing
     weights and balancing stay this project's TopkRouter's), so checkpoints keep their HF names. Runs where
-    TopkExt runs (Ascend), or on CPU with the kernels substituted as tests/test_moe_mindformers.py does.
+    TopkExt runs (Ascend), or on CPU with the kernels substituted as tests/parallel/test_mindformers_moe.py does.
     """
 
     def __init__(self, moe, layout=None):

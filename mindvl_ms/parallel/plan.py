@@ -1,6 +1,6 @@
 """Per-device memory and per-step communication of a parallel layout: `mindvl plan --config RUN.yaml`.
 
-The plan is arithmetic on the run config (no MindSpore import, no cell built); `tests/test_parallel_plan.py`
+The plan is arithmetic on the run config (no MindSpore import, no cell built); `tests/parallel/test_plan.py`
 checks its parameter counts against the real cells and its activation formulas against the paper they come
 from. Sizes come from `mindvl_ms.parallel.layout.Layout`; `t` = tensor parallel (model_parallel), `ep` =
 expert parallel, `p` = pipeline stages, `dp` = data parallel, a stage holds `dp * t` devices.

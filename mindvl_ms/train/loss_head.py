@@ -22,7 +22,7 @@ scattered into the [c, V] block, row scalings are applied to [c, D] operands: br
 accumulator, so one chunk means one [V, D] temporary), so no [N, V] tensor
 exists in either direction: peak logits memory is O(C x V), whatever the sequence length. The
 per-position CE is what both losses consume (token_mean and the balanced loss, whose weights are
-stop-gradient functions of CE), so they are unchanged (tests/test_train_head.py checks loss and
+stop-gradient functions of CE), so they are unchanged (tests/train/test_loss_head.py checks loss and
 gradients against the full [B, L, V] computation).
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ semi/auto parallel and pipeline stages, where the accumulators are sharded by th
 - Cost: MindSpore's CPU `ScatterAdd` adds a row block slower than `AssignAdd` adds a whole tensor (the
   profile of the `small` step, bench/profile_train.py: 11 ScatterAdd kernels, 196 ms per step); the
   step was still faster than before together with `ops/broadcast.py` (2.0 s against 2.1-2.2 s).
-- The added values are those autodiff would have added (`tests/test_row_grads.py` compares the
+- The added values are those autodiff would have added (`tests/train/test_row_grads.py` compares the
   accumulators with the plain path's, and with numpy for the lookup): only the order of the float
   additions differs.
 """

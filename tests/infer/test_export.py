@@ -1,0 +1,120 @@
+"""MindIR export round trip: the exported vision / prefill / decode graphs, run by the GraphCell runner,
+give the eager model's greedy tokens; fp16 export through the CLI. Run: pytest tests/infer/test_export.py
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.support import infer_tiny as infer_tiny
+from mindvl_ms import cli
+from mindvl_ms.cli import main
+from mindvl_ms.config.data import ImageConfig
+from mindvl_ms.infer.export import export
+from mindvl_ms.infer.generate import generate
+from mindvl_ms.infer.preprocess import uint8_patches
+from mindvl_ms.infer.mindir_runner import ExportedRunner
+
+N_NEW = 5
+
+
+def _uint8_samples():
+    rng = np.random.default_rng(7)
+    cfg = ImageConfig(max_pixels=28 * 28 * 12)
+    a, ga = uint8_patches(Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)), cfg)
+    b, gb = uint8_patches(Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)), cfg)
+    two = np.concatenate([infer_tiny.image_prompt(ga, tail=(9,)), infer_tiny.image_prompt(gb, text=(3,))])
+    return [{"input_ids": infer_tiny.image_prompt(ga), "pixel_frames": a, "image_grid_thw": ga[None]},
+            {"input_ids": np.array([3, 4, 9, 10, 11, 12, 13], np.int64)},
+            {"input_ids": two, "pixel_frames": np.concatenate([a, b]), "image_grid_thw": np.stack([ga, gb])}]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    path = infer_tiny.setup()[0]
+    out = str(tmp_path_factory.mktemp("export") / "fp32")
+    meta = export(path, out)
+    return path, out, meta
+
+
+def test_graphcell_runner_equals_eager_model(exported):
+    _, out, meta = exported
+    model = infer_tiny.setup()[2]
+    samples = _uint8_samples()
+    runner = ExportedRunner(out, backend="graphcell")
+    got = runner.generate(samples, N_NEW)
+    assert got == generate(model, samples, N_NEW)
+    assert runner.generate(samples, N_NEW, padding_side="right") == got
+    # other batch sizes and cache lengths through the same loaded graphs
+    assert runner.generate(samples[1:], 3) == generate(model, samples[1:], 3)
+    frames, grid = uint8_patches(Image.fromarray(np.full((100, 30, 3), 77, np.uint8)), ImageConfig())
+    third = [{"input_ids": infer_tiny.image_prompt(grid), "pixel_frames": frames, "image_grid_thw": grid[None]}]
+    assert runner.generate(third, 4) == generate(model, third, 4)  # a new image size through the vision graph
+    assert [len(g) for g in got] == [N_NEW] * 3
+    # a video (float temporal patches through the vision_video graph) next to an image
+    rng = np.random.default_rng(5)
+    vid = {"input_ids": np.array([3, 4, infer_tiny.hf_tiny.VSTART] + [253] * 12 + [infer_tiny.hf_tiny.VEND, 7],
+                                 np.int64),
+           "pixel_values_videos": rng.standard_normal((48, 3 * 2 * 14 * 14)).astype(np.float32),
+           "video_grid_thw": np.array([[2, 4, 6]]), "second_per_grid_ts": np.array([1.0])}
+    mixed = dict(vid, input_ids=np.concatenate([third[0]["input_ids"], vid["input_ids"]]),
+                 pixel_frames=third[0]["pixel_frames"], image_grid_thw=third[0]["image_grid_thw"])
+    assert runner.generate([vid, mixed], 4) == generate(model, [vid, mixed], 4)
+    print("exported bytes:", {k: g["bytes"] for k, g in meta["graphs"].items()}, "total", meta["total_bytes"])
+
+
+def test_export_json_describes_dynamic_graphs(exported):
+    _, out, meta = exported
+    with open(os.path.join(out, "export.json")) as f:
+        assert json.load(f) == meta
+    for name in ("vision", "vision_video", "prefill", "decode"):
+        g = meta["graphs"][name]
+        assert os.path.getsize(os.path.join(out, g["file"])) == g["bytes"] > 0
+        # only MindSpore's own operators: no node names the C++ kernel library in this machine's cache
+        with open(os.path.join(out, g["file"]), "rb") as f:
+            assert b"libmindvl_cpu" not in f.read(), name
+    vis = {i["name"]: i for i in meta["graphs"]["vision"]["inputs"]}
+    assert vis["pixel_frames"] == {"name": "pixel_frames", "shape": [-1, 588], "dtype": "uint8"}
+    pre = {i["name"]: i for i in meta["graphs"]["prefill"]["inputs"]}
+    assert pre["input_ids"]["shape"] == [-1, -1] and pre["cache_k"]["shape"] == [2, -1, 2, -1, 16]
+    dec = {i["name"]: i for i in meta["graphs"]["decode"]["inputs"]}
+    assert dec["input_ids"]["shape"] == [-1, 1]
+    assert meta["tokens"]["image_token_id"] == 250 and meta["engine"]["max_positions"] == 512
+    assert meta["preprocess"]["image_mean"] == ImageConfig().image_mean
+    # the processor travels with the graphs (this checkpoint records none: the defaults)
+    assert {"tokenizer.json", "preprocessor_config.json", "chat_template.json"} <= set(meta["processor_files"])
+    assert all(os.path.isfile(os.path.join(out, f)) for f in meta["processor_files"])
+    assert meta["system_prompt"] == "You are a helpful assistant."
+    with open(os.path.join(out, "preprocessor_config.json")) as f:
+        assert json.load(f)["max_pixels"] == meta["preprocess"]["max_pixels"]
+
+
+def test_fp16_export_runs_and_is_close(exported, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.cli.infer"])  # `mindvl export` alone
+    path, out32, meta32 = exported
+    out16 = str(tmp_path / "fp16")
+    assert main(["export", "--ckpt", path, "--out", out16, "--fp16"]) == 0
+    assert "MiB" in capsys.readouterr().out
+    r16, r32 = ExportedRunner(out16, "graphcell"), ExportedRunner(out32, "graphcell")
+    assert r16.meta["dtype"] == "float16" and r16.meta["kv_cache"]["dtype"] == "float16"
+    # weights are half the bytes: the fp16 graphs are clearly smaller (this tiny model: 0.70-0.71x, graph
+    # structure is a large share of each file, and its size varies by a few KB with the tests run before)
+    assert r16.meta["total_bytes"] < 0.75 * meta32["total_bytes"]
+    samples = _uint8_samples()
+    assert [len(x) for x in r16.generate(samples, 3)] == [3, 3, 3]
+    logits = []
+    for r in (r16, r32):  # first-token logits of the same prompts through both exports
+        first = []
+        real_prefill = r.engine.backend.prefill
+
+        def spy(arrays, cache, real_prefill=real_prefill, first=first):
+            out = real_prefill(arrays, cache)
+            first.append(out[0])
+            return out
+        r.engine.backend.prefill = spy
+        r.generate(samples, 1)
+        logits.append(first[0])
+    assert logits[0].shape == (3, 256)
+    assert np.abs(logits[0] - logits[1]).max() < 2e-2 * max(1.0, np.abs(logits[1]).max())

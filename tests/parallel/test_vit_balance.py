@@ -1,0 +1,129 @@
+"""Balanced encoder data parallelism (openPangu-VL section 6.1): the cost model against hand arithmetic and the
+ViT's own window metadata, the split against a brute-force optimum on skewed mixes, the gather index, and two
+msrun CPU workers (a stand-in TP group) whose all-gathered features equal one process encoding every image."""
+import itertools
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mindvl_ms.config import load_model_config
+from mindvl_ms.data.rope_index import vision_metadata
+from mindvl_ms.parallel.vit_balance import balance, gather_index, image_costs, lpt, makespan, rank_tokens
+
+from tests.support.paths import ROOT  # noqa: E402
+TINY = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml")).vision      # d 64, f 128, 2 blocks
+BIG = load_model_config(os.path.join(ROOT, "configs", "model", "mindvl-8b.yaml")).vision   # Qwen2.5-ViT 32 blocks
+
+
+def test_cost_by_hand_and_window_term_from_the_vit_metadata():
+    # tiny ViT: depth 2 (block 1 full, block 0 window), d 64, gated FFN 128; window 112 px = 4x4 merge units.
+    # Image 8 x 12 patches, N = 96: linear 2 * 2 * 96 * (4 * 64^2 + 3 * 64 * 128) = 15,728,640;
+    # full attention 4 * 64 * 96^2 = 2,359,296; windows: rows 4 units -> [4], cols 6 -> [4, 2]: one window of
+    # 64 patches and one of 32, 64^2 + 32^2 = 5120, times 4 * 64 = 1,310,720
+    assert image_costs([[1, 8, 12]], TINY)[0] == 15_728_640 + 2_359_296 + 1_310_720
+    # the window term equals sum(n_w^2) over the windows vision_metadata builds, edge windows included
+    for grid in ([1, 10, 14], [2, 6, 22], [1, 36, 50]):
+        seg = vision_metadata(np.array([grid]), BIG.window_size, BIG.patch_size, BIG.spatial_merge_size)
+        n_w = np.bincount(seg["window_segment_ids"])[1:]
+        d, f, n = BIG.hidden_size, BIG.intermediate_size, int(np.prod(grid))
+        linear = BIG.depth * 2.0 * n * (4 * d * d + 3 * d * f)
+        full = 4.0 * d * 4 * grid[0] * float(grid[1] * grid[2]) ** 2
+        window = 4.0 * d * 28 * float((n_w.astype(np.float64) ** 2).sum())
+        assert image_costs([grid], BIG)[0] == pytest.approx(linear + full + window, rel=1e-12)
+
+
+def brute_force(costs, ranks):
+    costs = np.asarray(costs)
+    best = np.inf
+    for a in itertools.product(range(ranks), repeat=len(costs) - 1):
+        lab = np.array((0,) + a)  # image 0 on rank 0 (symmetry)
+        best = min(best, max(costs[lab == r].sum() for r in range(ranks)))
+    return best
+
+
+# skewed mixes: a document page among thumbnails, a video-like pair of large frames, a wide panorama
+MIXES = [
+    [[1, 40, 56], [1, 8, 8], [1, 12, 16], [1, 16, 16], [1, 20, 28], [1, 8, 12], [1, 32, 32], [1, 4, 4], [1, 24, 24],
+     [1, 10, 14]],
+    [[2, 40, 40], [1, 56, 56], [1, 8, 8], [1, 8, 8], [1, 16, 12], [1, 28, 28], [1, 20, 20], [1, 12, 12], [1, 6, 6]],
+    [[1, 16, 200], [1, 30, 30], [1, 44, 44], [1, 10, 10], [1, 14, 18], [1, 22, 26], [1, 8, 40], [1, 36, 12]],
+]
+
+
+@pytest.mark.parametrize("mix", range(len(MIXES)))
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_balance_reaches_the_brute_force_optimum(mix, ranks):
+    costs = image_costs(MIXES[mix], BIG)
+    got = balance(costs, ranks)
+    assert sorted(i for a in got for i in a) == list(range(len(costs)))
+    opt = brute_force(costs, ranks)
+    span = makespan(costs, got)
+    assert span <= makespan(costs, lpt(costs, ranks)) and span <= (4 / 3 - 1 / (3 * ranks)) * opt
+    greedy = makespan(costs, balance(costs, ranks, exact_max=0))  # LPT + local search alone
+    assert span <= greedy <= makespan(costs, lpt(costs, ranks))
+    assert span == pytest.approx(opt, rel=1e-9)
+    # against the naive split (equal image counts in order) and an equal-patch greedy split
+    naive = [list(a) for a in np.array_split(np.arange(len(costs)), ranks)]
+    patches = np.prod(np.asarray(MIXES[mix]), 1).astype(float)
+    by_patches = lpt(patches, ranks)
+    print(f"mix {mix} ranks {ranks}: max/mean load balanced {span / (costs.sum() / ranks):.3f}, "
+          f"LPT+local search {greedy / (costs.sum() / ranks):.3f}, "
+          f"equal count {makespan(costs, naive) / (costs.sum() / ranks):.3f}, "
+          f"patch-count LPT {makespan(costs, by_patches) / (costs.sum() / ranks):.3f}")
+    assert span < makespan(costs, naive)
+
+
+def test_gather_index_restores_image_order():
+    grid = np.array([[1, 8, 8], [1, 4, 4], [1, 12, 8], [1, 4, 8]])
+    tokens = grid.prod(1) // 4  # 16, 4, 24, 8 merged tokens
+    assignment = [[1, 2], [0, 3]]
+    assert rank_tokens(grid, assignment, 2) == [28, 24]
+    pad = 30
+    buf = np.full(2 * pad, -1)
+    label = np.concatenate([np.full(n, i) * 100 + np.arange(n) for i, n in enumerate(tokens)])  # image*100+token
+    starts = np.concatenate([[0], np.cumsum(tokens)])
+    for r, imgs in enumerate(assignment):
+        mine = np.concatenate([label[starts[i]:starts[i + 1]] for i in imgs])
+        buf[r * pad:r * pad + len(mine)] = mine
+    assert np.array_equal(buf[gather_index(grid, assignment, 2, pad)], label)
+    with pytest.raises(ValueError, match="more than pad_to=20"):
+        gather_index(grid, assignment, 2, 20)
+    with pytest.raises(ValueError, match="exactly one rank"):
+        gather_index(grid, [[0], [1]], 2, pad)
+
+
+def test_two_msrun_workers_gather_what_one_process_encodes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT, MASTER_PORT=str(port), LOG_DIR=str(tmp_path / "logs"), CLUSTER_TIMEOUT="120",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    out = tmp_path / "out"
+    proc = subprocess.run([os.path.join(ROOT, "scripts", "msrun_train.sh"), "2",
+                           os.path.join(ROOT, "tests", "workers", "vit_balance_msrun.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    logs = "".join(open(os.path.join(tmp_path / "logs", f)).read()[-2000:]
+                   for f in sorted(os.listdir(tmp_path / "logs")) if f.startswith("worker"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + logs
+    assert "RANK 0 OF 2" in logs and "RANK 1 OF 2" in logs
+    got = np.load(out / "features.npz")
+    assert got["single"].shape == (167, 128) and sorted(got["sizes"]) == [1, 6]  # the 16x24 image alone
+    err = float(np.abs(got["gathered"] - got["single"]).max())
+    print(f"max |gathered - single process| = {err:.2e}")
+    np.testing.assert_allclose(got["gathered"], got["single"], rtol=1e-5, atol=1e-6)
+
+
+def test_rank_inputs_pad_with_a_zero_image():
+    from mindvl_ms.parallel.vit_balance import rank_vision_inputs
+
+    grid = np.array([[1, 4, 4], [1, 8, 6]])  # 16 + 48 patches, 4 + 12 merged tokens
+    pix = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    got = rank_vision_inputs(pix, grid, [1], TINY, pad_to=15)
+    assert np.array_equal(got["pixel_values"][:48], pix[16:]) and not got["pixel_values"][48:].any()
+    assert got["pixel_values"].shape == (60, 3) and len(got["window_index"]) == 15  # 12 + 3 padding tokens
+    with pytest.raises(ValueError, match="more than pad_to=10"):
+        rank_vision_inputs(pix, grid, [1], TINY, pad_to=10)

@@ -1,0 +1,75 @@
+"""configs/demo/post.yaml end to end on a narrowed model: preference and grounding prompt files read from
+disk by the default data path (real tokenizer and image processor), one DPO step with the NTP mix and one
+GRPO step with the grounding IoU reward, through `run_training` as `mindvl train` calls it."""
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mindvl_ms.config.train import load_run_config
+from mindvl_ms.train import run_training
+
+from tests.support.paths import ROOT  # noqa: E402
+BOX = "<|box_start|>(100,200),(500,600)<|box_end|>"
+
+
+def _files(tmp):
+    (tmp / "img").mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (112, 112, 3), dtype=np.uint8)).save(tmp / "img" / "a.png")
+    user = {"role": "user", "content": "<image>\nWhere is the circle?"}
+    sft = [{"images": ["img/a.png"], "messages": [user, {"role": "assistant", "content": BOX}]}] * 2
+    (tmp / "ground.jsonl").write_text("".join(json.dumps(x) + "\n" for x in sft))
+    pairs = [{"images": ["img/a.png"], "messages": [user], "chosen": BOX, "rejected": "left"}] * 2
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pairs))
+
+
+def test_post_yaml_smoke(tmp_path):
+    _files(tmp_path)
+    small = ["model.vision.depth=1", "model.vision.fullatt_block_indexes=[0]", "model.vision.hidden_size=32",
+             "model.vision.intermediate_size=32", "model.vision.num_heads=2", "model.vision.out_hidden_size=32",
+             "model.text.hidden_size=32", "model.text.intermediate_size=32", "model.text.num_hidden_layers=1",
+             "model.text.num_attention_heads=2", "model.text.num_key_value_heads=1", "model.text.head_dim=16",
+             "model.text.mrope_section=[4,2,2]", "init_from=''", "data.tokenizer=''", "plot=false"]  # a random model: the Qwen3 tokenizer
+    stage = ["seq_length=128", "global_batch_size=2", "micro_batch_size=2", "max_steps=1"]
+    sets = small + [f"stages.{i}.{s}" for i in (0, 1) for s in stage] + [
+        f"stages.0.data.sources=[{{path: {tmp_path / 'pairs.jsonl'}}}]",
+        f"stages.0.dpo.ntp_sources=[{tmp_path / 'ground.jsonl'}]",
+        f"stages.1.data.sources=[{{path: {tmp_path / 'ground.jsonl'}}}]",
+        "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.1.grpo.max_new_tokens=4"]
+    cfg = load_run_config(os.path.join(ROOT, "configs", "demo", "post.yaml"), sets)
+    out = str(tmp_path / "run")
+    summary = run_training(cfg, out, progress=False)
+    recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["stage"] for r in recs] == ["dpo", "grpo"] and all(r["applied"] for r in recs)
+    assert abs(recs[0]["margin"]) < 1e-4 and np.isfinite(recs[0]["loss"])
+    assert recs[1]["updates"] == 2 and 0.0 <= recs[1]["reward_mean"] <= 1.0
+    assert 1 <= recs[1]["response_length"] <= 4
+    assert [s["stage"] for s in summary["stages"]] == ["dpo", "grpo"]
+    short = load_run_config(os.path.join(ROOT, "configs", "demo", "post.yaml"), sets + ["stages.0.seq_length=80"])
+    with pytest.raises(ValueError, match=r"pair 0 needs \d+ tokens .* seq_length is 80"):
+        run_training(short, str(tmp_path / "short"), progress=False)
+
+
+def test_post_train_demo_config_paths_and_overrides(tmp_path):
+    """configs/demo/post_train.yaml: runs/demo/ paths move to --out, `demo.` overrides set the demo section
+    (unknown keys are refused), and a missing demo run is named with the command that makes it."""
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.recipes.demo.post import load_post_config, run_post_train
+
+    path = os.path.join(ROOT, "configs", "demo", "post_train.yaml")
+    out = str(tmp_path / "d")
+    cfg, demo = load_post_config(path, out, ["demo.rollout.k=8", "stages.1.max_steps=3"])
+    assert cfg.init_from == os.path.join(out, "merged")
+    assert cfg.stages[0].data["sources"][0]["path"] == os.path.join(out, "post", "data", "pairs.jsonl")
+    assert cfg.stages[1].data["sources"][0]["path"] == os.path.join(out, "post", "data", "prompts.jsonl")
+    assert cfg.stages[0].dpo.ntp_sources == [os.path.join(out, "data", "train_vqa.jsonl"),
+                                             os.path.join(out, "data", "train_ocr.jsonl")]
+    assert demo["rollout"]["k"] == 8 and cfg.stages[1].max_steps == 3
+    base, _ = load_post_config(path, out)
+    assert base.stages[1].max_steps != 3
+    with pytest.raises(ConfigError, match="no 'rollout.kk'"):
+        load_post_config(path, out, ["demo.rollout.kk=8"])
+    with pytest.raises(ConfigError, match=r"run `mindvl demo --out .*` first"):
+        run_post_train(out, progress=False)

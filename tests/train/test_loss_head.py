@@ -1,0 +1,161 @@
+"""The LM head at supervised positions only, in chunks (train/loss_head.py), against full computations:
+the host layout and its chunk bound, the chunked CE and its gradients against float64 numpy, and the
+train step's forward (MindVL, both losses, several chunks) against the full [B, L, V] logits path.
+
+    python -m pytest -q tests/train/test_loss_head.py
+"""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from tests.support import hf_tiny as hf_tiny
+from mindvl_ms.config.base import load
+from mindvl_ms.config.model import MindVLConfig
+from mindvl_ms.data.collate import build_model_inputs
+from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
+from mindvl_ms.train.loss import TrainLoss
+from mindvl_ms.train.train_step import ForwardLoss, has_sparse_head
+from tests.train.test_trainer_mindvl import MODEL
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 64, 1000])
+def test_chunk_grid_never_exceeds_the_bound(chunk):
+    for n_sup in list(range(0, 300)) + [4095, 4096, 4097, 131072]:
+        n, c = chunk_grid(n_sup, chunk)
+        assert c <= chunk and n * c >= n_sup and n >= 1       # the bound, and room for every target
+        if n > 1:
+            assert c == chunk and (n - 1) * c < n_sup          # no empty chunk
+    with pytest.raises(ValueError, match="logits_chunk_tokens"):
+        chunk_grid(3, 0)
+
+
+def test_supervised_layout_against_a_loop():
+    rng = np.random.default_rng(0)
+    t = rng.integers(0, 50, (3, 20)).astype(np.int32)
+    t[rng.random((3, 20)) < 0.6] = IGNORE
+    seg = rng.integers(1, 4, (3, 20)).astype(np.int32)
+    tok = rng.integers(0, 9, (3, 20)).astype(np.int32)
+    lay = supervised_layout(t, seg, tok, chunk=4)
+    pos = [r * 20 + p for r in range(3) for p in range(20) if t[r, p] != IGNORE]
+    n, c = lay["logit_index"].shape
+    assert c == 4 and n == -(-len(pos) // 4)
+    flat = {k: v.reshape(-1) for k, v in lay.items()}
+    assert list(flat["logit_index"][:len(pos)]) == pos
+    assert list(flat["sup_targets"][:len(pos)]) == [t.reshape(-1)[p] for p in pos]
+    assert list(flat["sup_segment_ids"][:len(pos)]) == [seg.reshape(-1)[p] for p in pos]
+    assert list(flat["sup_token_index"][:len(pos)]) == [tok.reshape(-1)[p] for p in pos]
+    assert (flat["sup_targets"][len(pos):] == IGNORE).all() and (flat["sup_segment_ids"][len(pos):] == 0).all()
+
+
+def _numpy_ce_and_grads(h, w, t, coef):
+    """float64: CE per position, and d(sum coef*CE)/dh, /dw."""
+    h64, w64 = h.astype(np.float64), w.astype(np.float64)
+    logits = h64 @ w64.T
+    top = logits.max(-1, keepdims=True)
+    p = np.exp(logits - top)
+    lse = np.log(p.sum(-1)) + top[:, 0]
+    p /= p.sum(-1, keepdims=True)
+    valid = t != IGNORE
+    safe = np.where(valid, t, 0)
+    ce = (lse - logits[np.arange(len(t)), safe]) * valid
+    g = p.copy()
+    g[np.arange(len(t)), safe] -= 1.0
+    g *= (coef * valid)[:, None]
+    return ce, g @ w64, g.T @ h64
+
+
+def test_chunked_ce_and_gradients_match_numpy():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(1)
+    n, c, d, v = 3, 4, 6, 37
+    h = rng.standard_normal((n, c, d)).astype(np.float32)
+    w = rng.standard_normal((v, d)).astype(np.float32)
+    t = rng.integers(0, v, (n, c)).astype(np.int32)
+    t[2, 1:] = IGNORE
+    coef = rng.random((n, c)).astype(np.float32)
+    head = ChunkedHeadCE()
+
+    def f(h_, w_, t_, k_):
+        return (head(h_, w_, t_) * k_).sum()
+
+    grad = ms.jit(ms.value_and_grad(f, grad_position=(0, 1)))
+    for _ in range(2):  # dynamic chunk count: the second call has one chunk more
+        val, (gh, gw) = grad(Tensor(h), Tensor(w), Tensor(t), Tensor(coef))
+        ce, rh, rw = _numpy_ce_and_grads(h.reshape(-1, d), w, t.reshape(-1), coef.reshape(-1))
+        assert float(val.asnumpy()) == pytest.approx(float((ce * coef.reshape(-1)).sum()), rel=1e-5)
+        np.testing.assert_allclose(head(Tensor(h), Tensor(w), Tensor(t)).asnumpy().reshape(-1), ce, rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(gh.asnumpy().reshape(-1, d), rh, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(gw.asnumpy(), rw, rtol=1e-4, atol=1e-5)
+        extra = (rng.standard_normal((1, c, d)).astype(np.float32), rng.integers(0, v, (1, c)).astype(np.int32))
+        h, t = np.concatenate([h, extra[0]]), np.concatenate([t, extra[1]])
+        coef = np.concatenate([coef, rng.random((1, c)).astype(np.float32)])
+        n += 1
+
+
+def _batch(seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(2):
+        row = []
+        for sizes in ([(28, 28)], [(28, 56)]):
+            ids, pv, grid = hf_tiny.image_sample(rng, sizes, text_len=6, vocab=200)
+            labels = ids.copy()
+            labels[: len(ids) // 2] = -100
+            row.append({"input_ids": ids, "labels": labels, "pixel_values": pv, "image_grid_thw": grid})
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["token_mean", "balanced"])
+def test_sparse_chunked_forward_equals_the_full_logits_path(kind):
+    """ForwardLoss on MindVL: supervised-only chunked head (chunk of 5 positions, several chunks) vs the
+    model's full [B, L, V] logits: same loss share and the same gradient for every parameter."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = load(MindVLConfig, MODEL, "test")
+    ms.set_seed(0)
+    model = MindVLForConditionalGeneration(cfg)
+    assert has_sparse_head(model)
+    batch = build_model_inputs(_batch(), cfg)
+    names = list(model.INPUT_NAMES)
+    seg_pos = names.index("segment_ids")
+    loss = TrainLoss(kind, 0.7, 0.6)
+    n_sup = float((batch["targets"] != IGNORE).sum())
+    samples = float(len(np.unique(batch["segment_ids"][batch["targets"] != IGNORE])))
+    scalars = [Tensor(n_sup if kind == "token_mean" else -1.0, ms.float32), Tensor(samples, ms.float32),
+               Tensor(1.0, ms.float32)]
+    model_in = [Tensor(batch[k]) for k in names]
+    lay = supervised_layout(batch["targets"], batch["segment_ids"], batch["token_index"], chunk=5)
+    assert lay["logit_index"].shape[0] > 2
+    params = model.trainable_params()
+    out = {}
+    for sparse in (False, True):
+        fwd = ForwardLoss(model, loss, len(names), seg_pos, sparse=sparse)
+        extra = ([Tensor(lay[k]) for k in ("sup_targets", "sup_segment_ids", "sup_token_index", "logit_index")]
+                 if sparse else [Tensor(batch["targets"]), Tensor(batch["token_index"])])
+        grad = ms.value_and_grad(fwd, None, params, has_aux=True)
+        (val, _), grads = grad(*model_in, *extra, *scalars)
+        out[sparse] = (float(val.asnumpy()), [g.asnumpy() for g in grads])
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5)
+    for p, a, b in zip(params, out[True][1], out[False][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6, err_msg=p.name)
+    assert any(np.abs(g).max() > 1e-4 for g in out[True][1])
+
+
+def test_train_step_reads_the_chunk_size_from_the_loss_config():
+    from mindvl_ms.config.train import StageConfig
+    from mindvl_ms.train.optim import select_trainable
+    from mindvl_ms.train.train_step import TrainStep
+
+    cfg = load(MindVLConfig, MODEL, "test")
+    model = MindVLForConditionalGeneration(cfg)
+    batch = build_model_inputs(_batch(1), cfg)
+    n_sup = int((batch["targets"] != IGNORE).sum())
+    for chunk, expect in ((3, (-(-n_sup // 3), 3)), (4096, (1, -(-n_sup // 8) * 8))):
+        st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
+                                "max_steps": 1, "loss": {"logits_chunk_tokens": chunk}})
+        eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st)
+        arrays = eng._micro_arrays(batch)
+        assert arrays[-1].shape == expect  # logit_index [n, c]

@@ -1,0 +1,154 @@
+"""Row-wise gradients of the [V, D] tables (train/row_grads.py): the embedding lookup and the chunked head add
+their gradients into the accumulators from their bprops. Checked against numpy, against the plain autodiff
+gradient, and through the whole TrainStep (same parameters as plain autodiff after two steps)."""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from mindvl_ms.config.base import load
+from mindvl_ms.config.model import MindVLConfig
+from mindvl_ms.config.train import StageConfig
+from mindvl_ms.data.collate import build_model_inputs
+from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.train import row_grads
+from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
+from mindvl_ms.train.optim import select_trainable
+from mindvl_ms.train.train_step import ForwardLoss, TrainStep
+from tests.train.test_loss_head import _batch, _numpy_ce_and_grads
+from tests.train.test_trainer_mindvl import MODEL
+
+V, D = 50, 8
+
+
+class _LookupNet(nn.Cell):
+    """loss = sum((table[ids] @ lin)^2); the table's gradient goes row-wise into `acc`."""
+
+    def __init__(self, table, lin):
+        super().__init__()
+        self.table = Parameter(Tensor(table), name="table")
+        self.lin = Parameter(Tensor(lin), name="lin")
+        self.acc = Parameter(Tensor(np.zeros((V, D), np.float32)), name="acc", requires_grad=False)
+        self.token = row_grads.row_grad_token()
+        self.embed = row_grads.RowGradEmbedding(self.table, self.acc, self.token)
+
+    def construct(self, ids):
+        return (ops.matmul(self.embed(ids), self.lin) ** 2).sum()
+
+
+class _Step(nn.Cell):
+    def __init__(self, net):
+        super().__init__()
+        self.grad = ops.value_and_grad(net, None, ParameterTuple([net.lin, net.token]))
+
+    def construct(self, ids):
+        loss, grads = self.grad(ids)
+        return ops.depend(loss, grads[1]), grads[0]
+
+
+def test_lookup_adds_its_rows_into_the_accumulator_like_numpy():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(0)
+    table, lin = rng.standard_normal((V, D)).astype(np.float32), rng.standard_normal((D, 3)).astype(np.float32)
+    net = _LookupNet(table, lin)
+    step = _Step(net)
+    step.set_inputs(Tensor(shape=[None, None], dtype=ms.int32))  # dynamic, as the train step
+    batches = [np.array([[1, 3, 3, 7], [1, 1, 49, 0]], np.int32), np.array([[5, 3, 2, 2, 3, 0]], np.int32)]
+    ref = np.zeros((V, D), np.float64)
+    for ids in batches:
+        loss, g_lin = step(Tensor(ids))
+        e = table[ids].astype(np.float64)  # [B, L, D]
+        y = e @ lin
+        assert float(loss.asnumpy()) == pytest.approx(float((y ** 2).sum()), rel=1e-5)
+        np.add.at(ref, ids.reshape(-1), (2 * y @ lin.T).reshape(-1, D))  # repeated ids add up
+        np.testing.assert_allclose(g_lin.asnumpy(), np.einsum("bld,blk->dk", e, 2 * y), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(net.acc.asnumpy(), ref, rtol=1e-5, atol=1e-4)
+    assert np.abs(ref).max() > 1.0 and (np.abs(ref).sum(1) == 0).sum() > 30  # untouched rows stay zero
+    np.testing.assert_array_equal(net.table.asnumpy(), table)  # the table itself is not written
+
+
+def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
+    """ChunkedHeadCERowGrad adds dW in blocks of rows (7 here: 8 blocks, the last one ragged); the sum is the
+    dW that ChunkedHeadCE returns and that numpy computes, and dh is unchanged."""
+    monkeypatch.setattr(row_grads, "HEAD_ROW_BLOCK", 7)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(1)
+    h = rng.standard_normal((3, 4, D)).astype(np.float32)
+    w = (rng.standard_normal((V, D)) * 0.5).astype(np.float32)
+    t = rng.integers(0, V, (3, 4)).astype(np.int32)
+    t[0, 1] = t[2, 3] = IGNORE
+    coef = rng.standard_normal((3, 4)).astype(np.float32)
+    acc = Parameter(Tensor(np.zeros((V, D), np.float32)), name="acc_head", requires_grad=False)
+    token = row_grads.row_grad_token()
+    dense, rows = ChunkedHeadCE(), ChunkedHeadCERowGrad()
+
+    def f_dense(h_, w_):
+        return (dense(h_, w_, Tensor(t)) * Tensor(coef)).sum()
+
+    def f_rows(h_, tok):
+        return (rows(h_, Tensor(w), Tensor(t), acc, tok) * Tensor(coef)).sum()
+
+    (loss_d, (dh_d, dw_d)) = ms.value_and_grad(f_dense, (0, 1))(Tensor(h), Tensor(w))
+    loss_r, (dh_r, _) = ms.value_and_grad(f_rows, (0, 1))(Tensor(h), token)
+    _, dh_np, dw_np = _numpy_ce_and_grads(h.reshape(-1, D), w, t.reshape(-1), coef.reshape(-1))
+    assert float(loss_r.asnumpy()) == pytest.approx(float(loss_d.asnumpy()), rel=1e-6)
+    np.testing.assert_allclose(dh_r.asnumpy(), dh_d.asnumpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dh_r.asnumpy().reshape(-1, D), dh_np, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(acc.asnumpy(), dw_d.asnumpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acc.asnumpy(), dw_np, rtol=1e-4, atol=1e-5)
+    assert np.abs(dw_np).max() > 1e-2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_train_step_with_row_grads_equals_plain_autodiff(tied):
+    """Two steps of the tiny MindVL: the tables (untied: embedding and head; tied: one table fed by both)
+    take the row-wise path, and losses and every parameter match the plain autodiff step."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    spec = dict(MODEL, text=dict(MODEL["text"], tie_word_embeddings=tied))
+    cfg = load(MindVLConfig, spec, "test")
+    st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
+                            "max_steps": 2, "max_lr": 1e-2, "loss": {"logits_chunk_tokens": 5}})
+    ms.set_seed(0)
+    init = {p.name: p.asnumpy().copy() for p in MindVLForConditionalGeneration(cfg).get_parameters()}
+    out = {}
+    for rows in (False, True):
+        model = MindVLForConditionalGeneration(cfg)
+        for p in model.get_parameters():
+            p.set_data(Tensor(init[p.name]))
+        eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st, row_grads=rows)
+        tables = ["model.embed_tokens.weight"] if tied else ["lm_head.weight", "model.embed_tokens.weight"]
+        assert eng.row_grad_tables == (tables if rows else [])
+        assert all(p.name not in eng.row_grad_tables for p in eng.micro.weights)  # not differentiated
+        losses = [eng.run([build_model_inputs(_batch(s), cfg)], 1e-2).loss for s in range(2)]
+        out[rows] = (losses, {p.name: p.asnumpy() for p in model.get_parameters()})
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
+    for name, value in out[False][1].items():
+        np.testing.assert_allclose(out[True][1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    for name in tables:  # the tables did train
+        assert not np.array_equal(out[True][1][name], init[name])
+
+
+def test_row_grads_without_the_sparse_head_are_refused():
+    """Only the sparse head's cells add rows into accumulators: a dense-logits forward given row-wise tables
+    would differentiate nothing for them, so it raises instead of dropping their gradients."""
+    cfg = load(MindVLConfig, MODEL, "test")
+    model = MindVLForConditionalGeneration(cfg)
+    acc = Parameter(Tensor(np.zeros((V, D), np.float32)), name="acc", requires_grad=False)
+    with pytest.raises(ValueError, match="sparse head.*model.embed_tokens.weight"):
+        ForwardLoss(model, None, len(model.INPUT_NAMES), 0, sparse=False,
+                    row_grads={"model.embed_tokens.weight": acc})
+
+
+def test_gradient_norm_sums_large_tables_in_row_blocks(monkeypatch):
+    """GradNorm over a table longer than NORM_ROW_BLOCK (row blocks, the ragged last one included) and a
+    small tensor (whole): the unscaled global norm numpy computes."""
+    from mindvl_ms.train import optim
+
+    monkeypatch.setattr(optim, "NORM_ROW_BLOCK", 8)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(3)
+    big, small = rng.standard_normal((37, 5)).astype(np.float32), rng.standard_normal((6, 5)).astype(np.float32)
+    accum = ParameterTuple([Parameter(Tensor(big), name="acc_big"), Parameter(Tensor(small), name="acc_small")])
+    got = float(optim.GradNorm(accum)(Tensor(0.25, ms.float32)).asnumpy())
+    ref = 0.25 * np.sqrt((big.astype(np.float64) ** 2).sum() + (small.astype(np.float64) ** 2).sum())
+    assert got == pytest.approx(ref, rel=1e-6)

@@ -1,0 +1,28 @@
+"""Worker for tests/train/post/test_post_msrun.py: a GRPO stage on the tiny MindVL (each rank samples the rollouts of
+its own prompts), saving the final parameters. Run under msrun (2 ranks) or as one process.
+
+    python tests/workers/post_msrun.py OUT_DIR
+"""
+import os
+import sys
+
+
+import numpy as np  # noqa: E402
+
+from tests.support import post as H  # noqa: E402
+
+# seq_length 16: one prompt (9 tokens) + response (4) per row, so rows are the same in both runs
+STAGE = {"name": "grpo", "type": "grpo", "seq_length": 16, "global_batch_size": 2, "micro_batch_size": 1,
+         "max_lr": 1e-2, "warmup_ratio": 0.0, "epochs": None, "max_steps": 2, "weight_decay": 0.0,
+         "grpo": {"group_size": 4, "mini_batch_size": 4, "max_new_tokens": 4, "reward": "post_helpers:low_ids"}}
+
+
+def main(out: str) -> None:
+    model, summary, recs = H.run(out, dict(STAGE), lambda *a: H.prompt_source(), plot=False)
+    rank = int(os.environ.get("RANK_ID", "0"))
+    np.savez(os.path.join(out, f"params_rank{rank}.npz"), **{p.name: p.asnumpy() for p in model.get_parameters()})
+    print("RANKS", summary["ranks"], "REWARDS", [r["reward_mean"] for r in recs], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,34 @@
+"""Worker for tests/parallel/test_msrun_dp.py: trains the tiny stand-in model for a few steps and saves the
+final parameters. Run under msrun (2 data-parallel ranks) or as one process with the same global batch.
+
+    python tests/workers/train_msrun.py OUT_DIR
+"""
+import os
+import sys
+
+
+import mindspore as ms  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mindvl_ms.train import load_run_config, run_training  # noqa: E402
+from mindvl_ms.train.batches import RowSource  # noqa: E402
+from tests.support.train_tiny import TinyVLM, collate, make_rows  # noqa: E402
+
+
+def main(out: str) -> None:
+    cfg = load_run_config(data={"seed": 5, "plot": False, "stages": [
+        {"name": "dp", "trainable": "all", "seq_length": 28, "global_batch_size": 8, "micro_batch_size": 2,
+         "max_lr": 5e-3, "warmup_ratio": 0.0, "epochs": None, "max_steps": 3,
+         "loss": {"type": "balanced", "lambda1": 1.0, "lambda2": 1.0}}]})
+    rows = make_rows(24, seed=7)
+    ms.set_seed(0)
+    model = TinyVLM()
+    summary = run_training(cfg, out, model=model, progress=False,
+                           data_factory=lambda rc, st, i, d: RowSource(rows, seed=rc.seed), collate=collate)
+    rank = int(os.environ.get("RANK_ID", "0"))
+    np.savez(os.path.join(out, f"params_rank{rank}.npz"), **{p.name: p.asnumpy() for p in model.get_parameters()})
+    print("RANKS", summary["ranks"], "LOSS", summary["final_loss"], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
