@@ -22,6 +22,6 @@ setup(
     include_package_data=True,
     python_requires=">=3.9,<3.12",
     install_requires=reqs("requirements.txt"),
-    extras_require={"test": ["torch==2.13.0", "transformers==4.57.1", "pytest"]},
+    extras_require={"test": ["torch==2.13.0", "transformers==4.57.1", "pytest", "import-linter==2.17", "hypothesis"]},
     entry_points={"console_scripts": ["mindvl=mindvl_ms.cli:main"]},
 )
