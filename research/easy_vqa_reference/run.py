@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-from mindvl_ms.recipes.demo.datasets import VQA_TYPES as TYPES, answer_type  # noqa: E402  (the demo's question types)
+from mindvl_ms.recipes.demo.vqa_data import VQA_TYPES as TYPES, answer_type  # noqa: E402  (the demo's question types)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERY = 20000

@@ -29,7 +29,7 @@ def main():
     for a, w in ARMS.items():
         sets = ["seed=0"] + ([] if w == 2.0 else [f"data.sources.2.weight={w}"])
         runs[a] = common.demo(NAMES[a], sets)
-    from mindvl_ms.recipes.demo.run import load_demo_config
+    from mindvl_ms.recipes.demo.config import load_demo_config
 
     sizes = {}
     for a, w in ARMS.items():

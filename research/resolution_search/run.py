@@ -5,7 +5,7 @@
 Takes the three checkpoints of the seed-0 run of experiment (a) (`mindvl demo --config research/scale.yaml
 --set seed=0`, trained if missing) and runs the project's search (`mindvl_ms.eval.resolution_search.search`,
 what `mindvl search-resolution` runs) over a min_pixels x max_pixels grid on all three held-out splits. The
-generation backend is the demo's (`mindvl_ms.recipes.demo.run.eval_backend`: the processor the demo trained with,
+generation backend is the demo's (`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with,
 no system turn), as `mindvl demo` itself does for its search. Writes results.json, results.md,
 resolution_boxplot.png (the project's plot: one panel per benchmark, one box per checkpoint over the grid)
 and resolution_table.md here.
@@ -26,7 +26,8 @@ MAX_GRID = (4, 8, 16, 32, 64)
 def main():
     import mindspore as ms
 
-    from mindvl_ms.recipes.demo.run import eval_backend, load_demo_config
+    from mindvl_ms.recipes.demo.config import load_demo_config
+    from mindvl_ms.recipes.demo.evaluation import eval_backend
     from mindvl_ms.eval.resolution_search import UNIT, search
 
     here = os.path.dirname(os.path.abspath(__file__))

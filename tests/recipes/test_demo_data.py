@@ -14,7 +14,9 @@ from PIL import Image
 
 from mindvl_ms.data.grounding import parse_grounding
 from mindvl_ms.data.schema import parse_sample
-from mindvl_ms.recipes.demo.datasets import COLOURS, OCR_CELL, OCR_WORDS, write_demo_data
+from mindvl_ms.recipes.demo.datasets import write_demo_data
+from mindvl_ms.recipes.demo.grounding_data import COLOURS
+from mindvl_ms.recipes.demo.ocr_data import OCR_CELL, OCR_WORDS
 from mindvl_ms.eval.benchmark import load_benchmark
 
 SIZES = {"vqa": (40, 12), "ocr": (30, 10), "grounding": (40, 12)}
@@ -193,7 +195,7 @@ def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
     file names (relative to configs/demo/), `model:` sections override its fields, and a missing one is
     reported by name."""
     from mindvl_ms.config.base import ConfigError
-    from mindvl_ms.recipes.demo.run import config_path, load_demo_config
+    from mindvl_ms.recipes.demo.config import config_path, load_demo_config
 
     mine = tmp_path / "mine.yaml"
     mine.write_text(f"_include_: {config_path(False)}\nstages:\n  - {{name: warmup, max_steps: 3}}\n"
@@ -220,7 +222,7 @@ def test_demo_yaml_including_the_shipped_one_from_elsewhere(tmp_path):
 
 
 def test_vqa_scores_by_type(tmp_path):
-    from mindvl_ms.recipes.demo.run import vqa_scores_by_type
+    from mindvl_ms.recipes.demo.evaluation import vqa_scores_by_type
 
     rows = [("yes", 1), ("no", 0), ("no", 1), ("teal", 1), ("brown", 0), ("circle", 0)]
     p = tmp_path / "predictions.jsonl"
@@ -237,7 +239,7 @@ def _kind(answer):
 def test_vqa_mix_sets_the_train_question_types(tmp_path):
     """`vqa_mix` fixes the train split's count of each easy-VQA question type (largest remainders); the
     held-out split keeps the package's own mix; a mix the split cannot fill is refused by name."""
-    from mindvl_ms.recipes.demo.datasets import sample_questions, type_quotas
+    from mindvl_ms.recipes.demo.vqa_data import sample_questions, type_quotas
 
     assert type_quotas(10, {"yes/no": 1, "colour": 1, "shape": 1}) == {"yes/no": 4, "colour": 3, "shape": 3}
     assert type_quotas(7, {"yes/no": 2, "colour": 1, "shape": 0}) == {"yes/no": 5, "colour": 2, "shape": 0}
@@ -261,7 +263,8 @@ def test_vqa_mix_sets_the_train_question_types(tmp_path):
 def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
     """full.yaml's `demo.vqa_mix` (equal weights) draws equal question types through `run.write_data`;
     quick.yaml resets it to null (easy-VQA's own mix, mostly yes/no). Sizes shrunk to 30 train questions."""
-    from mindvl_ms.recipes.demo.run import config_path, load_demo_config, write_data
+    from mindvl_ms.recipes.demo.config import config_path, load_demo_config
+    from mindvl_ms.recipes.demo.prepare import write_data
 
     counts = {}
     for quick in (False, True):
@@ -285,7 +288,7 @@ def test_balanced_yes_no_cells(tmp_path):
     """`vqa_balance_yes_no` splits the yes/no quota equally over (negated or plain wording) x (yes, no),
     so the wording no longer predicts the answer (easy-VQA's plain wordings are mostly 'no', the negated
     ones mostly 'yes'); colour and shape quotas are unchanged; it needs a mix."""
-    from mindvl_ms.recipes.demo.datasets import sample_questions, yes_no_cell
+    from mindvl_ms.recipes.demo.vqa_data import sample_questions, yes_no_cell
 
     assert yes_no_cell("is there not a red shape?", "yes") == "negated:yes"
     assert yes_no_cell("does the image not contain a circle?", "no") == "negated:no"
@@ -314,7 +317,7 @@ def test_vqa_question_first(data, tmp_path):
     """`demo.vqa_question_first` puts every easy-VQA question before its image, in both splits: the same
     questions, answers and images as the default order (same seed), the blind baselines unchanged (the
     question template ignores where the image token sits), and the other tasks untouched."""
-    from mindvl_ms.recipes.demo.run import write_data
+    from mindvl_ms.recipes.demo.prepare import write_data
 
     d, info = data
     demo = {"data_sizes": {k: list(v) for k, v in SIZES.items()}, "vqa_question_first": True}
@@ -336,7 +339,7 @@ def test_vqa_question_first(data, tmp_path):
 def test_image_attributes_from_questions():
     """(colour, shape) per easy-VQA image from its questions: answers, the other attribute a question names,
     yes/no questions the image affirms; images with only one attribute known are left out; a conflict fails."""
-    from mindvl_ms.recipes.demo.datasets import image_attributes
+    from mindvl_ms.recipes.demo.vqa_data import image_attributes
 
     qs = ["what color is the shape?", "is there not a circle?", "is there a red shape?", "is no rectangle present?",
           "what is the color of the triangle?", "is there a blue shape?", "what shape is present?"]
@@ -355,8 +358,10 @@ def test_vqa_describe(tmp_path):
     and each agrees with easy-VQA's own answer (colour/shape questions name the described attribute; a
     yes/no answer is yes iff the image has the word the question names, XOR the wording is negated);
     held-out lines keep the short answer and carry answer_after '. ', which `mindvl eval` reads."""
-    from mindvl_ms.recipes.demo.datasets import VQA_WORDS, answer_of
-    from mindvl_ms.recipes.demo.run import config_path, load_demo_config, write_data
+    from mindvl_ms.recipes.demo.lines import answer_of
+    from mindvl_ms.recipes.demo.vqa_data import VQA_WORDS
+    from mindvl_ms.recipes.demo.config import config_path, load_demo_config
+    from mindvl_ms.recipes.demo.prepare import write_data
 
     _, quick = load_demo_config(config_path(True), str(tmp_path))
     _, demo = load_demo_config(config_path(False), str(tmp_path))

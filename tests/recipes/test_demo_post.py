@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from mindvl_ms.config.train import load_run_config
+from mindvl_ms.infer.rollout import EngineSampler
 from mindvl_ms.train import run_training
 
 from tests.support.paths import ROOT  # noqa: E402
@@ -40,7 +41,7 @@ def test_post_yaml_smoke(tmp_path):
         "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.1.grpo.max_new_tokens=4"]
     cfg = load_run_config(os.path.join(ROOT, "configs", "demo", "post.yaml"), sets)
     out = str(tmp_path / "run")
-    summary = run_training(cfg, out, progress=False)
+    summary = run_training(cfg, out, progress=False, sampler=EngineSampler())
     recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["stage"] for r in recs] == ["dpo", "grpo"] and all(r["applied"] for r in recs)
     assert abs(recs[0]["margin"]) < 1e-4 and np.isfinite(recs[0]["loss"])

@@ -76,8 +76,9 @@ def test_warmup_trains_only_the_projector(run):
     assert any(k.startswith("model.") for k in changed) and any(k.startswith("visual.blocks") for k in changed)
     # the warm-up changes the projector; everything else is still the seeded initialisation, which a
     # second model built with the same seed reproduces
-    from mindvl_ms.checkpoint.hf import model_tensors
-    from mindvl_ms.recipes.demo.run import load_demo_config, train_model
+    from mindvl_ms.checkpoint.pretrained import model_tensors
+    from mindvl_ms.recipes.demo.config import load_demo_config
+    from mindvl_ms.recipes.demo.training import train_model
 
     cfg, _ = load_demo_config(rep["config"], os.path.join(out, "data"))
     init = model_tensors(train_model(cfg))
@@ -133,7 +134,8 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
     import mindspore as ms
 
     import mindvl_ms.infer.generate as gen
-    from mindvl_ms.recipes.demo.run import eval_backend, load_demo_config
+    from mindvl_ms.recipes.demo.config import load_demo_config
+    from mindvl_ms.recipes.demo.evaluation import eval_backend
     from mindvl_ms.eval.metrics import parse_box
     from mindvl_ms.eval.benchmark import evaluate
 
@@ -150,7 +152,7 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "generate", recording)
     mode = ms.get_context("mode")
     ms.set_context(mode=ms.GRAPH_MODE)
-    try:  # what recipes.demo.run.evaluate_all does for the merged checkpoint's grounding split
+    try:  # what recipes.demo.evaluation.evaluate_all does for the merged checkpoint's grounding split
         backend = eval_backend(merged, cfg.data, int(demo["max_new_tokens"]))
         evaluate(merged, heldout, str(tmp_path / "eval"), backend=backend, min_pixels=cfg.data.image.min_pixels,
                  max_pixels=cfg.data.image.max_pixels, batch_size=int(demo["eval_batch_size"]),
@@ -275,7 +277,7 @@ def test_a_killed_demo_leaves_no_phase_process_behind():
     handler runs), that child ends too instead of training on as an orphan."""
     import time
 
-    parent = subprocess.Popen([sys.executable, "-c", "import time; from mindvl_ms.recipes.demo.run import in_child; "
+    parent = subprocess.Popen([sys.executable, "-c", "import time; from mindvl_ms.recipes.demo.processes import in_child; "
                                "in_child(time.sleep, 300)"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def phase_children():  # spawned workers whose parent is `parent`

@@ -1,0 +1,83 @@
+"""The demo's evaluation phase: `eval.benchmark.evaluate` (batched greedy generation through
+`mindvl_ms.infer.generate`) on each task's held-out split for the SFT variants and the merged checkpoint,
+`eval.resolution_search.search` on the OCR split of the merged checkpoint, and easy-VQA's exact match
+per question type."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List
+
+import numpy as np
+
+from mindvl_ms.data.processor import MindVLProcessor
+from mindvl_ms.eval.benchmark import evaluate
+from mindvl_ms.eval.resolution_search import search
+from mindvl_ms.infer.generate import EvalBackend, load_model
+from mindvl_ms.recipes.demo.processes import child_setup
+from mindvl_ms.recipes.demo.vqa_data import VQA_TYPES, vqa_type
+
+
+_BACKENDS: Dict[str, Any] = {}
+
+
+def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
+    """The generation backend of `mindvl eval`, with the processor the demo trained with (no system
+    turn); one per checkpoint (its compiled graphs serve the evaluation and the resolution search)."""
+    key = os.path.abspath(ckpt)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), max_new_tokens)
+    return _BACKENDS[key]
+
+
+def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any],
+                 out_dir: str, progress: bool = True) -> Dict[str, Dict[str, float]]:
+    """{checkpoint name: {task: primary score}} on every held-out split."""
+    scores: Dict[str, Dict[str, float]] = {}
+    img = data_cfg.image
+    for name, ckpt in ckpts.items():
+        backend = eval_backend(ckpt, data_cfg, int(demo.get("max_new_tokens", 24)))
+        scores[name] = {}
+        for task, path in heldout.items():
+            res = evaluate(ckpt, path, os.path.join(out_dir, name, task), backend=backend,
+                           min_pixels=img.min_pixels, max_pixels=img.max_pixels,
+                           batch_size=int(demo.get("eval_batch_size", 16)),
+                           max_new_tokens=int(demo.get("max_new_tokens", 24)), progress=progress)
+            scores[name][task] = res["tasks"][task]["primary"]
+    return scores
+
+
+def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_dir: str,
+                      progress: bool = True) -> Dict[str, Any]:
+    """`eval.resolution_search.search` of ckpt on one split over `demo.resolution_grid` (units of 28x28
+    pixels), through the same backend as the evaluation: the best setting and every setting's score."""
+    grid = demo.get("resolution_grid") or {"min": [4, 16], "max": [8, 16, 32]}
+    res = search([ckpt], [data], out_dir, backend_factory=lambda c: eval_backend(c, data_cfg, int(
+        demo.get("max_new_tokens", 24))), min_grid=grid["min"], max_grid=grid["max"],
+        batch_size=int(demo.get("eval_batch_size", 16)), max_new_tokens=int(demo.get("max_new_tokens", 24)),
+        progress=progress)
+    best = res["best"][ckpt]["average"]
+    return {"settings": len(res["rows"]), "best_min_pixels": best["min_pixels"],
+            "best_max_pixels": best["max_pixels"], "best_score": best["score"],
+            "scores": [(r["min_pixels"], r["max_pixels"], r["average"]) for r in res["rows"]],
+            "table": os.path.join(out_dir, "resolution_table.md"), "plot": res.get("plot")}
+
+
+def evaluate_phase(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any], out_dir: str,
+                   progress: bool = True):
+    """Held-out scores of every checkpoint, then the resolution search on the OCR split of `merged`."""
+    child_setup()
+    scores = evaluate_all(ckpts, heldout, data_cfg, demo, os.path.join(out_dir, "eval"), progress)
+    found = resolution_search(ckpts["merged"], heldout["ocr"], data_cfg, demo,
+                              os.path.join(out_dir, "resolution_search"), progress)
+    return scores, found
+
+
+def vqa_scores_by_type(predictions: str) -> Dict[str, float]:
+    """Exact match per easy-VQA question type (yes/no, colour, shape) from an eval predictions.jsonl."""
+    by: Dict[str, List[float]] = {t: [] for t in VQA_TYPES}
+    with open(predictions, encoding="utf-8") as f:
+        for line in f:
+            p = json.loads(line)
+            by[vqa_type(p)].append(float(p["score"]))
+    return {t: float(np.mean(v)) if v else float("nan") for t, v in by.items()}
