@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from mindvl_ms.train.post.rollout import rollout_pairs, write_pairs
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -31,14 +29,15 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: seed, line index)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run_rollout)
 
 
-def _run(args) -> int:
+def _run_rollout(args) -> int:
     import logging
 
     from mindvl_ms.data.preference import read_post_file
     from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
+    from mindvl_ms.infer.rollout import rollout_pairs, write_pairs
     from mindvl_ms.train.post.rewards import Verifier
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

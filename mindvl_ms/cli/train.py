@@ -34,20 +34,20 @@ def register(subparsers) -> None:
                         "(the change is logged and recorded in trainer_state.json)")
     p.add_argument("--out", default="runs/train", help="output directory (default: runs/train)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and metrics only)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run_train)
 
 
-def _run(args) -> int:
+def _run_train(args) -> int:
     from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.config.packaged import resolve_config
+    from mindvl_ms.infer.rollout import EngineSampler
     from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from mindvl_ms.config.packaged import resolve_config
-
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
         summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress,
-                               allow_data_change=args.resume_allow_data_change)
+                               allow_data_change=args.resume_allow_data_change, sampler=EngineSampler())
     except ConfigError as e:
         msg = str(e)
         print(f"config error: {msg if msg.startswith(args.config) else f'{args.config}: {msg}'}", file=sys.stderr)

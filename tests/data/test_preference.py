@@ -75,7 +75,8 @@ def test_post_data_factory_reads_files(tmp_path):
     from dpo.ntp_sources; chosen and rejected share the prompt's tokens and pixels."""
     from mindvl_ms.config.train import load_run_config
     from mindvl_ms.data.processor import MindVLProcessor
-    from mindvl_ms.train.post.stage import post_data_factory
+    from mindvl_ms.infer.rollout import EngineSampler
+    from mindvl_ms.train.post.sources import post_data_factory
 
     path = _lines(tmp_path)
     lines = open(path).read().splitlines()
@@ -101,7 +102,7 @@ def test_post_data_factory_reads_files(tmp_path):
     assert c["pixel_values"] is r["pixel_values"] and c["image_grid_thw"].tolist() == [[1, 4, 6]]
     assert proc.decode(c["input_ids"][:prompt_len], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     assert len(src.ntp.rows) == 1 and (src.ntp.rows[0][0]["labels"] != -100).sum() > 0
-    g = post_data_factory(cfg, cfg.stages[1], 1, None)
+    g = post_data_factory(cfg, cfg.stages[1], 1, None, EngineSampler())
     assert [p["answer"] for p in g.prompts] == [BOX, "4"] and g.prompts[1]["pixel_values"] is None
     assert g.prompts[0]["reward"] == "grounding_iou" and g.decode([end]) == "" and end in g.eos
 

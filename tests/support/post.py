@@ -1,15 +1,16 @@
-"""Helpers for the post-training tests: a tiny MindVL config, in-memory pair/prompt sources, a reward."""
+"""Post-training test set-up: a tiny MindVL config, in-memory pair/prompt sources, rewards, a stage run."""
 import json
 import os
 
 import mindspore as ms
 import numpy as np
 
-from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.data.preference import encode_response
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.infer.rollout import EngineSampler
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
-from mindvl_ms.train.post.stage import PairSource, PromptSource
+from mindvl_ms.train.post.sources import PairSource, PromptSource
+from tests.support import hf_tiny
 
 MODEL = {
     "vision": {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 64,
@@ -56,8 +57,9 @@ def low_ids(response, answer):
 def run(tmp, stage, factory, resume=None, model=None, plot=True):
     cfg = load_run_config(data={"seed": 0, "model": MODEL, "plot": plot, "stages": [stage]})
     ms.set_seed(0)
-    model = model or MindVLForConditionalGeneration(cfg.model)
-    summary = run_training(cfg, tmp, model=model, data_factory=factory, progress=False, resume=resume)
+    model = model or MindVLModel(cfg.model)
+    summary = run_training(cfg, tmp, model=model, data_factory=factory, progress=False, resume=resume,
+                           sampler=EngineSampler())
     path = os.path.join(tmp, "metrics.jsonl")
     recs = [json.loads(x) for x in open(path)] if os.path.isfile(path) else []  # rank 0 writes metrics
     return model, summary, recs

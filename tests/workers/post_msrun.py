@@ -1,20 +1,20 @@
-"""Worker for tests/train/post/test_post_msrun.py: a GRPO stage on the tiny MindVL (each rank samples the rollouts of
-its own prompts), saving the final parameters. Run under msrun (2 ranks) or as one process.
+"""Worker for tests/train/post/test_post_msrun.py: a GRPO stage on the tiny MindVL (each rank samples the rollouts
+of its own prompts with the engine sampler), saving the final parameters. Run under msrun (2 ranks) or as one
+process.
 
     python tests/workers/post_msrun.py OUT_DIR
 """
 import os
 import sys
 
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from tests.support import post as H  # noqa: E402
+from tests.support import post as H
 
 # seq_length 16: one prompt (9 tokens) + response (4) per row, so rows are the same in both runs
 STAGE = {"name": "grpo", "type": "grpo", "seq_length": 16, "global_batch_size": 2, "micro_batch_size": 1,
          "max_lr": 1e-2, "warmup_ratio": 0.0, "epochs": None, "max_steps": 2, "weight_decay": 0.0,
-         "grpo": {"group_size": 4, "mini_batch_size": 4, "max_new_tokens": 4, "reward": "post_helpers:low_ids"}}
+         "grpo": {"group_size": 4, "mini_batch_size": 4, "max_new_tokens": 4, "reward": "tests.support.post:low_ids"}}
 
 
 def main(out: str) -> None:

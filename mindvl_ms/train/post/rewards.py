@@ -1,6 +1,7 @@
 """Verifiable rewards for GRPO and for scoring `mindvl rollout` candidates.
 
-A verifier is a function `(response: str, answer: str) -> float`. Built-in verifiers (by name):
+A verifier is a function `(response: str, answer: str) -> float`. Built-in verifiers (by registry name,
+the name configs and prompt lines use; the functions are `<name>_reward`):
 - `exact_match`   1.0 when the answer equals the reference after normalisation (case-folded, inner
                   whitespace collapsed, surrounding whitespace and one trailing period removed); when
                   the response holds a `\\boxed{...}`, the content of the last one is compared.
@@ -62,11 +63,11 @@ def _final(response: str) -> str:
     return response if boxed is None else boxed
 
 
-def exact_match(response: str, answer: str) -> float:
+def exact_match_reward(response: str, answer: str) -> float:
     return float(normalise_answer(_final(response)) == normalise_answer(answer))
 
 
-def boxed_format(response: str, answer: str = "") -> float:
+def boxed_format_reward(response: str, answer: str = "") -> float:
     boxed = extract_boxed(response)
     return float(boxed is not None and boxed.strip() != "")
 
@@ -88,7 +89,7 @@ def parse_number(text: str) -> Optional[float]:
     return float(s)
 
 
-def numeric(response: str, answer: str, rel_tol: float = 1e-2, abs_tol: float = 1e-6) -> float:
+def numeric_reward(response: str, answer: str, rel_tol: float = 1e-2, abs_tol: float = 1e-6) -> float:
     got, ref = parse_number(_final(response)), parse_number(answer)
     if got is None or ref is None:
         return 0.0
@@ -103,7 +104,7 @@ def _first_box(text: str):
     return None
 
 
-def grounding_iou(response: str, answer: str) -> float:
+def grounding_iou_reward(response: str, answer: str) -> float:
     ref = _first_box(answer)
     if ref is None:
         raise ValueError(f"grounding_iou: the reference {answer!r} has no <|box_start|>(x1,y1),(x2,y2)<|box_end|>")
@@ -111,14 +112,14 @@ def grounding_iou(response: str, answer: str) -> float:
     return 0.0 if got is None else float(box_iou(got, ref))
 
 
-BUILTIN: Dict[str, RewardFn] = {"exact_match": exact_match, "boxed_format": boxed_format, "numeric": numeric,
-                                "grounding_iou": grounding_iou}
+BUILTIN: Dict[str, RewardFn] = {"exact_match": exact_match_reward, "boxed_format": boxed_format_reward,
+                                "numeric": numeric_reward, "grounding_iou": grounding_iou_reward}
 
 
-def resolve(name: str, rel_tol: float = 1e-2, abs_tol: float = 1e-6) -> RewardFn:
+def resolve_reward(name: str, rel_tol: float = 1e-2, abs_tol: float = 1e-6) -> RewardFn:
     """A verifier by built-in name or `module:function`; unknown names are a ValueError listing the choices."""
     if name == "numeric":
-        return lambda r, a: numeric(r, a, rel_tol, abs_tol)
+        return lambda r, a: numeric_reward(r, a, rel_tol, abs_tol)
     if name in BUILTIN:
         return BUILTIN[name]
     if ":" in name:
@@ -149,7 +150,7 @@ class Verifier:
 
     def fn(self, name: str) -> RewardFn:
         if name not in self._cache:
-            self._cache[name] = resolve(name, self.rel_tol, self.abs_tol)
+            self._cache[name] = resolve_reward(name, self.rel_tol, self.abs_tol)
         return self._cache[name]
 
     def __call__(self, response: str, answer: str, reward: Optional[str] = None) -> float:
@@ -159,5 +160,5 @@ class Verifier:
             raise ValueError(f"reward {name!r} returned {acc} for response {response[:80]!r}")
         out = self.accuracy_weight * acc
         if self.format_weight:
-            out += self.format_weight * boxed_format(response)
+            out += self.format_weight * boxed_format_reward(response)
         return out

@@ -1,109 +1,37 @@
 """DPO and GRPO stages inside the trainer (`stage.type: dpo | grpo`, dispatched from trainer.py).
 
 The trainer keeps what every stage shares (trainable selection, LR schedule, checkpoints with exact
-resume, the non-finite skip, metrics JSONL, progress bar, plots, msrun data parallel); a runner here
-supplies the per-step work: `runner.step(step, lr) -> (StepResult, extra metrics)`, its `engine` (a
-PostTrainStep) and its `source` (resumable: `state_dict` / `load_state_dict`).
+resume, the non-finite skip, metrics JSONL, progress bar, plots, msrun data parallel); a step driver
+here does the per-step work: `driver.step(step, lr) -> (StepResult, extra metrics)`, with its
+`engine` (a PostTrainStep) and its `source` (train/post/sources.py; resumable: `state_dict` /
+`load_state_dict`). `make_step_driver` picks the driver of the stage's type.
 
-Data: every rank loads the stage's whole (small) post-training set into memory (images decoded once),
-draws the same global batch in a per-epoch shuffled order and takes its contiguous slice, like
-`train.batches.RowSource`; a `data_factory` passed to `run_training` may return a `PairSource` or
-`PromptSource` built in memory instead.
-
-GRPO step: this rank samples G responses for each of its prompts (train/post/rollout.py, seeds from the
-prompt's dataset index and the step, so the global rollouts do not depend on the rank count), scores
-them, normalises advantages per group, computes the behaviour log-probs once, then runs
-global_batch * G / mini_batch_size optimizer updates over consecutive slices of the responses.
+GRPO step: this rank samples G responses for each of its prompts with the sampler the trainer was given
+(train/post/sampler.py; seeds from the prompt's dataset index and the step, so the global rollouts do
+not depend on the rank count), scores them, normalises advantages per group, computes the behaviour
+log-probs once, then runs global_batch * G / mini_batch_size optimizer updates over consecutive slices
+of the responses.
 DPO step: pair rows (chosen and rejected of a pair packed as two segments of one row) then NTP rows,
 split into micro-batches, one optimizer update.
 """
 from __future__ import annotations
 
-import functools
-import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from matplotlib.figure import Figure
+from mindspore import Tensor
 
-from mindvl_ms.train.batches import RowSource, micro_batches, rank_slice
+from mindvl_ms.config.base import ConfigError
+from mindvl_ms.data.preference import encode_response
+from mindvl_ms.train.batches import micro_batches, rank_slice
 from mindvl_ms.train.loss import IGNORE
-
-log = logging.getLogger(__name__)
-
-
-class PairSource:
-    """Preference pairs [(chosen sample, rejected sample)] and optional NTP rows, resumable."""
-
-    def __init__(self, pairs: Sequence, ntp_rows: Optional[Sequence] = None, seed: int = 0):
-        self.pairs = list(pairs)
-        self.main = RowSource(list(range(len(self.pairs))), seed)
-        self.ntp = RowSource(list(ntp_rows), seed + 1) if ntp_rows else None
-
-    @property
-    def rows_per_epoch(self) -> int:
-        return len(self.pairs)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return {"pairs": self.main.state_dict(), "ntp": self.ntp.state_dict() if self.ntp else None}
-
-    def load_state_dict(self, d: Dict[str, Any]) -> None:
-        self.main.load_state_dict(d["pairs"])
-        if self.ntp is not None:
-            self.ntp.load_state_dict(d["ntp"])
-
-
-class PromptSource:
-    """RL prompts: dicts with input_ids (ending with the generation prompt), pixels, answer, reward;
-    `decode(sampled ids) -> text` gives a response as the verifiers read it."""
-
-    def __init__(self, prompts: Sequence[Dict], decode: Callable, eos_token_ids: Sequence[int], seed: int = 0):
-        self.prompts = list(prompts)
-        self.decode, self.eos = decode, tuple(eos_token_ids)
-        self.main = RowSource(list(range(len(self.prompts))), seed)
-
-    @property
-    def rows_per_epoch(self) -> int:
-        return len(self.prompts)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.main.state_dict()
-
-    def load_state_dict(self, d: Dict[str, Any]) -> None:
-        self.main.load_state_dict(d)
-
-
-def post_data_factory(run_cfg, stage, stage_index: int, dist):
-    """The stage's `data.sources` read as preference (dpo) or prompt (grpo) files; dpo.ntp_sources as SFT."""
-    from mindvl_ms.config.base import deep_merge, load, to_dict
-    from mindvl_ms.config.train import DataConfig
-    from mindvl_ms.data.preference import encode_prompt, encode_text_response, read_post_file
-    from mindvl_ms.data.processor import MindVLProcessor
-    from mindvl_ms.data.schema import SampleError, iter_jsonl
-    from mindvl_ms.infer.generate import stop_token_ids
-    from mindvl_ms.train.post.rollout import response_text
-
-    cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
-    if not cfg.sources:
-        raise ValueError(f"stage '{stage.name}' ({stage.type}): data.sources is empty")
-    proc = MindVLProcessor(config=cfg)
-    kind = "preference" if stage.type == "dpo" else "prompt"
-    lines = [s for src in cfg.sources for s in read_post_file(src.path, kind)]
-    if stage.type == "grpo":
-        prompts = [dict(encode_prompt(proc, s), answer=s.answer, reward=s.reward) for s in lines]
-        eos = stop_token_ids(proc)
-        return PromptSource(prompts, functools.partial(response_text, proc, eos=eos), eos, cfg.seed)
-    pairs = []
-    for s in lines:
-        p = encode_prompt(proc, s)
-        pairs.append((encode_text_response(proc, p, s.chosen), encode_text_response(proc, p, s.rejected)))
-    ntp = []
-    for path in stage.dpo.ntp_sources:
-        for _, smp in iter_jsonl(path):
-            if isinstance(smp, SampleError):
-                raise smp
-            ntp.append([proc.process_sample(smp)])
-    return PairSource(pairs, ntp or None, cfg.seed)
+from mindvl_ms.train.post.dpo import DPOObjective, RunningMean, dpo_arrays, response_sums, segment_of_rows
+from mindvl_ms.train.post.grpo import GRPOObjective, group_advantages
+from mindvl_ms.train.post.rewards import Verifier
+from mindvl_ms.train.post.sampler import require_sampler, rollout_seed
+from mindvl_ms.train.post.step import PostTrainStep
 
 
 def pack_rows(samples: Sequence[Dict], seq_length: int) -> List[List[Dict]]:
@@ -122,22 +50,20 @@ def pack_rows(samples: Sequence[Dict], seq_length: int) -> List[List[Dict]]:
 
 
 def _swap(params, arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    from mindspore import Tensor
-
     old = {p.name: p.asnumpy().copy() for p in params}
     for p in params:
         p.set_data(Tensor(arrays[p.name]))
     return old
 
 
-class _Runner:
+class StepDriver:
+    """The per-step work of a post-training stage; `ctx` holds what the trainer built for the stage."""
+
     def __init__(self, ctx: Dict[str, Any]):
         self.__dict__.update(ctx)  # run_cfg, stage, dist, model, net, params, names, source, allreduce,
-        #                           collate, stage_dir, resuming
+        #                           collate, stage_dir, resuming, sampler
 
-    def _engine(self, objective, temperature: float = 1.0):
-        from mindvl_ms.train.post.step import PostTrainStep
-
+    def _engine(self, objective, temperature: float = 1.0) -> PostTrainStep:
         c = self.run_cfg.context
         return PostTrainStep(self.net, self.params, self.names, objective, self.stage, self.dist.dp, self.allreduce,
                              c.precision, c.loss_scale_value, c.loss_scale_factor, c.loss_scale_window,
@@ -161,11 +87,9 @@ class _Runner:
         return out
 
 
-class DPORunner(_Runner):
+class DPOStepDriver(StepDriver):
     def __init__(self, ctx):
         super().__init__(ctx)
-        from mindvl_ms.train.post.dpo import DPOObjective, RunningMean
-
         d = self.stage.dpo
         for i, (c, r) in enumerate(self.source.pairs):
             n = len(c["input_ids"]) + len(r["input_ids"])
@@ -179,8 +103,6 @@ class DPORunner(_Runner):
 
     def _reference(self) -> Dict[str, np.ndarray]:
         """Summed response log-probs of every pair under the starting weights (ranks split the pairs)."""
-        from mindvl_ms.train.post.dpo import response_sums, segment_of_rows
-
         n = len(self.source.pairs)
         out = np.zeros((n, 2), np.float32)
         mine = [i for i in range(n) if i % self.dist.world == self.dist.rank]
@@ -193,8 +115,6 @@ class DPORunner(_Runner):
         return {"logps": self.allreduce(out.reshape(-1)).reshape(n, 2)}
 
     def step(self, step: int, lr: float):
-        from mindvl_ms.train.post.dpo import dpo_arrays, segment_of_rows
-
         st, d, dist = self.stage, self.stage.dpo, self.dist
         idx = rank_slice(self.source.main.next_global_batch(st.global_batch_size), dist.rank, dist.dp)
         ntp = (rank_slice(self.source.ntp.next_global_batch(d.ntp_batch_size), dist.rank, dist.dp)
@@ -225,15 +145,23 @@ class DPORunner(_Runner):
                      "rejected_reward": float(s[3]), "bco_delta": float(delta)}
 
 
-class GRPORunner(_Runner):
+def verifier_of(stage) -> Verifier:
+    """The reward verifier of a grpo stage; a `grpo.reward` that names no verifier is a ConfigError naming the
+    stage and the key (the config checks only the name's form)."""
+    g = stage.grpo
+    try:
+        return Verifier(g.reward, g.accuracy_weight, g.format_weight, g.numeric_rel_tol)
+    except ValueError as e:
+        raise ConfigError(f"stage '{stage.name}': grpo.reward: {e}") from None
+
+
+class GRPOStepDriver(StepDriver):
     def __init__(self, ctx):
         super().__init__(ctx)
-        from mindvl_ms.train.post.grpo import GRPOObjective
-        from mindvl_ms.train.post.rewards import Verifier
-
+        self.sampler = require_sampler(self.stage, ctx.get("sampler"))
         g = self.stage.grpo
         self.engine = self._engine(GRPOObjective(g.clip_low, g.clip_high, g.kl_coef, g.temperature), g.temperature)
-        self.verifier = Verifier(g.reward, g.accuracy_weight, g.format_weight, g.numeric_rel_tol)
+        self.verifier = verifier_of(self.stage)
         self.updates = g.updates_per_step(self.stage.global_batch_size)
         self.ref_weights = (self._stage_file("reference_weights.npz",
                                              lambda: {p.name: p.asnumpy().copy() for p in self.params})
@@ -241,14 +169,11 @@ class GRPORunner(_Runner):
 
     def rollouts(self, step: int, idx: Sequence[int]):
         """Samples (prompt + response, labels on the response), rewards and response lengths."""
-        from mindvl_ms.data.preference import encode_response
-        from mindvl_ms.train.post.rollout import rollout_seed, sample_groups
-
         g, src = self.stage.grpo, self.source
         samples, rewards, lengths = [], [], []
-        groups = sample_groups(self.model, [src.prompts[i] for i in idx], g.group_size,
-                               [rollout_seed(self.run_cfg.seed, step, i) for i in idx], g.max_new_tokens,
-                               g.temperature, g.top_p, src.eos)
+        groups = self.sampler.sample(self.model, [src.prompts[i] for i in idx], g.group_size,
+                                     [rollout_seed(self.run_cfg.seed, step, i) for i in idx], g.max_new_tokens,
+                                     g.temperature, g.top_p, src.eos)
         for i, outs in zip(idx, groups):
             p = src.prompts[i]
             for o in outs:
@@ -258,16 +183,12 @@ class GRPORunner(_Runner):
                 samples.append(encode_response(p, o))
         return samples, np.asarray(rewards, np.float64), np.asarray(lengths, np.float64)
 
-    def step(self, step: int, lr: float):
-        from mindvl_ms.train.post.grpo import group_advantages
-
-        st, g, dist = self.stage, self.stage.grpo, self.dist
-        idx = rank_slice(self.source.main.next_global_batch(st.global_batch_size), dist.rank, dist.dp)
-        samples, rewards, lengths = self.rollouts(step, idx)
-        adv = group_advantages(rewards, g.group_size)
-        # update u takes the responses whose global index q (prompt position in the global batch x G + k)
-        # has q % updates == u: the same sets for any number of ranks
-        q = dist.rank * len(samples) + np.arange(len(samples))
+    def _update_batches(self, samples: List[Dict], adv: np.ndarray) -> List[List[Dict[str, np.ndarray]]]:
+        """The micro-batches of each optimizer update of the step, advantages per token in `_adv`.
+        Update u takes the responses whose global index q (prompt position in the global batch x G + k)
+        has q % updates == u: the same sets for any number of ranks."""
+        st = self.stage
+        q = self.dist.rank * len(samples) + np.arange(len(samples))
         updates = []
         for u in range(self.updates):
             sel = np.flatnonzero(q % self.updates == u)
@@ -283,7 +204,11 @@ class GRPORunner(_Runner):
                 mb["_adv"] = np.where(mb["targets"] != IGNORE, a[mb["segment_ids"]], 0.0).astype(np.float32)
                 mbs.append(mb)
             updates.append(mbs)
-        for mbs in updates:  # behaviour (and reference) log-probs before any update of this step
+        return updates
+
+    def _fixed_logps(self, updates: List[List[Dict[str, np.ndarray]]]) -> None:
+        """Behaviour (`_old`) and reference (`_ref`) log-probs of every micro-batch, before any update."""
+        for mbs in updates:
             for mb in mbs:
                 mb["_old"] = self.engine.target_logp(mb)
         if self.ref_weights is not None:
@@ -292,6 +217,9 @@ class GRPORunner(_Runner):
                 for mb in mbs:
                     mb["_ref"] = self.engine.target_logp(mb)
             _swap(self.params, cur)
+
+    def _optimize(self, updates: List[List[Dict[str, np.ndarray]]], lr: float) -> Tuple[Any, np.ndarray]:
+        """One optimizer update per entry of `updates`; the step result and the global stats sums."""
         tot = np.zeros(4, np.float64)
         losses, applied, res = [], [], None
         for mbs in updates:
@@ -303,10 +231,18 @@ class GRPORunner(_Runner):
             losses.append(res.loss)
             applied.append(res.applied)
             tot += stats
-        tot = self.allreduce(tot.astype(np.float32)).astype(np.float64)
+        res.loss, res.applied = float(np.mean(losses)), all(applied)
+        return res, self.allreduce(tot.astype(np.float32)).astype(np.float64)
+
+    def step(self, step: int, lr: float):
+        st, dist = self.stage, self.dist
+        idx = rank_slice(self.source.main.next_global_batch(st.global_batch_size), dist.rank, dist.dp)
+        samples, rewards, lengths = self.rollouts(step, idx)
+        updates = self._update_batches(samples, group_advantages(rewards, st.grpo.group_size))
+        self._fixed_logps(updates)
+        res, tot = self._optimize(updates, lr)
         r = self.allreduce(np.array([rewards.sum(), (rewards ** 2).sum(), rewards.size, lengths.sum()], np.float32))
         mean = r[0] / r[2]
-        res.loss, res.applied = float(np.mean(losses)), all(applied)
         out = {"reward_mean": float(mean), "reward_std": float(np.sqrt(max(r[1] / r[2] - mean ** 2, 0.0))),
                "clip_frac": float(tot[1] / max(tot[0], 1)), "entropy": float(tot[2] / max(tot[0], 1)),
                "response_length": float(r[3] / r[2]), "updates": self.updates}
@@ -315,8 +251,9 @@ class GRPORunner(_Runner):
         return res, out
 
 
-def make_runner(ctx: Dict[str, Any]):
-    return {"dpo": DPORunner, "grpo": GRPORunner}[ctx["stage"].type](ctx)
+def make_step_driver(ctx: Dict[str, Any]) -> StepDriver:
+    """The step driver of the stage `ctx['stage']` (dpo or grpo)."""
+    return {"dpo": DPOStepDriver, "grpo": GRPOStepDriver}[ctx["stage"].type](ctx)
 
 
 POST_PLOT_KEYS = {"grpo": ("reward_mean", "clip_frac", "entropy", "response_length"),
@@ -328,14 +265,9 @@ def plot_post(records: List[Dict[str, Any]], path: str, kind: str, title: str) -
     keys = [k for k in POST_PLOT_KEYS[kind] if records and k in records[0]]
     if not keys:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), dpi=100)
+    fig = Figure(figsize=(3.2 * len(keys), 3), dpi=100)  # no pyplot: no global backend, nothing to close
     steps = [r["step"] for r in records]
-    for ax, k in zip(np.atleast_1d(axes), keys):
+    for ax, k in zip(np.atleast_1d(fig.subplots(1, len(keys))), keys):
         ax.plot(steps, [r[k] for r in records])
         ax.set_title(k)
         ax.set_xlabel("step")
@@ -343,5 +275,4 @@ def plot_post(records: List[Dict[str, Any]], path: str, kind: str, title: str) -
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -1,21 +1,25 @@
-"""GRPO stage in the trainer on a tiny MindVL (rollouts with the KV-cache engine, verifier rewards from a
-`module:function` name): metrics per step, a rising reward, exact resume; rollouts reproducible from a seed."""
+"""GRPO stage in the trainer on a tiny MindVL (rollouts with the KV-cache engine's sampler, verifier rewards
+from a `module:function` name): metrics per step, a rising reward, exact resume; rollouts reproducible from a
+seed; a GRPO stage without a sampler is a clear error."""
 import os
 import shutil
 
 import mindspore as ms
 import numpy as np
+import pytest
 
 from tests.support import post as H
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.infer.generate import generate
+from mindvl_ms.infer.rollout import sample_group, sample_groups
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
-from mindvl_ms.train.post.rollout import rollout_seed, sample_group, sample_groups
+from mindvl_ms.train.post.sampler import rollout_seed
 
 GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
               "max_lr": 2e-2, "warmup_ratio": 0.0, "epochs": None, "max_steps": 4, "weight_decay": 0.0,
               "save_every": 1, "keep_last": 4,
-              "grpo": {"group_size": 4, "mini_batch_size": 4, "max_new_tokens": 4, "reward": "post_helpers:low_ids",
-                       "kl_coef": 0.01}}
+              "grpo": {"group_size": 4, "mini_batch_size": 4, "max_new_tokens": 4,
+                       "reward": "tests.support.post:low_ids", "kl_coef": 0.01}}
 
 
 def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path):
@@ -45,15 +49,13 @@ def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path):
 def test_rollouts_reproducible_from_seed():
     cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg.model)
+    model = MindVLModel(cfg.model)
     p = H.prompt(np.random.default_rng(3))
     a = sample_group(model, p, 4, rollout_seed(0, 1, 3), 6)
     b = sample_group(model, p, 4, rollout_seed(0, 1, 3), 6)
     c = sample_group(model, p, 4, rollout_seed(0, 2, 3), 6)
     assert a == b and a != c
     assert len({tuple(x) for x in a}) > 1   # temperature-1 sampling differs within the group
-    from mindvl_ms.infer.generate import generate
-
     greedy = generate(model, [{k: p[k] for k in ("input_ids", "pixel_values", "image_grid_thw")}], 6)[0]
     cold = sample_group(model, p, 4, rollout_seed(0, 1, 3), 6, temperature=1e-4)
     assert cold == [greedy] * 4             # temperature -> 0 is greedy decoding
@@ -65,7 +67,7 @@ def test_batched_groups_sample_what_each_prompt_samples_alone():
     give each prompt the responses of its own `sample_group` call."""
     cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg.model)
+    model = MindVLModel(cfg.model)
     rng = np.random.default_rng(5)
     prompts = [H.prompt(rng) for _ in range(3)]
     prompts[1] = dict(prompts[1], input_ids=np.concatenate([prompts[1]["input_ids"][:4], [11, 12, 13],
@@ -81,11 +83,9 @@ def test_batched_groups_sample_what_each_prompt_samples_alone():
 def test_full_forward_path_samples_each_group_from_its_own_generator():
     """Without the KV cache (use_cache=False, the DeepSeek-V3 MLA path) the rows of a group still differ
     (they draw in turn from one generator) and a group draws what it draws alone."""
-    from mindvl_ms.infer.generate import generate
-
     cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg.model)
+    model = MindVLModel(cfg.model)
     rng = np.random.default_rng(6)
     rows = [{k: p[k] for k in ("input_ids", "pixel_values", "image_grid_thw")} for p in
             (H.prompt(rng), H.prompt(rng))]
@@ -94,3 +94,11 @@ def test_full_forward_path_samples_each_group_from_its_own_generator():
     assert len({tuple(x) for x in both[:3]}) > 1
     assert both[3:] == generate(model, [rows[1]] * 3, 5, seed=8, **kw)
     assert both[:3] == generate(model, [rows[0]] * 3, 5, seed=7, **kw)
+
+
+def test_grpo_stage_without_a_sampler_is_a_clear_error(tmp_path):
+    """train/ cannot sample by itself (infer/ is above it): the caller passes the sampler."""
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "plot": False, "stages": [GRPO_STAGE]})
+    with pytest.raises(ValueError, match=r"stage 'grpo' \(grpo\) samples responses but no sampler was given"):
+        run_training(cfg, str(tmp_path / "x"), model=MindVLModel(cfg.model),
+                     data_factory=lambda *a: H.prompt_source(), progress=False)

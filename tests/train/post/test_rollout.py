@@ -3,19 +3,22 @@
 a valid preference file, and the same file again from the same seed."""
 import json
 import os
+import sys
 
 import mindspore as ms
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.support import post as H
-from mindvl_ms import cli
 from mindvl_ms.cli import main
 from mindvl_ms.config import MindVLConfig
 from mindvl_ms.config.base import load, read_yaml
+from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.validate import validate_file
-from mindvl_ms.train.post.rollout import choose_pair
+from mindvl_ms.infer.generate import stop_token_ids
+from mindvl_ms.infer.rollout import choose_pair, response_text
+from mindvl_ms.train.post.rewards import grounding_iou_reward
+from tests.support import post as H
 from tests.support.paths import ROOT
 
 
@@ -27,7 +30,7 @@ def test_choose_pair_rule():
 
 @pytest.fixture()
 def ckpt(tmp_path):
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms import MindVLForConditionalGeneration
 
     d = read_yaml(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
     d["vision"].update(depth=1, fullatt_block_indexes=[0], hidden_size=32, intermediate_size=32, num_heads=2,
@@ -41,11 +44,11 @@ def ckpt(tmp_path):
 
 
 def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.train.post.rollout"])
+    monkeypatch.setattr(sys.modules["mindvl_ms.cli"], "COMMAND_MODULES", ["mindvl_ms.cli.rollout"])
     (tmp_path / "img").mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28, 3), dtype=np.uint8)).save(
         tmp_path / "img" / "a.png")
-    lines = [{"id": f"q{i}", "images": ["img/a.png"], "answer": "x", "reward": "post_helpers:char_parity",
+    lines = [{"id": f"q{i}", "images": ["img/a.png"], "answer": "x", "reward": "tests.support.post:char_parity",
               "messages": [{"role": "user", "content": f"<image>question {i}"}]} for i in range(4)]
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
@@ -77,16 +80,11 @@ def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeyp
 def test_sampled_boxes_reach_the_verifier_with_their_tags():
     """Rollout and GRPO texts keep `<|box_start|>`/`<|box_end|>` (special tokens of the Qwen3 vocabulary),
     so grounding_iou scores a sampled box; plain skip-special decoding would drop the tags and score 0."""
-    from mindvl_ms.data.processor import MindVLProcessor
-    from mindvl_ms.infer.generate import stop_token_ids
-    from mindvl_ms.train.post.rewards import grounding_iou
-    from mindvl_ms.train.post.rollout import response_text
-
     proc = MindVLProcessor()
     tok, eos = proc.tokenizer, stop_token_ids(proc)
     box = "<|box_start|>(100,200),(300,400)<|box_end|>"
     ids = tok.encode(box) + [eos[0]]
     assert tok.decode(ids, skip_special_tokens=True) == "(100,200),(300,400)"
     assert response_text(proc, ids, eos) == box
-    assert grounding_iou(response_text(proc, ids, eos), "<|box_start|>(100,200),(300,300)<|box_end|>") == \
+    assert grounding_iou_reward(response_text(proc, ids, eos), "<|box_start|>(100,200),(300,300)<|box_end|>") == \
         pytest.approx(0.5)

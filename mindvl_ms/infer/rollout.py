@@ -1,10 +1,8 @@
-"""Rollouts: sample k responses per prompt with the KV-cache engine, score them, build preference pairs.
+"""Rollouts with the KV-cache engine: the GRPO stage's sampler and `mindvl rollout`'s preference pairs.
 
-Reproducibility: the G responses of a prompt are sampled from its own generator (the prompts of a step
-share one engine call, each repeated G times), seeded from (run seed, step, the prompt's index in its
-dataset) only, so a prompt's rollouts do not depend on which rank samples it, on the data-parallel size,
-or on the other prompts of the batch: N ranks produce exactly the rollouts of one process with the same
-global batch.
+`EngineSampler` is the `train.post.sampler.ResponseSampler` that `mindvl train`, the demo and the tests
+pass to `run_training`: the prompts of a step share one engine call (each repeated k times), each
+prompt's k rows drawing from their own generator (seeds from `train.post.sampler.rollout_seed`).
 
 Pair rule (openPangu-VL report 4.2: "at least one response scored above four and another scored below
 two" on a 1-5 scale): a prompt yields a pair when its best candidate scores strictly above `high` and its
@@ -23,28 +21,21 @@ import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from tqdm import tqdm
 
-
-def rollout_seed(seed: int, step: int, index: int) -> int:
-    return int(np.random.SeedSequence([int(seed) % 2**32, int(step), int(index)]).generate_state(1)[0])
-
-
-def sample_group(model, prompt: Dict[str, Any], k: int, seed: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, eos_token_ids: Sequence[int] = ()) -> List[List[int]]:
-    """k sampled responses (token ids, an emitted eos kept) for one prompt sample."""
-    return sample_groups(model, [prompt], k, [seed], max_new_tokens, temperature, top_p, eos_token_ids)[0]
+from mindvl_ms.data.preference import encode_prompt
+from mindvl_ms.infer.generate import decode_answer, generate, get_engine, stop_token_ids
+from mindvl_ms.infer.kv_cache import supports_cache
+from mindvl_ms.train.post.sampler import rollout_seed
 
 
 def sample_groups(model, prompts: Sequence[Dict[str, Any]], k: int, seeds: Sequence[int], max_new_tokens: int,
                   temperature: float = 1.0, top_p: float = 1.0, eos_token_ids: Sequence[int] = ()
                   ) -> List[List[List[int]]]:
-    """k sampled responses per prompt, all prompts in one engine call: each prompt's k rows draw from their
-    own generator seeded `seeds[i]`, so a prompt's responses do not depend on the others in the call. One
-    batch of 8 x 8 rows decodes about 1.5x as fast as 8 calls of 8 rows on 2 CPU cores (measured on the
-    4-layer demo model: the per-token cost of a tiny model is mostly fixed overhead)."""
-    from mindvl_ms.infer.generate import get_engine, generate
-    from mindvl_ms.infer.kv_cache import supports_cache
-
+    """k sampled responses per prompt (token ids, an emitted eos kept), all prompts in one engine call:
+    each prompt's k rows draw from their own generator seeded `seeds[i]`, so a prompt's responses do not
+    depend on the others in the call. One call for many prompts decodes faster than a call per prompt on
+    a small model, whose per-token cost is mostly fixed overhead (docs/PERFORMANCE.md, ## train)."""
     rows = [{key: p[key] for key in ("input_ids", "pixel_values", "image_grid_thw") if p.get(key) is not None}
             for p in prompts]
     if supports_cache(model.config):
@@ -55,6 +46,12 @@ def sample_groups(model, prompts: Sequence[Dict[str, Any]], k: int, seeds: Seque
     return [out[i * k:(i + 1) * k] for i in range(len(prompts))]
 
 
+def sample_group(model, prompt: Dict[str, Any], k: int, seed: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_token_ids: Sequence[int] = ()) -> List[List[int]]:
+    """k sampled responses (token ids, an emitted eos kept) for one prompt sample."""
+    return sample_groups(model, [prompt], k, [seed], max_new_tokens, temperature, top_p, eos_token_ids)[0]
+
+
 def strip_eos(ids: Sequence[int], eos: Sequence[int]) -> List[int]:
     return list(ids[:-1]) if ids and ids[-1] in eos else list(ids)
 
@@ -62,9 +59,20 @@ def strip_eos(ids: Sequence[int], eos: Sequence[int]) -> List[int]:
 def response_text(processor, ids: Sequence[int], eos: Sequence[int]) -> str:
     """A sampled response as the verifiers read it: the text `mindvl generate` prints (special tokens
     dropped except the grounding tags, so `<|box_start|>(x1,y1),(x2,y2)<|box_end|>` stays a box)."""
-    from mindvl_ms.infer.generate import decode_answer
-
     return decode_answer(processor, strip_eos(ids, eos)).strip()
+
+
+class EngineSampler:
+    """`train.post.sampler.ResponseSampler` with the KV-cache engine (`sample_groups`, `response_text`)."""
+
+    def stop_ids(self, processor) -> Tuple[int, ...]:
+        return stop_token_ids(processor)
+
+    def sample(self, model, prompts, k, seeds, max_new_tokens, temperature, top_p, stop_ids):
+        return sample_groups(model, prompts, k, seeds, max_new_tokens, temperature, top_p, stop_ids)
+
+    def response_text(self, processor, ids, stop_ids) -> str:
+        return response_text(processor, ids, stop_ids)
 
 
 def choose_pair(scores: Sequence[float], high: float, low: float) -> Optional[Tuple[int, int]]:
@@ -81,11 +89,6 @@ def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_ne
                   progress: bool = False, batch_prompts: int = 8) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """Preference lines and a summary for parsed prompt lines (`PostSample`s of kind 'prompt');
     `batch_prompts` prompts are sampled per engine call (the samples do not depend on it)."""
-    from tqdm import tqdm
-
-    from mindvl_ms.data.preference import encode_prompt
-    from mindvl_ms.infer.generate import stop_token_ids
-
     eos = stop_token_ids(processor)
     lines, all_scores = [], []
     groups: List[List[List[int]]] = []
