@@ -60,7 +60,7 @@ def inputs(size):
     from PIL import Image
 
     from mindvl_ms.config.data import ImageConfig
-    from mindvl_ms.data.processor import patchify
+    from mindvl_ms.data.image import patchify
     from mindvl_ms.infer.preprocess import uint8_patches
 
     rng = np.random.default_rng(0)
@@ -82,7 +82,7 @@ def child(kind, work, size, n_new, rep):
     import mindspore as ms
 
     from mindvl_ms.config.data import ImageConfig
-    from mindvl_ms.data.processor import patchify
+    from mindvl_ms.data.image import patchify
     from mindvl_ms.data.rope_index import vision_metadata
     from mindvl_ms.infer.generate import get_engine, load_model
     from mindvl_ms.infer.preprocess import uint8_patches

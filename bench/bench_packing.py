@@ -34,7 +34,8 @@ from mindvl_ms.config.data import DataConfig  # noqa: E402
 from mindvl_ms.data.offline import pack_file  # noqa: E402
 from mindvl_ms.data.packing import (Item, assign_ranks, efficiency, pack_bfd, pack_first_fit,  # noqa: E402
                                     split_oversized)
-from mindvl_ms.data.processor import MindVLProcessor, image_tokens  # noqa: E402
+from mindvl_ms.data.image import image_tokens  # noqa: E402
+from mindvl_ms.data.processor import MindVLProcessor  # noqa: E402
 from mindvl_ms.data.schema import parse_sample  # noqa: E402
 
 SIZES = {"photo": [(640, 480), (1024, 768), (800, 600), (1280, 960)], "screen": [(1280, 720), (1920, 1080)],

@@ -58,7 +58,7 @@ def build_pair():
 
 
 def image(width: int, height: int, rng):
-    from mindvl_ms.data.processor import smart_resize
+    from mindvl_ms.data.image import smart_resize
 
     h, w = smart_resize(height, width, 28, 56 * 56, 28 * 28 * 1280)
     gh, gw = h // 14, w // 14

@@ -258,7 +258,8 @@ def _ensure_processor(tmp: str, inputs: Sequence[str]) -> str:
     """Make sure a merged MindVL directory carries processor files; returns where they came from (None for
     LLM-only or config-less merges, whose side files are only copied)."""
     from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
-    from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, carry_processor, has_tokenizer
+    from mindvl_ms.data.processor import carry_processor
+    from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
     if not os.path.isfile(os.path.join(tmp, "config.json")) or is_text_only(read_config_json(tmp)):
         return None

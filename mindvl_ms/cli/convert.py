@@ -28,7 +28,8 @@ def _convert(args) -> int:
 def write_processor(dst: str, *sources: str):
     """The processor files of a converted/initialised checkpoint (see the module docstring)."""
     from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
-    from mindvl_ms.data.processor_files import carry_processor, tokenizer_source_files
+    from mindvl_ms.data.processor import carry_processor
+    from mindvl_ms.data.processor_files import tokenizer_source_files
 
     if is_text_only(read_config_json(dst)):
         copied = []
@@ -54,7 +55,8 @@ def _init(args) -> int:
 def init_processor(out: str, vision_from: str, llm_from: str):
     """init: the LLM's tokenizer (the model's vocabulary), the vision checkpoint's pixel limits; the vision
     checkpoint's whole processor when the LLM's tokenizer lacks the chat/vision special tokens."""
-    from mindvl_ms.data.processor_files import has_tokenizer, processor_of, read_image_config, save_processor
+    from mindvl_ms.data.processor import processor_of, save_processor
+    from mindvl_ms.data.processor_files import has_tokenizer, read_image_config
 
     try:
         proc = processor_of(llm_from if has_tokenizer(llm_from) else None)

@@ -22,12 +22,14 @@ def register(subparsers) -> None:
 
 def _run(args) -> int:
     from mindvl_ms.config.train import load_run_config
+    from mindvl_ms.data.vocab_subset import follow_vocab_subset
     from mindvl_ms.parallel.runtime import validate_strategy
 
     try:
         from mindvl_ms.config.packaged import resolve_config
 
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
+        follow_vocab_subset(cfg)
         lay = Layout.from_run_config(cfg)
         validate_strategy(cfg.model, cfg.parallel_config, lay.world)
         limit = parse_memory(cfg.context.max_device_memory)

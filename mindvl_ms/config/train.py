@@ -286,22 +286,7 @@ def load_run_config(path: Optional[str] = None, overrides: Optional[List[str]] =
             raise ConfigError(f"--set {ov!r}: expected key=value")
         k, v = ov.split("=", 1)
         _set_with_index(raw, k.strip(), v)
-    cfg = load(RunConfig, raw, source=path or "<dict>")
-    follow_vocab_subset(cfg)
-    return cfg
-
-
-def follow_vocab_subset(cfg: RunConfig) -> None:
-    """A `data.tokenizer` directory holding vocab_subset.json (data/vocab_subset.py) numbers its tokens
-    0..V-1: the model's vocab size and special token ids are set from it (in place), since a YAML cannot
-    know them (the subset is written per dataset, e.g. by `mindvl demo`)."""
-    from mindvl_ms.data.vocab_subset import SUBSET_FILE, restrict_model_config
-
-    tok = cfg.data.tokenizer
-    if tok and os.path.isfile(os.path.join(tok, SUBSET_FILE)):
-        from mindvl_ms.data.tokenizer import load_tokenizer
-
-        restrict_model_config(cfg.model, load_tokenizer(tok))
+    return load(RunConfig, raw, source=path or "<dict>")
 
 
 def _resolve_model(raw: Dict[str, Any], base_dir: str) -> None:

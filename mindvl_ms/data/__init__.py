@@ -7,8 +7,10 @@ patches, chat template, labels; `MindVLProcessor`), `grounding` (openPangu-VL co
 (the `mindvl data` CLI). Heavy imports (MindSpore) happen only inside the loader.
 """
 from mindvl_ms.data.grounding import box_iou, format_box, format_point, format_quad, parse_grounding
-from mindvl_ms.data.processor import IGNORE_INDEX, MindVLProcessor, image_tokens, patchify, smart_resize
+from mindvl_ms.data.image import image_tokens, patchify, smart_resize
+from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.tokenizer import load_tokenizer
+from mindvl_ms.data.tokens import IGNORE_INDEX
 
 __all__ = ["MindVLProcessor", "smart_resize", "patchify", "image_tokens", "IGNORE_INDEX", "load_tokenizer",
            "parse_grounding", "box_iou", "format_box", "format_point", "format_quad"]

@@ -22,11 +22,12 @@ is the same for text-only and multimodal batches.
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from mindspore import Tensor
 
 from mindvl_ms.config import MindVLConfig
 from mindvl_ms.data.rope_index import rope_index, vision_metadata, visual_order
+from mindvl_ms.data.tokens import IGNORE_INDEX
 
-IGNORE = -100
 INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "vision_pos_ids", "window_index",
                "reverse_index", "window_segment_ids", "full_segment_ids", "embed_index", "window_gather",
                "full_gather", "actual_seq_len")
@@ -122,6 +123,17 @@ def visual_items(s: Dict, ids: np.ndarray, config: MindVLConfig, where: str):
     return items, grids["image"], grids["video"], (None if spg is None else np.asarray(spg, np.float64).reshape(-1))
 
 
+def _targets(labels, n: int, where: str):
+    """A sample's labels int[n] -> (next-token targets int[n], order of each supervised target in the sample
+    int[n], -1 elsewhere); the last position has no next token within the sample."""
+    lab = np.asarray(labels, np.int64).reshape(-1)
+    if lab.size != n:
+        raise ValueError(f"{where}: labels has {lab.size} entries, input_ids {n}")
+    tgt = np.concatenate([lab[1:], [IGNORE_INDEX]])
+    sup = tgt != IGNORE_INDEX
+    return tgt, np.where(sup, np.cumsum(sup) - 1, -1)
+
+
 def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
                        pad_to: Optional[int] = None) -> Dict[str, np.ndarray]:
     """See the module docstring; returns INPUT_NAMES arrays plus targets, token_index and num_samples."""
@@ -138,7 +150,7 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
     input_ids = np.zeros((b, length), np.int32)
     position_ids = np.zeros((3, b, length), np.int32)
     segment_ids = np.zeros((b, length), np.int32)
-    targets = np.full((b, length), IGNORE, np.int32)
+    targets = np.full((b, length), IGNORE_INDEX, np.int32)
     token_index = np.full((b, length), -1, np.int32)
     image_slot = np.full((b, length), -1, np.int64)  # merged-feature index for image tokens
     pixels: List[np.ndarray] = []
@@ -163,16 +175,8 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
             input_ids[r, sl] = ids
             position_ids[:, r, sl] = pos
             segment_ids[r, sl] = sample_id
-            labels = s.get("labels")
-            if labels is not None:
-                lab = np.asarray(labels, np.int64).reshape(-1)
-                if lab.size != n:
-                    raise ValueError(f"{where}: labels has {lab.size} entries, input_ids {n}")
-                tgt = np.concatenate([lab[1:], [IGNORE]])
-                targets[r, sl] = tgt
-                sup = tgt != IGNORE
-                order = np.cumsum(sup) - 1
-                token_index[r, sl] = np.where(sup, order, -1)
+            if s.get("labels") is not None:
+                targets[r, sl], token_index[r, sl] = _targets(s["labels"], n, where)
             vis_pos = np.flatnonzero((ids == config.image_token_id) | (ids == config.video_token_id))
             for pv, g in items:
                 pixels.append(pv)
@@ -207,6 +211,4 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
 
 def model_args(batch: Dict[str, np.ndarray]):
     """The positional model inputs (as MindSpore Tensors) in INPUT_NAMES order."""
-    from mindspore import Tensor
-
     return [Tensor(batch[k]) for k in INPUT_NAMES]

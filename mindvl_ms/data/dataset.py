@@ -33,35 +33,19 @@ import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import mindspore.dataset as msd
 import numpy as np
 
 from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.collate import build_model_inputs
+from mindvl_ms.data.jsonl import line_offsets, read_at, read_raw_at
+from mindvl_ms.data.offline import sample_meta
 from mindvl_ms.data.packing import Item, OnlinePacker
+from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import SampleError, parse_raw, parse_sample
 from mindvl_ms.data.skiplog import SkipLog, data_fingerprint
 
 Pack = List[Tuple[Dict[str, Any], str, int]]  # [(raw sample object, source path for relative images, line)]
-
-
-def _line_offsets(path: str, keep: Optional[Callable[[int], bool]] = None) -> List[Tuple[int, int]]:
-    """[(1-based line, byte offset)] of the lines `keep` accepts (one pass, no JSON parsing)."""
-    out, pos = [], 0
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if keep is None or keep(n):
-                out.append((n, pos))
-            pos += len(raw)
-    return out
-
-
-def _read_raw(path: str, offset: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.readline()
-
-
-def _read_at(path: str, offset: int) -> str:
-    return _read_raw(path, offset).decode("utf-8")
 
 
 class PackedShardSource:
@@ -81,7 +65,7 @@ class PackedShardSource:
             raise ValueError(f"{man_path}: packs of {man['seq_length']} tokens exceed data.seq_length={config.seq_length}")
         self.config, self.source = config, man.get("source", man_path)
         self.shard = os.path.join(packed_dir, man["shards"][config.dp_rank])
-        self.offsets = [o for _, o in _line_offsets(self.shard)]
+        self.offsets = [o for _, o in line_offsets(self.shard)]
         if len(self.offsets) != man["rank_packs"][config.dp_rank]:
             raise ValueError(f"{self.shard}: {len(self.offsets)} packs, manifest says {man['rank_packs'][config.dp_rank]}")
         packs = man.get("packs")
@@ -94,7 +78,7 @@ class PackedShardSource:
         n, c = len(self.offsets), self.config
         order = np.random.default_rng([c.seed, epoch]).permutation(n) if c.shuffle else np.arange(n)
         for i in order[packs:]:
-            rec = json.loads(_read_at(self.shard, self.offsets[i]))
+            rec = json.loads(read_at(self.shard, self.offsets[i]))
             yield [(obj, self.shard, line) for obj, line in zip(rec["samples"], rec["lines"])]
 
     def epoch_packs(self, epoch: int) -> Iterator[Pack]:
@@ -115,7 +99,7 @@ class OnlinePackSource:
         for s in config.sources:
             if not os.path.isfile(s.path):
                 raise FileNotFoundError(f"data source not found: {s.path}")
-            self.lines.append(_line_offsets(s.path, lambda n: (n - 1) % dp == r))
+            self.lines.append(line_offsets(s.path, lambda n: (n - 1) % dp == r))
         self.dropped: Counter = Counter()
         self.epoch_total: Optional[int] = None
         self.on_skip: Optional[Callable[[SampleError], None]] = None  # set by the DataLoader
@@ -135,14 +119,12 @@ class OnlinePackSource:
         return [out[i] for i in perm]
 
     def _items(self, epoch: int) -> Iterator[Item]:
-        from mindvl_ms.data.offline import sample_meta
-
         order = self._epoch_order(epoch)
         self.epoch_total = len(order)
         for k, line, off in order:
             path = self.config.sources[k].path
             try:
-                s = parse_raw(_read_raw(path, off), path, line)
+                s = parse_raw(read_raw_at(path, off), path, line)
                 if isinstance(s, SampleError):
                     raise s
                 tokens, img = sample_meta(self.proc, s)
@@ -168,7 +150,7 @@ class OnlinePackSource:
                 self._muted = n < packs - 1
                 continue
             self._muted = False
-            yield [(json.loads(_read_at(self.config.sources[k].path, off)), self.config.sources[k].path, line)
+            yield [(json.loads(read_at(self.config.sources[k].path, off)), self.config.sources[k].path, line)
                    for (k, line, off) in (it.key for it in pack.items)]
         self._muted = False
         for it, reason in packer.dropped:
@@ -192,8 +174,6 @@ class DataLoader:
                  model_config=None):
         self.source, self.proc, self.config = source, processor, config
         if collate is None and model_config is not None:
-            from mindvl_ms.data.collate import build_model_inputs
-
             pad = config.pad_to or config.seq_length
             collate = lambda rows: build_model_inputs(rows, model_config, pad_to=pad)  # noqa: E731
         self.collate = collate or (lambda rows: rows)
@@ -223,8 +203,6 @@ class DataLoader:
 
     @classmethod
     def from_config(cls, config: DataConfig, processor=None, model_config=None, collate=None) -> "DataLoader":
-        from mindvl_ms.data.processor import MindVLProcessor
-
         proc = processor or MindVLProcessor(config=config)
         if config.packing == "offline" and not config.packed_dir:
             raise ValueError("data.packing is offline but data.packed_dir is empty: run `mindvl data pack IN.jsonl "
@@ -301,8 +279,6 @@ class DataLoader:
         samples processed in the pipeline's workers). Iterate it with
         `create_tuple_iterator(num_epochs=1, output_numpy=True)` and call `mark_consumed()` once per batch
         taken, so the state follows what the trainer used, not what the pipeline prefetched."""
-        import mindspore.dataset as msd
-
         groups = list(self._pack_batches(self.epoch, self.position))  # raw JSON only, no image decoding
         names = list(column_names)
         loader = self

@@ -26,6 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from tqdm import tqdm
 
 from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.image import image_size, image_tokens, quality_errors
+from mindvl_ms.data.jsonl import line_offsets
+from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
 from mindvl_ms.data.schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
 
@@ -36,16 +39,12 @@ _CHECK = True  # per-worker: compare image_sizes with the image headers
 def _init_worker(config: DataConfig, check_sizes: bool = True) -> None:
     global _PROC, _CHECK
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from mindvl_ms.data.processor import MindVLProcessor
-
     _PROC, _CHECK = MindVLProcessor(config=config), check_sizes
 
 
 def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, int]:
     """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers); with
     `check_sizes`, given image_sizes must match the headers."""
-    from mindvl_ms.data.processor import image_size, image_tokens, quality_errors
-
     n_ph = count_placeholders(sample)
     if n_ph != len(sample.images):
         raise SampleError(sample.source, sample.line, "image count mismatch",
@@ -181,9 +180,7 @@ def pack_file(path: str, out_dir: str, config: DataConfig, workers: Optional[int
 def _write_shards(path: str, out_dir: str, ranks, progress: bool) -> None:
     """One JSONL shard per rank; samples copied verbatim except image paths (relative to out_dir).
     Only byte offsets are held in memory; each sample is read back with a seek when its pack is written."""
-    from mindvl_ms.data.dataset import _line_offsets  # one offset index, no JSON parsing
-
-    offsets = dict(_line_offsets(path))
+    offsets = dict(line_offsets(path))  # one offset index, no JSON parsing
     base, out_abs = os.path.dirname(os.path.abspath(path)), os.path.abspath(out_dir)
     bar = tqdm(total=sum(len(p.items) for r in ranks for p in r), desc="shards", unit="sample", disable=not progress)
     with open(path, "rb") as src:

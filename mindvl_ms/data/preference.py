@@ -20,17 +20,20 @@ response tokens are supervised. Chosen and rejected of a pair share the prompt's
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mindvl_ms.data.schema import IMAGE_PLACEHOLDER, Sample, SampleError, normalise_messages, parse_sample
+from mindvl_ms.data.image import load_image, process_images
+from mindvl_ms.data.schema import (IMAGE_PLACEHOLDER, Sample, SampleError, normalise_messages, parse_line,
+                                   parse_sample)
+from mindvl_ms.data.tokens import IGNORE_INDEX, IM_END
 
 PREF_FIELDS = ("chosen", "rejected")
 RL_FIELDS = ("answer", "reward")
-IGNORE = -100
 
 
 @dataclass
@@ -96,8 +99,6 @@ def parse_post(obj: Any, source: str, line: int) -> PostSample:
 def read_post_file(path: str, kind: str) -> List[PostSample]:
     """All lines of a preference ('preference') or prompt ('prompt') file; the first bad line is an error
     (run `mindvl data validate` for a full report)."""
-    import json
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
     out = []
@@ -141,8 +142,6 @@ def response_texts(s: PostSample) -> List[str]:
 
 def encode_prompt(processor, s: PostSample) -> Dict[str, Any]:
     """Prompt tokens (ending with the generation prompt) + pixels: {input_ids, pixel_values, image_grid_thw}."""
-    from mindvl_ms.data.processor import load_image, process_images
-
     try:
         images = [load_image(p) for p in s.images]
     except (OSError, FileNotFoundError) as e:
@@ -154,7 +153,7 @@ def encode_prompt(processor, s: PostSample) -> Dict[str, Any]:
 
 
 def end_ids(processor) -> List[int]:
-    return [processor.tokenizer.token_to_id("<|im_end|>")]
+    return [processor.tokenizer.token_to_id(IM_END)]
 
 
 def encode_response(prompt: Dict[str, Any], response_ids, end: List[int] = ()) -> Dict[str, Any]:
@@ -164,7 +163,7 @@ def encode_response(prompt: Dict[str, Any], response_ids, end: List[int] = ()) -
         resp = resp + list(end)
     p = np.asarray(prompt["input_ids"], np.int64).reshape(-1)
     ids = np.concatenate([p, np.asarray(resp, np.int64)])
-    labels = np.concatenate([np.full(p.size, IGNORE, np.int64), np.asarray(resp, np.int64)])
+    labels = np.concatenate([np.full(p.size, IGNORE_INDEX, np.int64), np.asarray(resp, np.int64)])
     return {"input_ids": ids, "labels": labels, "pixel_values": prompt.get("pixel_values"),
             "image_grid_thw": prompt.get("image_grid_thw")}
 
@@ -177,10 +176,6 @@ def parse_line_any(text: str, source: str, line: int):
     """`schema.parse_line` for SFT, preference and prompt lines (what `mindvl data validate` checks).
     A post-training line comes back as a Sample whose messages also hold the answers as assistant turns,
     so the placeholder, raw-token and grounding checks cover them."""
-    import json
-
-    from mindvl_ms.data.schema import parse_line
-
     try:
         obj = json.loads(text) if text.strip() else None
     except json.JSONDecodeError:

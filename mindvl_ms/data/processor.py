@@ -1,27 +1,24 @@
-"""Sample processing: smart_resize, patchification, the Qwen chat template and assistant-only labels.
+"""Sample processing: the Qwen chat template, assistant-only labels and `MindVLProcessor`.
 
-Image path (identical to transformers 4.57.1 `Qwen2VLImageProcessor`, slow path, checked in
-tests/data/test_processor.py): RGB -> `smart_resize` (sides multiples of patch*merge=28, area in
-[min_pixels, max_pixels], aspect ratio <= 200) -> PIL bicubic resize -> x*(1/255) in float64 then
-float32 -> (x - mean) / std with the OpenAI CLIP statistics -> the still image is repeated to
-`temporal_patch_size` frames -> patches [grid_t*grid_h*grid_w, C*T*P*P] ordered by 2x2 merge unit,
-so each run of 4 consecutive patches is one LLM token. Tokens per image = grid_t*grid_h*grid_w / 4.
+Images and video frames go through data/image.py (smart_resize, normalisation, patches; identical to
+transformers' `Qwen2VLImageProcessor`) and data/video.py (frame sampling and the frame budget).
 
 Text path: the Qwen2.5-VL chat template (`<|im_start|>role\\n...<|im_end|>\\n`, a default system
-turn when the sample has none); every `<image>` becomes `<|vision_start|><|image_pad|>*N<|vision_end|>`.
-The template is rendered with ONE `<|image_pad|>` per image, tokenised once with character
-offsets, and each pad is then expanded to N ids; labels are the ids of tokens that start inside an
-assistant turn's content or its closing `<|im_end|>` (HF convention: aligned with input_ids,
--100 elsewhere; the model shifts). The same rendering gives the metadata-only token count used by
-the offline packer (`count_tokens`), so packer and loader always agree on lengths.
+turn when the sample has none); every `<image>` becomes `<|vision_start|><|image_pad|>*N<|vision_end|>`
+(data/tokens.py). The template is rendered with ONE `<|image_pad|>` per image, tokenised once with
+character offsets, and each pad is then expanded to N ids; labels are the ids of tokens that start inside
+an assistant turn's content or its closing `<|im_end|>` (HF convention: aligned with input_ids, -100
+elsewhere; the model shifts). The same rendering gives the metadata-only token count used by the offline
+packer (`count_tokens`), so packer and loader always agree on lengths.
 
-Quality filters vs hard limits: `data.image.min_side` (default 28, one merge unit) and
-`max_aspect_ratio` (default 50) are rule-based filters (the openPangu-VL report's data cleaning): a
-training sample whose image breaks them is skipped with a SampleError naming file:line
-(`quality_errors`, used by validate, the packers and `process_sample`). smart_resize's own limits
-(ratio 200, empty images) stay hard errors for direct calls. `process_sample` also checks each
-decoded image against the line's `image_sizes` (the packer counted tokens from them), so a wrong size
-costs that line, named by file:line and field, instead of the run.
+A training sample whose image breaks the `data.image` quality filters (data/image.py) is skipped with a
+SampleError naming file:line; `process_sample` also checks each decoded image against the line's
+`image_sizes` (the packer counted tokens from them), so a wrong size costs that line, named by file:line
+and field, instead of the run.
+
+A checkpoint carries its processor as files (data/processor_files.py): `MindVLProcessor.from_pretrained`
+reads them, `save_processor`, `carry_processor` and `ProcessorWriter` write them, `processor_of` builds
+the processor a checkpoint records even without a tokenizer of its own.
 
 Usage:
     proc = MindVLProcessor.from_pretrained(dir_or_None)
@@ -31,122 +28,21 @@ Usage:
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from mindspore import Tensor
 from PIL import Image
 
-from mindvl_ms.config.base import load
 from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.data.image import load_image, process_images, quality_errors
+from mindvl_ms.data.processor_files import (copy_processor_files, has_tokenizer, processor_source, read_image_config,
+                                            read_system_prompt, read_video_config, write_processor_files)
 from mindvl_ms.data.schema import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleError, count_placeholders,
-                     normalise_messages)
+                                   normalise_messages)
 from mindvl_ms.data.tokenizer import TextTokenizer, load_tokenizer
-
-IGNORE_INDEX = -100
-VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
-VIDEO_PAD = "<|video_pad|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-MAX_RATIO = 200
-
-
-# ----------------------------------------------------------------------------------------------
-# images
-
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 28 * 28 * 1280) -> Tuple[int, int]:
-    """(height, width) rounded to multiples of `factor` with the area inside [min_pixels, max_pixels]."""
-    if min(height, width) <= 0:
-        raise ValueError(f"image size {width}x{height} is empty")
-    if max(height, width) / min(height, width) > MAX_RATIO:
-        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
-                         f"got {max(height, width) / min(height, width)}")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-def image_grid(width: int, height: int, cfg: ImageConfig) -> Tuple[int, int, int]:
-    """(grid_t, grid_h, grid_w) of a still image of the given pixel size, from metadata alone."""
-    h, w = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
-    return 1, h // cfg.patch_size, w // cfg.patch_size
-
-
-def image_tokens(width: int, height: int, cfg: ImageConfig) -> int:
-    """LLM tokens of one still image: grid_t*grid_h*grid_w / merge_size**2."""
-    t, h, w = image_grid(width, height, cfg)
-    return t * h * w // (cfg.merge_size ** 2)
-
-
-def quality_errors(width: int, height: int, cfg: ImageConfig, what: str = "") -> List[Tuple[str, str]]:
-    """[(reason, detail)] for an image that breaks the data.image quality filters (see module doc)."""
-    out = []
-    what = f"{what}: " if what else ""
-    if min(width, height) < cfg.min_side:
-        out.append(("below minimum resolution", f"{what}{width}x{height}, shortest side must be >= "
-                                                f"{cfg.min_side} (data.image.min_side)"))
-    if max(width, height) / max(min(width, height), 1) > cfg.max_aspect_ratio:
-        out.append(("extreme aspect ratio", f"{what}{width}x{height}, ratio above {cfg.max_aspect_ratio:g} "
-                                            f"(data.image.max_aspect_ratio)"))
-    return out
-
-
-def load_image(path: str) -> Image.Image:
-    """Decode an image file fully (errors name the file)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"image not found: {path}")
-    with Image.open(path) as im:
-        im.load()
-        return im.copy()
-
-
-def image_size(path: str) -> Tuple[int, int]:
-    """(width, height) from the file header only (PIL opens lazily; no pixel decoding)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"image not found: {path}")
-    with Image.open(path) as im:
-        return im.size
-
-
-def normalise_frames(image: Image.Image, cfg: ImageConfig) -> np.ndarray:
-    """A resized RGB image -> float32[C, h, w]: x*(1/255) in float64, then (x - mean) / std in float32."""
-    arr = np.array(image.convert("RGB") if image.mode != "RGB" else image)  # uint8 [h, w, 3]
-    arr = (arr.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.array(cfg.image_mean, dtype=np.float32)
-    std = np.array(cfg.image_std, dtype=np.float32)
-    return ((arr - mean) / std).transpose(2, 0, 1)
-
-
-def patchify(image: Image.Image, cfg: ImageConfig) -> Tuple[np.ndarray, np.ndarray]:
-    """One image -> (pixel patches float32[grid_t*grid_h*grid_w, C*T*P*P], grid_thw int64[3])."""
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    P, T, M = cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size
-    h, w = smart_resize(image.height, image.width, P * M, cfg.min_pixels, cfg.max_pixels)
-    arr = normalise_frames(image.resize((w, h), resample=Image.BICUBIC), cfg)  # [C, h, w]
-    frames = np.repeat(arr[None], T, axis=0)  # [T, C, h, w]
-    C, gh, gw = arr.shape[0], h // P, w // P
-    x = frames.reshape(1, T, C, gh // M, M, P, gw // M, M, P)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, gh/M, gw/M, M, M, C, T, P, P]
-    return np.ascontiguousarray(x.reshape(gh * gw, C * T * P * P)), np.array([1, gh, gw], dtype=np.int64)
-
-
-def process_images(images: Sequence[Image.Image], cfg: ImageConfig) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
-    """Images -> (pixel_values float32[sum N_i, 1176], image_grid_thw int64[k, 3]), or (None, None)."""
-    if not images:
-        return None, None
-    out = [patchify(im, cfg) for im in images]
-    return np.concatenate([p for p, _ in out]), np.stack([g for _, g in out])
+from mindvl_ms.data.tokens import CHAT_TOKENS, IGNORE_INDEX, IM_END, IM_START, IMAGE_PAD, IMAGE_TAG, VIDEO_PAD, VIDEO_TAG
+from mindvl_ms.data.video import VideoMeta, load_video, probe_video, video_rng, video_tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,8 +66,7 @@ def render(messages: List[Dict[str, str]], system_prompt: str = "You are a helpf
     if messages[0]["role"] != "system" and system_prompt:
         put(f"{IM_START}system\n{system_prompt}{IM_END}\n")
     for m in messages:
-        content = m["content"].replace(IMAGE_PLACEHOLDER, VISION_START + IMAGE_PAD + VISION_END)
-        content = content.replace(VIDEO_PLACEHOLDER, VISION_START + VIDEO_PAD + VISION_END)
+        content = m["content"].replace(IMAGE_PLACEHOLDER, IMAGE_TAG).replace(VIDEO_PLACEHOLDER, VIDEO_TAG)
         put(f"{IM_START}{m['role']}\n")
         if m["role"] == "assistant":
             put(content + IM_END, supervised=True)
@@ -209,8 +104,6 @@ def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: 
 def video_metas(sample: Sample, check: bool = True) -> list:
     """VideoMeta per video of a sample: the line's `video_meta`, checked against the container header
     with `check` (or read from the header when the line has none). SampleErrors name file:line, field."""
-    from mindvl_ms.data.video import VideoMeta, probe_video
-
     n_ph = count_placeholders(sample, VIDEO_PLACEHOLDER)
     if n_ph != len(sample.videos):
         raise SampleError(sample.source, sample.line, "video count mismatch",
@@ -236,8 +129,6 @@ def video_metas(sample: Sample, check: bool = True) -> list:
 
 def video_token_counts(sample: Sample, metas, image: ImageConfig, video, seed: int) -> List[int]:
     """Merged tokens per video from metadata (the fps draw is seeded by (data seed, line, index))."""
-    from mindvl_ms.data.video import video_rng, video_tokens
-
     try:
         return [video_tokens(m, image, video, video_rng(seed, sample.line, k)) for k, m in enumerate(metas)]
     except ValueError as e:
@@ -252,7 +143,7 @@ class MindVLProcessor:
         self.tokenizer = tokenizer or load_tokenizer(self.config.tokenizer or None)
         self.image_pad_id = self.tokenizer.token_to_id(IMAGE_PAD)
         self.video_pad_id = self.tokenizer.token_to_id(VIDEO_PAD)
-        for t in (VISION_START, VISION_END, IM_START, IM_END):
+        for t in CHAT_TOKENS:
             self.tokenizer.token_to_id(t)  # fail early on a tokenizer without the chat/vision tokens
 
     @property
@@ -264,23 +155,7 @@ class MindVLProcessor:
         """Tokenizer files from `path` (default: the bundled Qwen3 tokenizer); pixel limits from its
         preprocessor_config.json when present (HF keys min_pixels/max_pixels/size, patch sizes, mean/std);
         the system prompt from its chat_template.json when it records one (data/processor_files.py)."""
-        cfg = DataConfig(tokenizer=path or "")
-        pre = os.path.join(path, "preprocessor_config.json") if path else ""
-        if pre and os.path.isfile(pre):
-            with open(pre, encoding="utf-8") as f:
-                d = json.load(f)
-            size = d.get("size") or {}
-            img = {"min_pixels": d.get("min_pixels", size.get("shortest_edge")),
-                   "max_pixels": d.get("max_pixels", size.get("longest_edge")),
-                   "patch_size": d.get("patch_size"), "temporal_patch_size": d.get("temporal_patch_size"),
-                   "merge_size": d.get("merge_size"), "image_mean": d.get("image_mean"),
-                   "image_std": d.get("image_std")}
-            cfg.image = load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=pre)
-            from mindvl_ms.data.processor_files import read_video_config
-
-            cfg.video = read_video_config(path)  # the training run's data.video section
-        from mindvl_ms.data.processor_files import read_system_prompt
-
+        cfg = DataConfig(tokenizer=path or "", image=read_image_config(path), video=read_video_config(path))
         system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
         if system_prompt is not None:
             cfg.system_prompt = system_prompt
@@ -320,8 +195,6 @@ class MindVLProcessor:
     def process_videos(self, sample: Sample) -> Dict:
         """Decode, sample and patchify a sample's videos: pixel_values_videos, video_grid_thw,
         second_per_grid_ts (absent when the sample has none)."""
-        from mindvl_ms.data.video import load_video, video_rng
-
         if not sample.videos and not count_placeholders(sample, VIDEO_PLACEHOLDER):
             return {}
         clips = []
@@ -395,10 +268,55 @@ class MindVLProcessor:
         if pixel_values is not None:
             out["pixel_values"], out["image_grid_thw"] = pixel_values, grid
         if return_tensors == "ms":
-            from mindspore import Tensor
-
             out = {k: Tensor(v) for k, v in out.items()}
         return out
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# the processor a checkpoint carries (the files: data/processor_files.py)
+
+def save_processor(dst: str, processor: Optional[MindVLProcessor] = None,
+                   data_cfg: Optional[DataConfig] = None) -> List[str]:
+    """Write the processor files into checkpoint directory `dst` (from a MindVLProcessor, or from a
+    DataConfig: its tokenizer, `image` section and `system_prompt`); returns the file names written."""
+    processor = processor or MindVLProcessor(config=data_cfg)
+    return write_processor_files(dst, processor.tokenizer.source, processor.config)
+
+
+def processor_of(ckpt: Optional[str]) -> MindVLProcessor:
+    """The MindVLProcessor a checkpoint records: its tokenizer (else the bundled Qwen3 one), pixel limits and
+    system prompt (each else the default)."""
+    if has_tokenizer(ckpt):
+        return MindVLProcessor.from_pretrained(ckpt)
+    proc = MindVLProcessor.from_pretrained(None)
+    proc.config.image = read_image_config(ckpt)
+    proc.config.video = read_video_config(ckpt)
+    system_prompt = read_system_prompt(ckpt)
+    if system_prompt is not None:
+        proc.config.system_prompt = system_prompt
+    return proc
+
+
+def carry_processor(dst: str, *sources: Optional[str]) -> List[str]:
+    """Write into `dst` the processor of the first source that has processor files (tokenizer, pixel limits,
+    system prompt), else the defaults. Used by convert, init, merge and export, which derive one directory
+    from others. A complete set is copied verbatim."""
+    src = processor_source(*sources)
+    copied = copy_processor_files(dst, src)
+    return copied if copied is not None else save_processor(dst, processor_of(src))
+
+
+class ProcessorWriter:
+    """`writer(checkpoint_dir)` writes the processor of a stage's DataConfig (the tokenizer is loaded once);
+    the trainer passes one to every checkpoint save of the stage."""
+
+    def __init__(self, data_cfg: DataConfig):
+        self.data_cfg, self.processor = data_cfg, None
+
+    def __call__(self, dst: str) -> List[str]:
+        if self.processor is None:
+            self.processor = MindVLProcessor(config=self.data_cfg)
+        return save_processor(dst, self.processor)

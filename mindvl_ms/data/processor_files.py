@@ -15,19 +15,24 @@ The checkpoint layout as a whole is described in docs/CHECKPOINTS.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
-from typing import List, Optional
+from typing import List, Optional, Tuple
+
+from mindvl_ms.config.base import load
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.data.tokens import IM_END, IM_START, IMAGE_TAG, VIDEO_TAG
+from mindvl_ms.data.tokenizer import SUBSET_FILE
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-                   "vocab_subset.json")  # data.vocab_subset: the model's ids are a subset of the tokenizer's
+                   SUBSET_FILE)  # a vocabulary subset: the model's ids are a subset of the tokenizer's
 PREPROCESSOR = "preprocessor_config.json"
 CHAT_TEMPLATE = "chat_template.json"
 PROCESSOR_FILES = TOKENIZER_FILES + (PREPROCESSOR, CHAT_TEMPLATE)
-IMAGE_TAG = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO_TAG = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def _lit(text: str) -> str:
@@ -40,13 +45,14 @@ def chat_template(system_prompt: str) -> str:
     `<image>` / `<video>` placeholders, or transformers-style lists of {"type": "text"|"image"|"video"} parts)."""
     system = ""
     if system_prompt:  # a system turn only when the conversation has none, as render() does
-        turn = _lit(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
+        turn = _lit(f"{IM_START}system\n{system_prompt}{IM_END}\n")
         system = f"{{%- if messages[0]['role'] != 'system' %}}{{{{- {turn} }}}}{{%- endif %}}"
-    image, video = _lit(IMAGE_TAG), _lit(VIDEO_TAG)
+    image, video, start, end = _lit(IMAGE_TAG), _lit(VIDEO_TAG), _lit(IM_START), _lit(IM_END + "\n")
+    generation = _lit(IM_START + "assistant\n")
     return (
         system
         + "{%- for message in messages %}"
-        + "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        + f"{{{{- {start} + message['role'] + '\\n' }}}}"
         + "{%- if message['content'] is string %}"
         + f"{{{{- message['content'] | replace('<image>', {image}) | replace('<video>', {video}) }}}}"
         + "{%- else %}{%- for part in message['content'] %}"
@@ -55,17 +61,15 @@ def chat_template(system_prompt: str) -> str:
         + f"{{%- elif part['type'] == 'text' %}}{{{{- part['text'] | replace('<image>', {image}) "
         + f"| replace('<video>', {video}) }}}}{{%- endif %}}"
         + "{%- endfor %}{%- endif %}"
-        + "{{- '<|im_end|>\\n' }}"
+        + f"{{{{- {end} }}}}"
         + "{%- endfor %}"
-        + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+        + f"{{%- if add_generation_prompt %}}{{{{- {generation} }}}}{{%- endif %}}"
     )
 
 
 def preprocessor_dict(image_cfg, video_cfg=None) -> dict:
     """transformers' Qwen2VLImageProcessor configuration for an `ImageConfig`, plus this project's `video`
     section (data.video: fps and frame budget) when given."""
-    import dataclasses
-
     extra = {} if video_cfg is None else {"video": dataclasses.asdict(video_cfg)}
     return {**extra,
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
@@ -90,16 +94,12 @@ def tokenizer_source_files(source: str) -> List[str]:
     return [os.path.join(source, f) for f in names]
 
 
-def save_processor(dst: str, processor=None, data_cfg=None) -> List[str]:
-    """Write the processor files into checkpoint directory `dst` (from a MindVLProcessor, or from a
-    DataConfig: its tokenizer, `image` section and `system_prompt`); returns the file names written."""
-    from mindvl_ms.data.processor import MindVLProcessor
-
-    if processor is None:
-        processor = MindVLProcessor(config=data_cfg)
-    cfg = processor.config
+def write_processor_files(dst: str, tokenizer_source: str, cfg: DataConfig) -> List[str]:
+    """Write the processor files into checkpoint directory `dst`: the tokenizer files of `tokenizer_source`
+    (a directory or file, `TextTokenizer.source`), the `image`/`video` sections of `cfg` as
+    preprocessor_config.json and its `system_prompt` as chat_template.json; returns the file names written."""
     written = []
-    for src in tokenizer_source_files(processor.tokenizer.source):
+    for src in tokenizer_source_files(tokenizer_source):
         name = os.path.basename(src)
         if os.path.abspath(src) != os.path.abspath(os.path.join(dst, name)):
             shutil.copyfile(src, os.path.join(dst, name))
@@ -128,81 +128,46 @@ def has_tokenizer(path: Optional[str]) -> bool:
         os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.json", "tokenizer.model"))
 
 
-def read_image_config(ckpt: Optional[str]):
-    """ImageConfig from ckpt/preprocessor_config.json (HF keys; `size` as fallback), defaults otherwise."""
-    from mindvl_ms.config.data import ImageConfig
-
-    cfg = ImageConfig()
+def _read_preprocessor(ckpt: Optional[str]) -> Tuple[str, dict]:
+    """(path, contents) of ckpt/preprocessor_config.json; ("", {}) when there is none."""
     fn = os.path.join(ckpt, PREPROCESSOR) if ckpt else ""
-    if fn and os.path.isfile(fn):
-        with open(fn, encoding="utf-8") as f:
-            d = json.load(f)
-        size = d.get("size") or {}
-        d.setdefault("min_pixels", size.get("shortest_edge"))
-        d.setdefault("max_pixels", size.get("longest_edge"))
-        for k in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                  "image_std"):
-            if d.get(k) is not None:
-                setattr(cfg, k, d[k])
-        cfg.validate()
-    return cfg
+    if not fn or not os.path.isfile(fn):
+        return "", {}
+    with open(fn, encoding="utf-8") as f:
+        return fn, json.load(f)
 
 
-def read_video_config(ckpt: Optional[str]):
+def read_image_config(ckpt: Optional[str]) -> ImageConfig:
+    """ImageConfig from ckpt/preprocessor_config.json (HF keys min_pixels/max_pixels, `size` as fallback,
+    patch sizes, mean/std), defaults otherwise."""
+    fn, d = _read_preprocessor(ckpt)
+    size = d.get("size") or {}
+    img = {"min_pixels": d.get("min_pixels", size.get("shortest_edge")),
+           "max_pixels": d.get("max_pixels", size.get("longest_edge")),
+           **{k: d.get(k) for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")}}
+    return load(ImageConfig, {k: v for k, v in img.items() if v is not None}, source=fn or None)
+
+
+def read_video_config(ckpt: Optional[str]) -> VideoConfig:
     """VideoConfig from the `video` section of ckpt/preprocessor_config.json, defaults otherwise."""
-    from mindvl_ms.config.base import load
-    from mindvl_ms.config.video import VideoConfig
-
-    fn = os.path.join(ckpt, PREPROCESSOR) if ckpt else ""
-    if fn and os.path.isfile(fn):
-        with open(fn, encoding="utf-8") as f:
-            d = json.load(f)
-        if "video" in d:
-            return load(VideoConfig, d["video"], source=fn)
-    return VideoConfig()
+    fn, d = _read_preprocessor(ckpt)
+    return load(VideoConfig, d["video"], source=fn) if "video" in d else VideoConfig()
 
 
-def processor_of(ckpt: Optional[str]):
-    """The MindVLProcessor a checkpoint records: its tokenizer (else the bundled Qwen3 one), pixel limits and
-    system prompt (each else the default)."""
-    from mindvl_ms.data.processor import MindVLProcessor
-
-    if has_tokenizer(ckpt):
-        return MindVLProcessor.from_pretrained(ckpt)
-    proc = MindVLProcessor.from_pretrained(None)
-    proc.config.image = read_image_config(ckpt)
-    proc.config.video = read_video_config(ckpt)
-    system_prompt = read_system_prompt(ckpt)
-    if system_prompt is not None:
-        proc.config.system_prompt = system_prompt
-    return proc
+def processor_source(*sources: Optional[str]) -> Optional[str]:
+    """The first of `sources` holding any processor file (None when none does)."""
+    return next((s for s in sources if s and any(os.path.isfile(os.path.join(s, f)) for f in PROCESSOR_FILES)),
+                None)
 
 
-def carry_processor(dst: str, *sources: Optional[str]) -> List[str]:
-    """Write into `dst` the processor of the first source that has processor files (tokenizer, pixel limits,
-    system prompt), else the defaults. Used by convert, init, merge and export, which derive one directory
-    from others."""
-    src = next((s for s in sources if s and any(os.path.isfile(os.path.join(s, f)) for f in PROCESSOR_FILES)),
-               None)
-    if src and has_tokenizer(src) and all(os.path.isfile(os.path.join(src, f)) for f in (PREPROCESSOR, CHAT_TEMPLATE)):
-        names = [os.path.basename(f) for f in tokenizer_source_files(src)] + [PREPROCESSOR, CHAT_TEMPLATE]
-        for name in names:  # complete: copied verbatim
-            if os.path.abspath(os.path.join(src, name)) != os.path.abspath(os.path.join(dst, name)):
-                shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
-        return names
-    return save_processor(dst, processor_of(src))
-
-
-class ProcessorWriter:
-    """`writer(checkpoint_dir)` writes the processor of a stage's DataConfig (the tokenizer is loaded once);
-    the trainer passes one to every checkpoint save of the stage."""
-
-    def __init__(self, data_cfg):
-        self.data_cfg, self.processor = data_cfg, None
-
-    def __call__(self, dst: str) -> List[str]:
-        from mindvl_ms.data.processor import MindVLProcessor
-
-        if self.processor is None:
-            self.processor = MindVLProcessor(config=self.data_cfg)
-        return save_processor(dst, self.processor)
+def copy_processor_files(dst: str, src: Optional[str]) -> Optional[List[str]]:
+    """Copy a complete set of processor files (a tokenizer, preprocessor_config.json, chat_template.json)
+    from `src` into `dst` verbatim; returns the names, or None when `src` has no complete set."""
+    if not (src and has_tokenizer(src) and all(os.path.isfile(os.path.join(src, f))
+                                               for f in (PREPROCESSOR, CHAT_TEMPLATE))):
+        return None
+    names = [os.path.basename(f) for f in tokenizer_source_files(src)] + [PREPROCESSOR, CHAT_TEMPLATE]
+    for name in names:
+        if os.path.abspath(os.path.join(src, name)) != os.path.abspath(os.path.join(dst, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+    return names

@@ -22,7 +22,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-IGNORE = -100
+from mindvl_ms.config.base import ConfigError, deep_merge, load, to_dict
+from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.tokens import IGNORE_INDEX
+
 FIRST = 3  # file:line kept per reason
 
 
@@ -66,7 +69,7 @@ def supervised_tokens(micro_batches: List[Dict[str, Any]]) -> int:
         t = mb.get("targets", mb.get("labels")) if isinstance(mb, dict) else None
         if t is not None:
             known = True
-            n += int((np.asarray(t) != IGNORE).sum())
+            n += int((np.asarray(t) != IGNORE_INDEX).sum())
     return n if known else -1
 
 
@@ -148,9 +151,6 @@ def data_fingerprint(config) -> Dict[str, Any]:
 
 def stage_fingerprint(run_cfg, stage) -> Dict[str, Any]:
     """`data_fingerprint` of a stage's data section (the run's `data` merged with the stage's)."""
-    from mindvl_ms.config.base import ConfigError, deep_merge, load, to_dict
-    from mindvl_ms.config.data import DataConfig
-
     try:
         cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
     except ConfigError:

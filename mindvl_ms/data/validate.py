@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import warnings
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -38,11 +39,14 @@ from tqdm import tqdm
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.config.video import VideoConfig
 from mindvl_ms.data.grounding import grounding_errors
+from mindvl_ms.data.image import quality_errors
 from mindvl_ms.data.preference import parse_line_any
-from mindvl_ms.data.processor import quality_errors
+from mindvl_ms.data.processor import video_metas, video_token_counts
 from mindvl_ms.data.schema import VIDEO_PLACEHOLDER, FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
+from mindvl_ms.data.tokens import VISION_TOKENS
+from mindvl_ms.data.video import load_video, video_rng
 
-RAW_TOKENS = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+RAW_TOKENS = VISION_TOKENS
 
 
 def check_image(path: str, cfg: ImageConfig, decode: bool = True) -> Tuple[Optional[Tuple[int, int]], List[Tuple[str, str]]]:
@@ -106,9 +110,6 @@ def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bo
 def check_videos(s, image: ImageConfig, video: VideoConfig, decode: bool) -> List[Tuple[str, str]]:
     """Video problems of a sample: counts, readable containers, metadata against headers, and (decoding)
     the sampled clip's token count against the one derived from metadata."""
-    from mindvl_ms.data.processor import video_metas, video_token_counts
-    from mindvl_ms.data.video import load_video, video_rng
-
     seed = _CFG.get("seed", DataConfig().seed)
     try:
         metas = video_metas(s)
@@ -148,8 +149,6 @@ def _init(cfg: ImageConfig, decode: bool, video: Optional[VideoConfig] = None, s
 
 
 def _chunk(args) -> List[Tuple[int, List[Tuple[str, str]], List[str]]]:
-    import warnings
-
     source, lines = args
     with warnings.catch_warnings():  # unknown fields are counted in the report instead
         warnings.simplefilter("ignore")

@@ -13,7 +13,8 @@ Design (Qwen2.5-VL's video path, as `qwen-vl-utils` implements it, plus openPang
   `max_pixels = max(min(video_max_pixels, video_total_pixels / nframes * frame_factor), 1.05 * video_min_pixels)`,
   then `smart_resize` to multiples of patch*merge inside [video_min_pixels, max_pixels].
 - Patches: frames are resized (PIL bicubic, as the image path), normalised, grouped into temporal
-  patches of `temporal_patch_size` frames and cut exactly as `Qwen2VLImageProcessor` cuts a frame list:
+  patches of `temporal_patch_size` frames and cut exactly as `Qwen2VLImageProcessor` cuts a frame list
+  (data/image.py's `cut_patches`, shared with still images):
   [grid_t * grid_h * grid_w, C*T*P*P] in 2x2 merge-unit order.
 - Time: `second_per_grid = temporal_patch_size / sample_fps` (seconds spanned by one temporal
   patch), which the M-RoPE index multiplies by `vision.tokens_per_second` (Qwen2.5-VL's absolute
@@ -30,14 +31,13 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+import av
 import numpy as np
 from PIL import Image
 
 from mindvl_ms.config.data import ImageConfig
 from mindvl_ms.config.video import VideoConfig
-from mindvl_ms.data.processor import normalise_frames, smart_resize
-
-VIDEO_PLACEHOLDER = "<video>"
+from mindvl_ms.data.image import cut_patches, normalise_frames, smart_resize
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,6 @@ def video_rng(seed: int, line: int, index: int) -> np.random.Generator:
 
 def probe_video(path: str) -> VideoMeta:
     """Metadata from the container (PyAV); errors name the file."""
-    import av
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"video not found: {path}")
     try:
@@ -164,8 +162,6 @@ def probe_video(path: str) -> VideoMeta:
 
 def decode_frames(path: str, indices: Sequence[int]) -> list:
     """PIL RGB frames at the given indices (decoded in one pass; errors name the file)."""
-    import av
-
     want = sorted(set(int(i) for i in indices))
     got = {}
     try:
@@ -185,15 +181,9 @@ def decode_frames(path: str, indices: Sequence[int]) -> list:
 
 def patchify_frames(frames: Sequence[Image.Image], size: Tuple[int, int], image: ImageConfig) -> Tuple[np.ndarray, np.ndarray]:
     """Frames -> (float32[grid_t*grid_h*grid_w, C*T*P*P], grid_thw int64[3]); len(frames) % T == 0."""
-    P, T, M = image.patch_size, image.temporal_patch_size, image.merge_size
-    if len(frames) % T:
-        raise ValueError(f"{len(frames)} frames is not a multiple of temporal_patch_size {T}")
     h, w = size
     arr = np.stack([normalise_frames(f.resize((w, h), resample=Image.BICUBIC), image) for f in frames])  # [F, C, h, w]
-    C, gt, gh, gw = arr.shape[1], len(frames) // T, h // P, w // P
-    x = arr.reshape(gt, T, C, gh // M, M, P, gw // M, M, P)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [t, gh/M, gw/M, M, M, C, T, P, P]
-    return np.ascontiguousarray(x.reshape(gt * gh * gw, C * T * P * P)), np.array([gt, gh, gw], dtype=np.int64)
+    return cut_patches(arr, image)
 
 
 def load_video(path: str, image: ImageConfig, cfg: VideoConfig, rng: Optional[np.random.Generator] = None,

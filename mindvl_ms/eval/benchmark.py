@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from tqdm import tqdm
 
 from mindvl_ms.config.data import ImageConfig
-from mindvl_ms.data.processor import image_size, smart_resize
+from mindvl_ms.data.image import image_size, smart_resize
 from mindvl_ms.data.schema import IMAGE_PLACEHOLDER, SampleError, decode_line, normalise_messages, warn_unknown
 from mindvl_ms.eval import metrics as M
 

@@ -105,7 +105,8 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
                 "file": fn, "bytes": _size(tmp, name), "inputs": _describe(names, inputs),
                 "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in (outs or lm_out)]}
         meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values())
-        from mindvl_ms.data.processor_files import carry_processor, read_system_prompt, save_processor
+        from mindvl_ms.data.processor import carry_processor, save_processor
+        from mindvl_ms.data.processor_files import read_system_prompt
         from mindvl_ms.config.data import DataConfig
 
         meta["processor_files"] = (carry_processor(tmp, processor_from) if processor_from else

@@ -227,7 +227,7 @@ def load_processor(ckpt: Optional[str], model_config=None):
     """The checkpoint's processor (data/processor_files.py): its tokenizer when it ships one, else the
     bundled Qwen3 tokenizer; its pixel limits (preprocessor_config.json) and training system prompt
     (chat_template.json) when recorded, else the defaults. Checked against the model's vocabulary."""
-    from mindvl_ms.data.processor_files import processor_of
+    from mindvl_ms.data.processor import processor_of
 
     proc = processor_of(ckpt)
     if model_config is not None:

@@ -21,7 +21,7 @@ from PIL import Image
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from mindvl_ms.data.processor import smart_resize
+from mindvl_ms.data.image import smart_resize
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -36,6 +36,7 @@ import numpy as np
 
 from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.config.base import to_dict
+from mindvl_ms.data.vocab_subset import follow_vocab_subset
 from mindvl_ms.train.callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
 from mindvl_ms.train.batches import micro_batches, rank_slice
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
@@ -84,7 +85,7 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
 def _processor_writer(run_cfg, stage, model):
     """Writes the stage's processor (tokenizer, pixel limits, system prompt) into each checkpoint
     (data/processor_files.py); None for a model without a config (nothing to serve it with)."""
-    from mindvl_ms.data.processor_files import ProcessorWriter
+    from mindvl_ms.data.processor import ProcessorWriter
     from mindvl_ms.config.base import deep_merge, load
     from mindvl_ms.config.data import DataConfig
 
@@ -177,6 +178,7 @@ def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None
     from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
 
     t_start = time.perf_counter()
+    follow_vocab_subset(run_cfg)  # a data.tokenizer with vocab_subset.json sets the model's vocabulary
     if model is None and run_cfg.init_from:  # the checkpoint is the model: batches follow its config
         run_cfg = checkpoint_model_config(run_cfg)
     dist = setup(run_cfg)

@@ -150,7 +150,8 @@ def test_unknown_fields_kept_as_metadata_with_one_warning(tmp_path, capsys):
 
 def test_quality_filters_are_defaults_and_smart_resize_limits_stay_hard(tmp_path):
     from mindvl_ms.data.offline import sample_meta
-    from mindvl_ms.data.processor import MindVLProcessor, smart_resize
+    from mindvl_ms.data.image import smart_resize
+    from mindvl_ms.data.processor import MindVLProcessor
 
     cfg = DataConfig()
     assert (cfg.image.min_side, cfg.image.max_aspect_ratio) == (28, 50.0)
@@ -265,9 +266,9 @@ def test_demo_plain_run_yaml_equals_the_demo_recipe(tmp_path):
     """configs/demo/train.yaml is full.yaml's recipe; over a demo's vocabulary subset (data_dir/tokenizer),
     both loaders give the same restricted model (vocab size and special ids from the subset)."""
     from mindvl_ms.config.base import to_dict
-    from mindvl_ms.data.processor import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
+    from mindvl_ms.data.tokens import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
     from mindvl_ms.data.tokenizer import load_tokenizer
-    from mindvl_ms.data.vocab_subset import write_subset
+    from mindvl_ms.data.vocab_subset import follow_vocab_subset, write_subset
     from mindvl_ms.recipes.demo.run import load_demo_config
     from mindvl_ms.train import load_run_config
 
@@ -288,6 +289,7 @@ def test_demo_plain_run_yaml_equals_the_demo_recipe(tmp_path):
     ids = sorted(set(specials + base.encode("What colour is the shape?")))
     write_subset(str(tmp_path / "tokenizer"), base, ids)
     plain = load_run_config(yaml_plain, overrides=[f"data.tokenizer={tmp_path / 'tokenizer'}"])
+    follow_vocab_subset(plain)  # as training does before it builds the model
     demo, _ = load_demo_config(yaml_demo, str(tmp_path))
     assert plain.model == demo.model and plain.model.text.vocab_size == len(ids)
     assert plain.model.image_token_id == ids.index(base.token_to_id(IMAGE_PAD))

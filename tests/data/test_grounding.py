@@ -5,7 +5,8 @@ import pytest
 
 from mindvl_ms.data.grounding import (GroundingError, Shape, box_iou, format_box, format_object, format_point,
                                       format_quad, from_norm, grounding_errors, parse_grounding, to_norm)
-from mindvl_ms.data.processor import MindVLProcessor, smart_resize
+from mindvl_ms.data.image import smart_resize
+from mindvl_ms.data.processor import MindVLProcessor
 
 
 def test_format_matches_report_syntax():

@@ -10,8 +10,9 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
 from mindvl_ms.config.data import ImageConfig
-from mindvl_ms.data.processor import (IGNORE_INDEX, MindVLProcessor, image_tokens, patchify, process_images,
-                                      smart_resize)
+from mindvl_ms.data.image import image_tokens, patchify, process_images, smart_resize
+from mindvl_ms.data.processor import MindVLProcessor
+from mindvl_ms.data.tokens import IGNORE_INDEX
 from mindvl_ms.data.schema import SampleError, parse_sample
 from mindvl_ms.data.tokenizer import default_tokenizer_dir, load_tokenizer
 

@@ -20,7 +20,7 @@ from PIL import Image
 from mindvl_ms.data import processor_files as pf
 from mindvl_ms.config.base import load
 from mindvl_ms.config.data import DataConfig, ImageConfig
-from mindvl_ms.data.processor import MindVLProcessor, render
+from mindvl_ms.data.processor import MindVLProcessor, carry_processor, processor_of, render, save_processor
 
 from tests.support.paths import ROOT  # noqa: E402
 CONVS = [
@@ -36,7 +36,7 @@ CONVS = [
 def test_template_renders_like_the_processor(tmp_path, system_prompt):
     from transformers import AutoTokenizer
 
-    pf.save_processor(str(tmp_path), data_cfg=DataConfig(system_prompt=system_prompt))
+    save_processor(str(tmp_path), data_cfg=DataConfig(system_prompt=system_prompt))
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     template = json.load(open(tmp_path / pf.CHAT_TEMPLATE))["chat_template"]
     for conv in CONVS:
@@ -54,7 +54,7 @@ def test_round_trip_and_transformers_reads_the_pixel_limits(tmp_path):
     from transformers import Qwen2VLImageProcessor
 
     cfg = DataConfig(system_prompt="", image=ImageConfig(min_pixels=12544, max_pixels=12544))
-    written = pf.save_processor(str(tmp_path), data_cfg=cfg)
+    written = save_processor(str(tmp_path), data_cfg=cfg)
     assert set(written) == {"tokenizer.json", "tokenizer_config.json", pf.PREPROCESSOR, pf.CHAT_TEMPLATE}
     proc = MindVLProcessor.from_pretrained(str(tmp_path))
     assert proc.config.system_prompt == "" and proc.image_config == cfg.image
@@ -66,7 +66,7 @@ def test_round_trip_and_transformers_reads_the_pixel_limits(tmp_path):
     np.testing.assert_allclose(ours["pixel_values"], ip(images=[img], return_tensors="np")["pixel_values"], atol=1e-5)
     # a directory with only pixel limits / system prompt (no tokenizer): processor_of still reads them
     os.remove(tmp_path / "tokenizer.json")
-    p2 = pf.processor_of(str(tmp_path))
+    p2 = processor_of(str(tmp_path))
     assert p2.config.system_prompt == "" and p2.image_config.max_pixels == 12544
 
 
@@ -181,6 +181,6 @@ def test_merge_and_convert_keep_the_processor(trained_ckpt, tmp_path):
     for d in (hf, back):
         assert pf.read_system_prompt(d) == "" and pf.read_image_config(d).min_pixels == 12544
         assert MindVLProcessor.from_pretrained(d).config.system_prompt == ""
-    pf.carry_processor(str(bare), None)  # no source: the defaults
+    carry_processor(str(bare), None)  # no source: the defaults
     assert pf.read_system_prompt(str(bare)) == DataConfig().system_prompt
     assert load(ImageConfig, {}) == pf.read_image_config(str(bare))

@@ -23,8 +23,8 @@ from mindvl_ms.config.data import DataConfig
 from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import iter_jsonl
-from mindvl_ms.data.tokenizer import load_tokenizer
-from mindvl_ms.data.vocab_subset import SubsetTokenizer, restrict_model_config, subset_ids, write_subset
+from mindvl_ms.data.tokenizer import SubsetTokenizer, load_tokenizer
+from mindvl_ms.data.vocab_subset import restrict_model_config, subset_ids, write_subset
 from mindvl_ms.recipes.demo.datasets import write_demo_data
 from mindvl_ms.eval.benchmark import load_benchmark
 from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs

@@ -13,9 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mindvl_ms.data.processor_files import save_processor
 from mindvl_ms.config.data import DataConfig, ImageConfig
-from mindvl_ms.data.processor import MindVLProcessor
+from mindvl_ms.data.processor import MindVLProcessor, save_processor
 from mindvl_ms.data.collate import build_model_inputs, model_args
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 

@@ -9,7 +9,7 @@ from mindspore import Tensor
 
 from tests.support import infer_tiny as infer_tiny
 from mindvl_ms.config.data import ImageConfig
-from mindvl_ms.data.processor import patchify
+from mindvl_ms.data.image import patchify
 from mindvl_ms.infer.generate import generate, get_engine
 from mindvl_ms.infer.preprocess import UInt8Normalize, normalize_uint8_numpy, uint8_patches
 
