@@ -7,10 +7,13 @@ see mindvl_ms/data/preference.py. For these stages `global_batch_size` counts pa
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import List
 
 from mindvl_ms.config.base import ConfigError, F
+
+REWARD_NAME = re.compile(r"[A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # a verifier name or package.module:function
 
 
 @dataclass
@@ -67,12 +70,9 @@ class GRPOConfig:
         if not 0 <= self.clip_low < 1 or self.clip_high < 0 or self.kl_coef < 0 or self.numeric_rel_tol < 0:
             raise ConfigError(f"stage '{name}': grpo needs 0 <= clip_low < 1, clip_high >= 0, kl_coef >= 0, "
                               f"numeric_rel_tol >= 0")
-        from mindvl_ms.train.post.rewards import resolve
-
-        try:
-            resolve(self.reward)
-        except ValueError as e:
-            raise ConfigError(f"stage '{name}': grpo.reward: {e}") from None
+        if not REWARD_NAME.fullmatch(self.reward):  # the name resolves where the stage is built (train/post)
+            raise ConfigError(f"stage '{name}': grpo.reward {self.reward!r}: expected a verifier name (exact_match, "
+                              f"numeric, ...) or package.module:function")
 
     def updates_per_step(self, global_batch: int) -> int:
         total = global_batch * self.group_size

@@ -34,7 +34,7 @@ def _stage(**kw):
     ({"type": "ppo"}, "expected sft, dpo or grpo"),
     ({"type": "grpo", "grpo": {"group_size": 1}}, "group_size must be >= 2"),
     ({"type": "grpo", "grpo": {"mini_batch_size": 3}}, "must divide global_batch_size x group_size = 32"),
-    ({"type": "grpo", "grpo": {"reward": "exactmatch"}}, "unknown reward 'exactmatch'"),
+    ({"type": "grpo", "grpo": {"reward": "exact match"}}, "grpo.reward 'exact match': expected a verifier name"),
     ({"type": "grpo", "grpo": {"clip_low": 1.0}}, "0 <= clip_low < 1"),
     ({"type": "grpo", "grpo": {"top_p": 0.0}}, "0 < top_p <= 1"),
     ({"type": "dpo", "dpo": {"beta": 0.0}}, "dpo.beta must be > 0"),
@@ -45,3 +45,11 @@ def _stage(**kw):
 def test_errors(stage, msg):
     with pytest.raises(ConfigError, match=msg):
         load_run_config(data=_stage(**stage))
+
+
+def test_unknown_reward_is_an_error_naming_the_key_when_the_stage_is_built():
+    from mindvl_ms.train.post.stage import verifier_of
+
+    st = load_run_config(data=_stage(type="grpo", grpo={"reward": "exactmatch"})).stages[0]  # a well-formed name
+    with pytest.raises(ConfigError, match="stage 'p': grpo.reward: unknown reward 'exactmatch'"):
+        verifier_of(st)
