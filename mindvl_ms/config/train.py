@@ -193,8 +193,8 @@ class ContextConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """`parallel:` section, names as in `mindspore.set_auto_parallel_context` / MindFormers."""
+class AutoParallelContext:
+    """`parallel:` section: the arguments of `mindspore.set_auto_parallel_context` (MindFormers' names)."""
 
     parallel_mode: int = F(0, "0 data_parallel, 1 semi_auto_parallel, 2 auto_parallel, 3 hybrid_parallel")
     gradients_mean: bool = F(False, "average (true) or sum gradients across ranks; the loss is already "
@@ -210,7 +210,7 @@ class ParallelConfig:
 
 
 @dataclass
-class ParallelSizes:
+class ParallelConfig:
     """`parallel_config:` section (MindFormers TransformerOpParallelConfig names)."""
 
     data_parallel: int = F(1, "data-parallel size (must equal the number of ranks / (mp*pp))")
@@ -260,8 +260,8 @@ class RunConfig:
     data: DataConfig = sub(DataConfig, "data shared by all stages (a stage's `data` overrides keys)")
     stages: List[StageConfig] = F([], "stages, run in order; each starts from the previous one's weights")
     context: ContextConfig = sub(ContextConfig, "MindSpore context and precision")
-    parallel: ParallelConfig = sub(ParallelConfig, "MindSpore auto-parallel context")
-    parallel_config: ParallelSizes = sub(ParallelSizes, "parallel sizes (data/tensor/pipeline/expert)")
+    parallel: AutoParallelContext = sub(AutoParallelContext, "MindSpore auto-parallel context")
+    parallel_config: ParallelConfig = sub(ParallelConfig, "parallel sizes (data/tensor/pipeline/expert)")
     recompute_config: RecomputeConfig = sub(RecomputeConfig, "activation checkpointing")
     plot: bool = F(True, "write loss/LR PNG plots per stage")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mindvl_ms.config import ConfigError, load_model_config
-from mindvl_ms.config.train import ParallelSizes
+from mindvl_ms.config.train import ParallelConfig
 from mindvl_ms.parallel.moe_validate import abstract_parameter_shapes, count_parameters, validate_moe_parallel
 from tests.support.paths import ROOT
 
@@ -53,7 +53,7 @@ def test_671b_parallel_layout_is_valid():
 
     with open(BIG) as f:
         raw = yaml.safe_load(f)
-    sizes = ParallelSizes(**raw["parallel_config"])
+    sizes = ParallelConfig(**raw["parallel_config"])
     validate_moe_parallel(load_model_config(BIG).text, sizes, device_num=64 * 8)
 
 
