@@ -269,7 +269,7 @@ def test_demo_plain_run_yaml_equals_the_demo_recipe(tmp_path):
     from mindvl_ms.data.tokens import IM_END, IM_START, IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
     from mindvl_ms.data.tokenizer import load_tokenizer
     from mindvl_ms.data.vocab_subset import follow_vocab_subset, write_subset
-    from mindvl_ms.recipes.demo.run import load_demo_config
+    from mindvl_ms.recipes.demo.config import load_demo_config
     from mindvl_ms.train import load_run_config
 
     yaml_plain = os.path.join(ROOT, "configs", "demo", "train.yaml")

@@ -33,7 +33,7 @@ def repo_configs():
 def _load_any(path):
     """A packaged config loaded the way its command loads it (run, model or demo YAML)."""
     from mindvl_ms.config import load_model_config
-    from mindvl_ms.recipes.demo.run import load_demo_config
+    from mindvl_ms.recipes.demo.config import load_demo_config
 
     rel = path.replace(os.sep, "/")
     if "/model/" in rel:
@@ -124,7 +124,7 @@ def test_wheel(tmp_path):
 import os, mindvl_ms
 from mindvl_ms.config.packaged import resolve_config
 from mindvl_ms.config.train import load_run_config
-from mindvl_ms.recipes.demo.run import config_path, load_demo_config
+from mindvl_ms.recipes.demo.config import config_path, load_demo_config
 assert mindvl_ms.__file__.startswith({str(target)!r}), mindvl_ms.__file__
 p, pkg = resolve_config("configs/parallel/cpu-dp2.yaml")
 assert pkg and p.startswith({str(target)!r}), p
