@@ -5,12 +5,37 @@ source's (tokenizer, pixel limits, system prompt; the defaults when it has none)
 tokenizer and the vision checkpoint's pixel limits. A text-only LLM conversion copies the tokenizer
 files only.
 """
-import argparse
 import os
 import shutil
 
 
-def _convert(args) -> int:
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert checkpoints between Hugging Face and native layouts",
+        description="Convert a checkpoint directory. hf2ms: a Hugging Face Qwen2.5-VL directory "
+                    "(config.json + safetensors, sharded index too) -> native mindvl-ms checkpoint; "
+                    "ms2hf: native -> Hugging Face layout loadable by transformers. Tensors are "
+                    "copied bit-exactly (the Conv3d patch embedding is reshaped).")
+    p.add_argument("direction", choices=["hf2ms", "ms2hf"], help="conversion direction")
+    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("dst", help="output directory (written atomically)")
+    p.add_argument("--max-shard-mb", type=float, default=None,
+                   help="split the weights into shards of at most this many MiB (with an index file)")
+    p.set_defaults(func=_run_convert)
+
+    q = subparsers.add_parser(
+        "init", help="build the MindVL initialisation from a ViT and an LLM checkpoint",
+        description="MindVL initialisation (paper section 5.1): vision encoder from a Qwen2.5-VL "
+                    "checkpoint, language model from a Qwen3 (or Qwen2 / DeepSeek-V3) checkpoint, "
+                    "MLP projector initialised randomly. Writes a native checkpoint.")
+    q.add_argument("--vision-from", required=True, help="Qwen2.5-VL checkpoint directory (HF or native)")
+    q.add_argument("--llm-from", required=True, help="language model checkpoint directory (HF Qwen3/Qwen2/DeepSeek-V3)")
+    q.add_argument("--out", required=True, help="output native checkpoint directory")
+    q.add_argument("--seed", type=int, default=0, help="seed of the projector's random init (default 0)")
+    q.set_defaults(func=_run_init)
+
+
+def _run_convert(args) -> int:
     from mindvl_ms.checkpoint.hf import convert
 
     if args.direction == "ms2hf" and os.path.isfile(os.path.join(args.src, "vocab_subset.json")):
@@ -22,6 +47,18 @@ def _convert(args) -> int:
     files = write_processor(args.dst, args.src)
     print(f"wrote {args.dst}: {stats['tensors']} tensors, {stats['parameters']:,} parameters"
           + (f"; processor files {', '.join(files)}" if files else ""))
+    return 0
+
+
+def _run_init(args) -> int:
+    from mindvl_ms.checkpoint.pretrained import init_from_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
+
+    cfg = init_from_pretrained(MindVLModel, args.vision_from, args.llm_from, args.out, seed=args.seed)
+    files = _init_processor(args.out, args.vision_from, args.llm_from)
+    print(f"wrote {args.out}: vision depth {cfg.vision.depth} (from {args.vision_from}), "
+          f"{cfg.text.model_type} LLM with {cfg.text.num_hidden_layers} layers (from {args.llm_from}), "
+          f"projector randomly initialised (seed {args.seed}); processor files {', '.join(files)}")
     return 0
 
 
@@ -41,18 +78,7 @@ def write_processor(dst: str, *sources: str):
     return carry_processor(dst, *sources)
 
 
-def _init(args) -> int:
-    from mindvl_ms.checkpoint.hf import init_from_pretrained
-
-    cfg = init_from_pretrained(args.vision_from, args.llm_from, args.out, seed=args.seed)
-    files = init_processor(args.out, args.vision_from, args.llm_from)
-    print(f"wrote {args.out}: vision depth {cfg.vision.depth} (from {args.vision_from}), "
-          f"{cfg.text.model_type} LLM with {cfg.text.num_hidden_layers} layers (from {args.llm_from}), "
-          f"projector randomly initialised (seed {args.seed}); processor files {', '.join(files)}")
-    return 0
-
-
-def init_processor(out: str, vision_from: str, llm_from: str):
+def _init_processor(out: str, vision_from: str, llm_from: str):
     """init: the LLM's tokenizer (the model's vocabulary), the vision checkpoint's pixel limits; the vision
     checkpoint's whole processor when the LLM's tokenizer lacks the chat/vision special tokens."""
     from mindvl_ms.data.processor import processor_of, save_processor
@@ -65,27 +91,3 @@ def init_processor(out: str, vision_from: str, llm_from: str):
         proc = processor_of(vision_from)
     proc.config.image = read_image_config(vision_from)
     return save_processor(out, proc)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert checkpoints between Hugging Face and native layouts",
-                       description="Convert a checkpoint directory. hf2ms: a Hugging Face Qwen2.5-VL directory "
-                                   "(config.json + safetensors, sharded index too) -> native mindvl-ms checkpoint; "
-                                   "ms2hf: native -> Hugging Face layout loadable by transformers. Tensors are "
-                                   "copied bit-exactly (the Conv3d patch embedding is reshaped).")
-    p.add_argument("direction", choices=["hf2ms", "ms2hf"], help="conversion direction")
-    p.add_argument("src", help="source checkpoint directory")
-    p.add_argument("dst", help="output directory (written atomically)")
-    p.add_argument("--max-shard-mb", type=float, default=None,
-                   help="split the weights into shards of at most this many MiB (with an index file)")
-    p.set_defaults(func=_convert)
-
-    q = sub.add_parser("init", help="build the MindVL initialisation from a ViT and an LLM checkpoint",
-                       description="MindVL initialisation (paper section 5.1): vision encoder from a Qwen2.5-VL "
-                                   "checkpoint, language model from a Qwen3 (or Qwen2 / DeepSeek-V3) checkpoint, "
-                                   "MLP projector initialised randomly. Writes a native checkpoint.")
-    q.add_argument("--vision-from", required=True, help="Qwen2.5-VL checkpoint directory (HF or native)")
-    q.add_argument("--llm-from", required=True, help="language model checkpoint directory (HF Qwen3/Qwen2/DeepSeek-V3)")
-    q.add_argument("--out", required=True, help="output native checkpoint directory")
-    q.add_argument("--seed", type=int, default=0, help="seed of the projector's random init (default 0)")
-    q.set_defaults(func=_init)

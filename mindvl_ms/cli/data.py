@@ -1,7 +1,7 @@
-"""`mindvl data validate` and `mindvl data pack` (registered through cli.COMMAND_MODULES).
+"""`mindvl data validate` and `mindvl data pack`.
 
 Flags override the YAML given with --config (its `data:` section, or top-level DataConfig keys).
-No MindSpore import here: both commands are pure host-side work.
+Both commands are host-side work only.
 """
 from __future__ import annotations
 
@@ -9,24 +9,55 @@ import argparse
 import json
 import sys
 
-from mindvl_ms.config.base import load, read_yaml
-from mindvl_ms.config.data import DataConfig
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("data", help="validate and pack JSONL training data",
+                              description="Data tools: `validate` checks a JSONL file; `pack` packs it offline "
+                                          "into per-rank shards with a manifest.")
+    sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda _args: p.print_help() or 0)  # `mindvl data` alone: its help
+
+    v = sub.add_parser("validate", help="schema, image and grounding checks with line numbers",
+                       description="Check every line: JSON schema, <image> count vs images, missing/corrupt/blank "
+                                   "images, minimum resolution, aspect ratio, image_sizes metadata, grounding tags "
+                                   "(balanced, integer coordinates 0..999). Exits 1 when errors remain.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    v.add_argument("file", help="JSONL file (image paths relative to it)")
+    v.add_argument("--config", help="YAML with a data: section (image limits: data.image.min_side, max_aspect_ratio)")
+    v.add_argument("--drop-bad", metavar="OUT.jsonl", help="write the lines without errors here and list the dropped ones")
+    v.add_argument("--report", metavar="FILE.json", help="write the full report (every error) as JSON")
+    v.add_argument("--headers-only", action="store_true", help="read image headers only (skips corrupt/blank checks)")
+    v.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
+    v.add_argument("--max-list", type=int, default=50, help="errors listed on stdout")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    v.set_defaults(func=_run_data_validate)
+
+    k = sub.add_parser("pack", help="offline packing from metadata into per-rank shards + manifest.json",
+                       description="Count tokens from metadata (image headers, checked against image_sizes; "
+                                   "never decoding), pack with best-fit-decreasing under --seq-length and --max-image-tokens, "
+                                   "balance packs over --dp-size ranks, write OUT_DIR/rank_XXXXX.jsonl and "
+                                   "OUT_DIR/manifest.json. Flags override --config.")
+    k.add_argument("input", help="JSONL file to pack")
+    k.add_argument("out_dir", help="output directory")
+    k.add_argument("--config", help="YAML with a data: section (DataConfig)")
+    k.add_argument("--tokenizer", help="tokenizer dir or file (default: the bundled Qwen3 tokenizer)")
+    k.add_argument("--seq-length", type=int, help="tokens per pack (default 4096)")
+    k.add_argument("--max-image-tokens", type=int,
+                   help="visual tokens per pack (default 0 = seq_length: packs fill on tokens; a smaller value is "
+                        "the ViT-balance option, bounding vision work per pack at a cost in fill)")
+    k.add_argument("--dp-size", type=int, help="data-parallel ranks, one shard each (default 1)")
+    k.add_argument("--workers", type=int, help="processes for the metadata pass (default: data.pack_workers, 0 = all cores)")
+    k.add_argument("--trust-image-sizes", action="store_true",
+                   help="take image_sizes as given without reading image headers (faster on slow storage; a wrong "
+                        "size is then only caught when the loader decodes the image)")
+    k.add_argument("--quiet", action="store_true", help="no progress bars")
+    k.set_defaults(func=_run_data_pack)
 
 
-def load_data_config(path: str = None) -> DataConfig:
-    """DataConfig from a YAML file (`data:` section or top level); defaults when no file is given."""
-    if not path:
-        return DataConfig()
-    d = read_yaml(path)
-    if "data" in d and isinstance(d["data"], dict):
-        d = d["data"]
-    return load(DataConfig, d, source=path)
-
-
-def _validate(args) -> int:
+def _run_data_validate(args) -> int:
     from mindvl_ms.data.validate import format_report, validate_file
 
-    cfg = load_data_config(args.config)
+    cfg = _load_data_config(args.config)
     report = validate_file(args.file, cfg.image, decode=not args.headers_only, workers=args.workers,
                            drop_bad=args.drop_bad, progress=not args.quiet, video=cfg.video, seed=cfg.seed)
     print(format_report(report, args.max_list))
@@ -37,10 +68,10 @@ def _validate(args) -> int:
     return 1 if report["num_bad"] and not args.drop_bad else 0
 
 
-def _pack(args) -> int:
+def _run_data_pack(args) -> int:
     from mindvl_ms.data.offline import pack_file
 
-    cfg = load_data_config(args.config)
+    cfg = _load_data_config(args.config)
     for flag, field in (("tokenizer", "tokenizer"), ("seq_length", "seq_length"),
                         ("max_image_tokens", "max_image_tokens"), ("dp_size", "dp_size")):
         v = getattr(args, flag)
@@ -63,45 +94,14 @@ def _pack(args) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="validate and pack JSONL training data",
-                              description="Data tools: `validate` checks a JSONL file; `pack` packs it offline "
-                                          "into per-rank shards with a manifest.")
-    sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
-    p.set_defaults(func=lambda a: (p.print_help(), 0)[1])
+def _load_data_config(path: str = None):
+    """DataConfig from a YAML file (`data:` section or top level); defaults when no file is given."""
+    from mindvl_ms.config.base import load, read_yaml
+    from mindvl_ms.config.data import DataConfig
 
-    v = sub.add_parser("validate", help="schema, image and grounding checks with line numbers",
-                       description="Check every line: JSON schema, <image> count vs images, missing/corrupt/blank "
-                                   "images, minimum resolution, aspect ratio, image_sizes metadata, grounding tags "
-                                   "(balanced, integer coordinates 0..999). Exits 1 when errors remain.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    v.add_argument("file", help="JSONL file (image paths relative to it)")
-    v.add_argument("--config", help="YAML with a data: section (image limits: data.image.min_side, max_aspect_ratio)")
-    v.add_argument("--drop-bad", metavar="OUT.jsonl", help="write the lines without errors here and list the dropped ones")
-    v.add_argument("--report", metavar="FILE.json", help="write the full report (every error) as JSON")
-    v.add_argument("--headers-only", action="store_true", help="read image headers only (skips corrupt/blank checks)")
-    v.add_argument("--workers", type=int, default=0, help="processes (0: all cores)")
-    v.add_argument("--max-list", type=int, default=50, help="errors listed on stdout")
-    v.add_argument("--quiet", action="store_true", help="no progress bar")
-    v.set_defaults(func=_validate)
-
-    k = sub.add_parser("pack", help="offline packing from metadata into per-rank shards + manifest.json",
-                       description="Count tokens from metadata (image headers, checked against image_sizes; "
-                                   "never decoding), pack with best-fit-decreasing under --seq-length and --max-image-tokens, "
-                                   "balance packs over --dp-size ranks, write OUT_DIR/rank_XXXXX.jsonl and "
-                                   "OUT_DIR/manifest.json. Flags override --config.")
-    k.add_argument("input", help="JSONL file to pack")
-    k.add_argument("out_dir", help="output directory")
-    k.add_argument("--config", help="YAML with a data: section (DataConfig)")
-    k.add_argument("--tokenizer", help="tokenizer dir or file (default: the bundled Qwen3 tokenizer)")
-    k.add_argument("--seq-length", type=int, help="tokens per pack (default 4096)")
-    k.add_argument("--max-image-tokens", type=int,
-                   help="visual tokens per pack (default 0 = seq_length: packs fill on tokens; a smaller value is "
-                        "the ViT-balance option, bounding vision work per pack at a cost in fill)")
-    k.add_argument("--dp-size", type=int, help="data-parallel ranks, one shard each (default 1)")
-    k.add_argument("--workers", type=int, help="processes for the metadata pass (default: data.pack_workers, 0 = all cores)")
-    k.add_argument("--trust-image-sizes", action="store_true",
-                   help="take image_sizes as given without reading image headers (faster on slow storage; a wrong "
-                        "size is then only caught when the loader decodes the image)")
-    k.add_argument("--quiet", action="store_true", help="no progress bars")
-    k.set_defaults(func=_pack)
+    if not path:
+        return DataConfig()
+    d = read_yaml(path)
+    if "data" in d and isinstance(d["data"], dict):
+        d = d["data"]
+    return load(DataConfig, d, source=path)

@@ -23,9 +23,8 @@ it against image-blind baselines:
                constant answer); merged vs individual SFT scores; a small test-time resolution search
                on the OCR split
 Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
-OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores (the 2,000 multitask steps of 8
-rows at about 0.4 s each: the model's vocabulary is the ~100 token ids the data uses, `demo.vocab`),
---quick about 2 minutes.
+OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores, --quick a few minutes (measured
+times: docs/DEMO.md and docs/PERFORMANCE.md).
 
 --post-train then post-trains OUT/merged as openPangu-VL does after SFT (rollout -> DPO -> GRPO with the
 box-IoU reward on new grounding images) and scores held-out grounding before and after
@@ -55,13 +54,12 @@ def register(subparsers) -> None:
                    help="post-train OUT/merged of a finished demo with the same --out: rollout -> DPO -> GRPO "
                         "on grounding, held-out scores before and after (configs/demo/post_train.yaml)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run_demo)
 
 
-def _run(args) -> int:
-    from mindvl_ms.config.base import ConfigError
-
+def _run_demo(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mindvl_ms.config.base import ConfigError  # after the logging set-up: imports may log
     from mindvl_ms.recipes.demo.post import run_post_train
     from mindvl_ms.recipes.demo.run import run_demo
 

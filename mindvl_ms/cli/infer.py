@@ -17,6 +17,111 @@ import sys
 HELP_SAMPLING = "greedy decoding unless --do-sample"
 
 
+def register(subparsers) -> None:
+    g = subparsers.add_parser(
+        "generate", help="answer one prompt (optionally about images and videos)",
+        description="Generate one answer with the KV-cache graphs. Images are resized with "
+                    "smart_resize and enter the vision graph as uint8; videos are decoded with "
+                    "PyAV and sampled as in training (the checkpoint's data.video settings: fps, "
+                    "frame budget). " + HELP_SAMPLING + ".",
+        epilog="examples:\n  mindvl generate --ckpt ckpt/sft --image cat.png --prompt 'Describe it.'"
+               "\n  mindvl generate --ckpt ckpt/sft --video clip.mp4 --prompt 'What happens?'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_sampling(g)
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="image file (repeatable); an <image> placeholder is added per image unless the "
+                        "prompt already holds them")
+    g.add_argument("--video", action="append", default=[], metavar="FILE",
+                   help="video file (repeatable); a <video> placeholder is added per video unless the prompt "
+                        "already holds them")
+    g.add_argument("--prompt", required=True, help="the user message")
+    g.set_defaults(func=_run_generate)
+
+    c = subparsers.add_parser(
+        "chat", help="interactive multi-turn chat with images",
+        description="Interactive chat. Type a message and press Enter. Commands: /image PATH "
+                    "(attach an image to the next message), /reset (forget the history), /exit. "
+                    "Image features are computed once per image and reused in later turns. "
+                    + HELP_SAMPLING + ".",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_sampling(c)
+    c.set_defaults(func=_run_chat)
+
+    e = subparsers.add_parser(
+        "export", help="export MindIR graphs (vision, prefill, decode) for deployment",
+        description="Write OUT/vision.mindir, prefill.mindir, decode.mindir (dynamic shapes; the "
+                    "decode graph takes and returns the KV cache) and OUT/export.json with shapes, "
+                    "dtypes, token ids and preprocessing. Run them with "
+                    "mindvl_ms.infer.mindir_runner.ExportedRunner (MindSpore Lite when installed, else "
+                    "mindspore GraphCell).")
+    e.add_argument("--ckpt", required=True, help="checkpoint directory (native or Hugging Face layout)")
+    e.add_argument("--out", required=True, help="output directory (written atomically)")
+    e.add_argument("--fp16", action="store_true", help="export float16 weights and KV cache (logits stay float32)")
+    e.set_defaults(func=_run_export)
+
+
+def _run_generate(args) -> int:
+    from mindvl_ms.infer.generate import open_image
+
+    from mindvl_ms.data.video import probe_video
+
+    images = [open_image(p) for p in args.image]  # fail on a bad image or video before loading the model
+    for v in args.video:
+        probe_video(v)
+    session = _Session(args)
+    session.answer([{"role": "user", "content": _with_placeholders(args.prompt, len(images), len(args.video))}],
+                   images, args.video)
+    return 0
+
+
+def _run_chat(args) -> int:
+    from mindvl_ms.infer.generate import open_image
+
+    session = _Session(args)
+    messages, images, pending = [], [], []
+    print("mindvl chat: /image PATH attaches an image, /reset clears the history, /exit quits.")
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            messages, images, pending = [], [], []
+            print("(history cleared)")
+            continue
+        try:
+            if line.startswith("/image"):
+                path = line[len("/image"):].strip()
+                pending.append(open_image(path))
+                print(f"(image attached: {path})")
+                continue
+            msg = {"role": "user", "content": _with_placeholders(line, len(pending))}
+            reply = session.answer(messages + [msg], images + pending)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        messages += [msg, {"role": "assistant", "content": reply}]
+        images += pending
+        pending = []
+
+
+def _run_export(args) -> int:
+    from mindvl_ms.infer.export import export
+    from mindvl_ms.infer.generate import use_graph_mode
+
+    use_graph_mode()
+    meta = export(args.ckpt, args.out, fp16=args.fp16)
+    for name, g in meta["graphs"].items():
+        print(f"{args.out}/{g['file']}: {g['bytes'] / 2 ** 20:.2f} MiB")
+    print(f"{args.out}/export.json ({meta['dtype']}, total {meta['total_bytes'] / 2 ** 20:.2f} MiB)")
+    return 0
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint directory (native or Hugging Face Qwen2.5-VL layout)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated at most (default 128)")
@@ -37,45 +142,6 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--show-special-tokens", action="store_true",
                    help="print every special token (by default only the grounding tags such as "
                         "<|box_start|>...<|box_end|> are printed)")
-
-
-def register(sub) -> None:
-    g = sub.add_parser("generate", help="answer one prompt (optionally about images and videos)",
-                       description="Generate one answer with the KV-cache graphs. Images are resized with "
-                                   "smart_resize and enter the vision graph as uint8; videos are decoded with "
-                                   "PyAV and sampled as in training (the checkpoint's data.video settings: fps, "
-                                   "frame budget). " + HELP_SAMPLING + ".",
-                       epilog="examples:\n  mindvl generate --ckpt ckpt/sft --image cat.png --prompt 'Describe it.'"
-                              "\n  mindvl generate --ckpt ckpt/sft --video clip.mp4 --prompt 'What happens?'",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_sampling(g)
-    g.add_argument("--image", action="append", default=[], metavar="FILE",
-                   help="image file (repeatable); an <image> placeholder is added per image unless the "
-                        "prompt already holds them")
-    g.add_argument("--video", action="append", default=[], metavar="FILE",
-                   help="video file (repeatable); a <video> placeholder is added per video unless the prompt "
-                        "already holds them")
-    g.add_argument("--prompt", required=True, help="the user message")
-    g.set_defaults(func=_generate)
-
-    c = sub.add_parser("chat", help="interactive multi-turn chat with images",
-                       description="Interactive chat. Type a message and press Enter. Commands: /image PATH "
-                                   "(attach an image to the next message), /reset (forget the history), /exit. "
-                                   "Image features are computed once per image and reused in later turns. "
-                                   + HELP_SAMPLING + ".", formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_sampling(c)
-    c.set_defaults(func=_chat)
-
-    e = sub.add_parser("export", help="export MindIR graphs (vision, prefill, decode) for deployment",
-                       description="Write OUT/vision.mindir, prefill.mindir, decode.mindir (dynamic shapes; the "
-                                   "decode graph takes and returns the KV cache) and OUT/export.json with shapes, "
-                                   "dtypes, token ids and preprocessing. Run them with "
-                                   "mindvl_ms.infer.mindir_runner.ExportedRunner (MindSpore Lite when installed, else "
-                                   "mindspore GraphCell).")
-    e.add_argument("--ckpt", required=True, help="checkpoint directory (native or Hugging Face layout)")
-    e.add_argument("--out", required=True, help="output directory (written atomically)")
-    e.add_argument("--fp16", action="store_true", help="export float16 weights and KV cache (logits stay float32)")
-    e.set_defaults(func=_export)
 
 
 class _Session:
@@ -130,65 +196,3 @@ def _with_placeholders(prompt: str, n_images: int, n_videos: int = 0) -> str:
         if not have:
             prompt = f"{tag}\n" * n + prompt
     return prompt
-
-
-def _generate(args) -> int:
-    from mindvl_ms.infer.generate import open_image
-
-    from mindvl_ms.data.video import probe_video
-
-    images = [open_image(p) for p in args.image]  # fail on a bad image or video before loading the model
-    for v in args.video:
-        probe_video(v)
-    session = _Session(args)
-    session.answer([{"role": "user", "content": _with_placeholders(args.prompt, len(images), len(args.video))}],
-                   images, args.video)
-    return 0
-
-
-def _chat(args) -> int:
-    from mindvl_ms.infer.generate import open_image
-
-    session = _Session(args)
-    messages, images, pending = [], [], []
-    print("mindvl chat: /image PATH attaches an image, /reset clears the history, /exit quits.")
-    while True:
-        try:
-            line = input(">>> ").strip()
-        except (EOFError, KeyboardInterrupt):
-            print()
-            return 0
-        if not line:
-            continue
-        if line in ("/exit", "/quit"):
-            return 0
-        if line == "/reset":
-            messages, images, pending = [], [], []
-            print("(history cleared)")
-            continue
-        try:
-            if line.startswith("/image"):
-                path = line[len("/image"):].strip()
-                pending.append(open_image(path))
-                print(f"(image attached: {path})")
-                continue
-            msg = {"role": "user", "content": _with_placeholders(line, len(pending))}
-            reply = session.answer(messages + [msg], images + pending)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        messages += [msg, {"role": "assistant", "content": reply}]
-        images += pending
-        pending = []
-
-
-def _export(args) -> int:
-    from mindvl_ms.infer.export import export
-    from mindvl_ms.infer.generate import use_graph_mode
-
-    use_graph_mode()
-    meta = export(args.ckpt, args.out, fp16=args.fp16)
-    for name, g in meta["graphs"].items():
-        print(f"{args.out}/{g['file']}: {g['bytes'] / 2 ** 20:.2f} MiB")
-    print(f"{args.out}/export.json ({meta['dtype']}, total {meta['total_bytes'] / 2 ** 20:.2f} MiB)")
-    return 0

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from mindvl_ms.config.packaged import PREFIX, configs_dir, copy_config, list_configs
-
 
 def register(subparsers) -> None:
-    """`mindvl init-config [NAME] [DST]`."""
     p = subparsers.add_parser(
         "init-config", help="copy a packaged config (and the files it includes) to edit",
         description="Copy one of the YAML configs shipped with mindvl-ms, together with every file it includes "
@@ -18,19 +15,21 @@ def register(subparsers) -> None:
                "  mindvl train --config configs/stage/tiny-cpu.yaml ...",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", nargs="?", help="packaged config, e.g. demo/quick.yaml or configs/stage/tiny-cpu.yaml")
-    p.add_argument("dst", nargs="?", default=PREFIX, help="directory to copy into (default: ./configs)")
+    p.add_argument("dst", nargs="?", help="directory to copy into (default: ./configs)")
     p.add_argument("--force", action="store_true", help="overwrite existing files")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run_init_config)
 
 
-def _run(args) -> int:
+def _run_init_config(args) -> int:
+    from mindvl_ms.config.packaged import PREFIX, configs_dir, copy_config, list_configs
+
     if not args.name:
         print(f"packaged configs ({configs_dir()}):")
         for n in list_configs():
             print(f"  {n}")
         return 0
     try:
-        written = copy_config(args.name, args.dst, overwrite=args.force)
+        written = copy_config(args.name, args.dst or PREFIX, overwrite=args.force)
     except FileExistsError as e:
         raise ValueError(str(e)) from None
     for w in written:

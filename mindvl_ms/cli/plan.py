@@ -3,10 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from mindvl_ms.config.base import ConfigError
-from mindvl_ms.parallel.layout import Layout
-from mindvl_ms.parallel.plan import check, format_plan, parse_memory, plan_run
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -17,17 +13,19 @@ def register(subparsers) -> None:
                     "exceeds context.max_device_memory, naming the component.")
     p.add_argument("--config", required=True, help="run YAML (e.g. configs/run/mindvl-8b-64npu.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run_plan)
 
 
-def _run(args) -> int:
+def _run_plan(args) -> int:
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.config.packaged import resolve_config
     from mindvl_ms.config.train import load_run_config
     from mindvl_ms.data.vocab_subset import follow_vocab_subset
+    from mindvl_ms.parallel.layout import Layout
+    from mindvl_ms.parallel.plan import check, format_plan, parse_memory, plan_run
     from mindvl_ms.parallel.runtime import validate_strategy
 
     try:
-        from mindvl_ms.config.packaged import resolve_config
-
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
         follow_vocab_subset(cfg)
         lay = Layout.from_run_config(cfg)
