@@ -10,9 +10,13 @@ Design:
 - A YAML file may start from other files: `_include_: [../model/tiny.yaml]` (paths relative to the
   including file) are deep-merged first, then the file's own keys override. This keeps one YAML
   per model size instead of copy-pasted blocks.
+- A `model: FILE.yaml` value, in any section, names a model YAML relative to the file that wrote it
+  (`read_yaml` makes it absolute, as it does for `_include_` inside sections); `file_references` lists
+  both kinds, which `mindvl init-config` copies along with a config.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import os
@@ -31,8 +35,6 @@ def F(default: Any = dataclasses.MISSING, doc: str = "", **kw) -> Any:
     meta = {"doc": doc}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         value = default
-        import copy
-
         return dataclasses.field(default_factory=lambda: copy.deepcopy(value), metadata=meta, **kw)
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=default, metadata=meta, **kw)
@@ -152,7 +154,7 @@ def read_yaml(path: str) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     inc = data.pop("_include_", None)
-    _absolute_section_refs(data, os.path.dirname(os.path.abspath(path)))
+    _absolute_refs(data, os.path.dirname(os.path.abspath(path)))
     if inc:
         merged: Dict[str, Any] = {}
         for p in [inc] if isinstance(inc, str) else inc:
@@ -161,17 +163,36 @@ def read_yaml(path: str) -> Dict[str, Any]:
     return data
 
 
-def _absolute_section_refs(data: Dict[str, Any], base_dir: str) -> None:
-    """Make a section's own file references (`model: ../model/tiny.yaml`, `model: {_include_: ...}`) absolute,
-    so they stay relative to the file that wrote them when another file `_include_`s it."""
+def is_model_file(key: Any, value: Any) -> bool:
+    """`model: FILE.yaml`: a `model` key, in any section, whose value names a YAML file."""
+    return key == "model" and isinstance(value, str) and value.endswith((".yaml", ".yml"))
+
+
+def file_references(data: Dict[str, Any]) -> List[str]:
+    """The files a YAML mapping refers to, as written: `_include_` entries and `model: FILE.yaml` values, at
+    any depth (`mindvl init-config` copies them along with the file)."""
+    refs: List[str] = []
     for key, val in data.items():
-        if isinstance(val, str) and key == "model" and val.endswith((".yaml", ".yml")):
+        if key == "_include_" and val:
+            refs += [val] if isinstance(val, str) else list(val)
+        elif is_model_file(key, val):
+            refs.append(val)
+        elif isinstance(val, dict):
+            refs += file_references(val)
+    return refs
+
+
+def _absolute_refs(data: Dict[str, Any], base_dir: str) -> None:
+    """Make the file references of a file's sections (`model: FILE.yaml` and `_include_` in any section)
+    absolute, so they stay relative to the file that wrote them when another file `_include_`s it."""
+    for key, val in data.items():
+        if is_model_file(key, val):
             data[key] = os.path.join(base_dir, val)
         elif isinstance(val, dict):
             if "_include_" in val:
                 inc = val["_include_"]
                 val["_include_"] = [os.path.join(base_dir, p) for p in ([inc] if isinstance(inc, str) else inc)]
-            _absolute_section_refs(val, base_dir)  # e.g. the demo's `demo: {model: ../model/tiny.yaml}`
+            _absolute_refs(val, base_dir)
 
 
 def set_dotted(data: Dict[str, Any], dotted: str, value: Any) -> None:

@@ -6,10 +6,11 @@ Shapes that cannot work are rejected in `validate()` at load time.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional
 
-from mindvl_ms.config.base import F, ConfigError, sub
+from mindvl_ms.config.base import F, ConfigError, load, sub
 
 
 @dataclass
@@ -211,8 +212,6 @@ def _pick(cls: type, d: Dict[str, Any]) -> Dict[str, Any]:
 
 def text_from_hf(d: Dict[str, Any]) -> TextConfig:
     """Qwen2/Qwen3/Qwen2.5-VL text/DeepseekV3 config.json dict -> TextConfig."""
-    from mindvl_ms.config.base import load
-
     mt = d.get("model_type", "qwen2")
     kw = _pick(TextConfig, d)
     kw.pop("moe", None)
@@ -248,8 +247,6 @@ def text_from_hf(d: Dict[str, Any]) -> TextConfig:
 
 
 def vision_from_hf(d: Dict[str, Any]) -> VisionConfig:
-    from mindvl_ms.config.base import load
-
     kw = _pick(VisionConfig, d)
     kw.pop("mlp_type", None)
     if "embed_dim" in d and "hidden_size" not in d:
@@ -259,8 +256,6 @@ def vision_from_hf(d: Dict[str, Any]) -> VisionConfig:
 
 def from_hf_dict(d: Dict[str, Any]) -> MindVLConfig:
     """Qwen2.5-VL config.json dict -> MindVLConfig (text fields at top level or in text_config)."""
-    from mindvl_ms.config.base import load
-
     text = dict(d)
     text.update(d.get("text_config") or {})
     if text.get("model_type") in (None, "qwen2_5_vl"):
@@ -281,8 +276,6 @@ def from_hf_dict(d: Dict[str, Any]) -> MindVLConfig:
 
 def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     """MindVLConfig -> a Qwen2.5-VL style config.json (readable by transformers when text is qwen2)."""
-    import dataclasses
-
     if cfg.vision.hierarchical_layers:
         raise ConfigError("vision.hierarchical_layers: transformers' Qwen2.5-VL merger reads only the last block, "
                           "so this model cannot be written in its layout (save it in native format)")

@@ -9,7 +9,7 @@ checkout's `configs/` (editable install, PYTHONPATH on a checkout).
   or absolute) is used as given; otherwise the same name inside the packaged configs (with or without the
   leading `configs/`) is used and the log says so. `mindvl train --config` and `mindvl demo --config` use it.
 - `copy_config(name, dst)`: `mindvl init-config NAME [DST]` copies a packaged config and every file it
-  refers to (`_include_` entries, `model: FILE` and the demo's `demo.model`), keeping their relative
+  refers to (`_include_` entries and `model: FILE.yaml` values, in any section), keeping their relative
   paths, so the copy loads exactly like the original and can be edited.
 """
 from __future__ import annotations
@@ -17,9 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from importlib.resources import files
 from typing import List, Tuple
 
 import yaml
+
+from mindvl_ms.config.base import file_references
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +33,8 @@ def configs_dir() -> str:
     """Directory holding the packaged YAML configs (model/, stage/, parallel/, demo/)."""
     candidates = []
     try:
-        from importlib.resources import files
-
         candidates.append(os.fspath(files("mindvl_ms").joinpath(PREFIX)))
-    except (ImportError, TypeError):  # a zipped install has no file-system path; use the fallback
+    except TypeError:  # a zipped install has no file-system path; use the fallback
         pass
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../mindvl_ms
     candidates += [os.path.join(pkg, PREFIX), os.path.join(os.path.dirname(pkg), PREFIX)]
@@ -82,21 +83,10 @@ def resolve_config(path: str) -> Tuple[str, bool]:
 
 
 def _references(path: str) -> List[str]:
-    """Files a config refers to, relative to it: `_include_` entries (top level and in `model:`),
-    `model: FILE` and `demo.model`."""
+    """Files a config refers to, relative to it: `_include_` entries and `model: FILE.yaml` values, at any
+    depth (the same references `base.read_yaml` resolves against the file)."""
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-
-    def incs(d) -> List[str]:
-        inc = d.get("_include_") or [] if isinstance(d, dict) else []
-        return [inc] if isinstance(inc, str) else list(inc)
-
-    refs = incs(data) + incs(data.get("model"))
-    for m in (data.get("model"), (data.get("demo") or {}).get("model") if isinstance(data.get("demo"), dict)
-              else None):
-        if isinstance(m, str):
-            refs.append(m)
-    return refs
+        return file_references(yaml.safe_load(f) or {})
 
 
 def copy_config(name: str, dst: str = PREFIX, overwrite: bool = False) -> List[str]:

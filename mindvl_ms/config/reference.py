@@ -8,6 +8,9 @@ import dataclasses
 import typing
 from typing import List
 
+from mindvl_ms.config.model import MindVLConfig
+from mindvl_ms.config.train import RunConfig
+
 
 def _rows(cls: type, prefix: str) -> List[str]:
     rows, nested = [], []
@@ -40,9 +43,6 @@ def _rows(cls: type, prefix: str) -> List[str]:
 
 
 def reference() -> str:
-    from mindvl_ms.config.model import MindVLConfig
-    from mindvl_ms.config.train import RunConfig
-
     lines = ["# Configuration reference", "",
              "Generated from the config dataclasses by `python -m mindvl_ms.config.reference`; every key of a "
              "YAML file is one of these. Unknown keys are an error naming the closest valid key. A file may "

@@ -79,6 +79,24 @@ def test_model_reference_stays_relative_to_the_file_that_wrote_it(tmp_path):
     assert cfg.model.vision.hidden_size == tiny.vision.hidden_size    # tiny.yaml, found relative to train.yaml
     assert cfg.model.text.vocab_size == tiny.text.vocab_size
 
+
+def test_model_files_in_any_section_are_resolved_and_copied(tmp_path):
+    """`model: FILE.yaml` in any section (not only a top-level or a named one) resolves against the file that
+    wrote it, and init-config's reference list holds it with every `_include_`."""
+    from mindvl_ms.config.base import file_references
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "inner.yaml").write_text("anything:\n  deeper: {model: ../m/tiny.yaml, other: x.yaml}\n"
+                                               "sec: {_include_: b.yaml}\n")
+    p = _write(tmp_path, "_include_: a/inner.yaml\n")
+    data = read_yaml(p)
+    assert data["anything"]["deeper"] == {"model": str(tmp_path / "a" / "../m/tiny.yaml"), "other": "x.yaml"}
+    assert data["sec"]["_include_"] == [str(tmp_path / "a" / "b.yaml")]
+    raw = {"_include_": ["x.yaml"], "model": {"_include_": "../model/tiny.yaml"},
+           "recipe": {"model": "../model/tiny-moe.yaml", "steps": {"model": "not-a-file"}}}
+    assert file_references(raw) == ["x.yaml", "../model/tiny.yaml", "../model/tiny-moe.yaml"]
+
+
 def test_openpangu_shapes_from_the_report_and_public_config():
     """openPangu-ViT has ~615M parameters (report 2.2); the LLM is openPangu-Embedded-7B's published shape;
     3D-IM-RoPE gives space about six times the bands of time."""
