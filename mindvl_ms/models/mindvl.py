@@ -11,8 +11,9 @@ Outputs (the same for every configuration):
   expert_load float32[layers, E]   tokens routed to each expert per MoE layer ([1, 1] zeros for dense)
 
 Parameter names follow transformers' Qwen2.5-VL checkpoint layout: `visual.*`, `model.*`, `lm_head.*`.
-Keyword calls (`model(**processor(...))`, `model.generate(**inputs)`) are a host-side layer over this
-positional path: infer/hf_api.py.
+`MindVLModel` is the Cell alone: training builds it, `checkpoint.pretrained` loads and saves it. The public
+`MindVLForConditionalGeneration` (infer/hf_api.py) subclasses it with from_pretrained / save_pretrained,
+keyword calls (`model(**processor(...))`) and `generate`, a host-side layer over this positional path.
 """
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -20,18 +21,20 @@ from mindspore import Tensor, nn, ops
 from mindvl_ms.config import MindVLConfig
 from mindvl_ms.data.collate import INPUT_NAMES, patch_dim
 from mindvl_ms.models.text import TextModel, TiedHead, lm_logits
-from mindvl_ms.models.vision import VisionTransformer, dense
+from mindvl_ms.models.moe import DeepseekV3Model
+from mindvl_ms.models.vision import VisionTransformer
+from mindvl_ms.ops.layers import dense
 
 
 def build_language_model(cfg) -> nn.Cell:
     if cfg.model_type == "deepseek_v3":
-        from mindvl_ms.models.moe import DeepseekV3Model
-
         return DeepseekV3Model(cfg)
     return TextModel(cfg)
 
 
-class MindVLForConditionalGeneration(nn.Cell):
+class MindVLModel(nn.Cell):
+    """Vision encoder + projector + language model + LM head over the INPUT_NAMES arrays (module docstring)."""
+
     INPUT_NAMES = INPUT_NAMES
 
     def __init__(self, config: MindVLConfig):
@@ -41,7 +44,7 @@ class MindVLForConditionalGeneration(nn.Cell):
         self.model = build_language_model(config.text)
         t = config.text
         self.tied = t.tie_word_embeddings
-        self.lm_head = None if self.tied else dense(t.hidden_size, t.vocab_size, False, t.initializer_range)
+        self.lm_head = None if self.tied else dense(t.hidden_size, t.vocab_size, t.initializer_range)
         self.tied_head = TiedHead() if self.tied else None
 
     def construct(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
@@ -105,41 +108,9 @@ class MindVLForConditionalGeneration(nn.Cell):
             Tensor(shape=[None], dtype=i32),  # actual_seq_len [B*K]
         ]
 
-    def set_dynamic_inputs(self) -> "MindVLForConditionalGeneration":
+    def set_dynamic_inputs(self) -> "MindVLModel":
         self.set_inputs(*self.dynamic_inputs())
         return self
-
-    # -- Hugging Face style calls (infer/hf_api.py) ------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        """Positional INPUT_NAMES arrays: the compiled graph, returning (logits, aux_loss, expert_load).
-        Keywords only, as a processor returns them (`model(**inputs)`): a MindVLOutput with .logits and,
-        given labels, .loss, computed through that same positional path."""
-        if kwargs and not args:
-            from mindvl_ms.infer.hf_api import forward
-
-            return forward(self, **kwargs)
-        return super().__call__(*args, **kwargs)
-
-    def generate(self, **inputs):
-        """`model.generate(**processor_outputs, max_new_tokens=..., do_sample=...)` -> token ids [B, L + n]
-        (prompt then new tokens), through mindvl_ms.infer.generate's KV-cache engine."""
-        from mindvl_ms.infer.hf_api import generate
-
-        return generate(self, **inputs)
-
-    # -- checkpoints -------------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, config: MindVLConfig = None) -> "MindVLForConditionalGeneration":
-        """Load a native or Hugging Face Qwen2.5-VL directory (config.json + safetensors, sharded too)."""
-        from mindvl_ms.checkpoint.hf import load_pretrained
-
-        return load_pretrained(cls, path, config)
-
-    def save_pretrained(self, path: str, format: str = "native", max_shard_bytes: int = None) -> None:
-        """Write config.json + safetensors; format 'hf' writes transformers' Qwen2.5-VL layout."""
-        from mindvl_ms.checkpoint.hf import save_pretrained
-
-        save_pretrained(self, path, format=format, max_shard_bytes=max_shard_bytes)
 
 
 def cast_params(model: nn.Cell, dtype) -> nn.Cell:

@@ -9,7 +9,8 @@ Projections (HF `DeepseekV3Attention` names, weights [out, in]):
 M-RoPE with decoupled RoPE (the design choice): only the qk_rope_head_dim dims carry position, so the
 three M-RoPE components (temporal, height, width) split those dims' rope_dim/2 frequency pairs by
 `mrope_section` (sum = qk_rope_head_dim / 2), exactly as Qwen2.5-VL splits its head_dim/2 pairs (or
-the interleaved or spread assignment of `mrope_layout`, see text.mrope_pair_axis). The nope
+the interleaved or spread assignment of `mrope_layout`, see ops.layers.mrope_pair_axis; the cos/sin come
+from `ops.layers.MRotaryEmbedding` over qk_rope_head_dim). The nope
 dims and the compressed latent stay position-free, so MLA's latent caching is unchanged. For text tokens
 t = h = w, every pair sees the same position and this reduces to DeepSeek-V3's 1D RoPE bit for bit.
 
@@ -21,40 +22,10 @@ is invariant to the common reorder. Frequency pair j therefore rotates dims (2j,
 Not implemented: YaRN rope scaling (DeepSeek-V3's long-context extension, its mscale on the softmax scale);
 positions use plain RoPE with `rope_theta`.
 """
-import numpy as np
+from mindspore import nn, ops
 
-import mindspore as ms
-from mindspore import Tensor, nn, ops
-from mindspore.common.initializer import Normal
-
-from mindvl_ms.ops import ApplyRotary, CoreAttention, Linear, RMSNorm
-from mindvl_ms.models.text import mrope_pair_axis
-
-
-def dense(d_in: int, d_out: int, std: float, bias: bool = False) -> Linear:
-    """`ops.Linear` (nn.Dense, weight [out, in] as torch Linear) with a normal init."""
-    return Linear(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
-
-
-class MRotaryEmbedding(nn.Cell):
-    """position_ids int32 [3, B, L] -> cos, sin float32 [B, 1, L, rope_dim] (rotate-half layout)."""
-
-    def __init__(self, rope_dim: int, theta: float, mrope_section, layout: str = "chunked"):
-        super().__init__()
-        half = rope_dim // 2
-        inv = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.int64).astype(np.float32) / rope_dim))
-        self.inv_freq = Tensor(inv.astype(np.float32))  # [half]
-        owner = mrope_pair_axis(mrope_section, layout)  # which of t/h/w drives frequency pair j
-        sel = np.zeros((3, half), np.float32)
-        sel[owner, np.arange(half)] = 1.0
-        self.select = Tensor(sel)  # [3, half]
-
-    def construct(self, position_ids):
-        pos = position_ids.astype(ms.float32)  # [3, B, L]
-        freqs = pos[..., None] * self.inv_freq  # [3, B, L, half]
-        freqs = (freqs * self.select[:, None, None, :]).sum(0)  # [B, L, half]
-        emb = ops.cat((freqs, freqs), -1)[:, None]  # [B, 1, L, rope]
-        return ops.cos(emb), ops.sin(emb)
+from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm
+from mindvl_ms.ops.layers import dense
 
 
 class MLAttention(nn.Cell):

@@ -16,26 +16,26 @@ maps them to and from HF's per-expert Linear weights. Multi-token-prediction lay
 (HF/DeepSeek store them as `model.layers.{num_hidden_layers + k}`).
 
 Routed experts, by device:
-- Ascend (default there): MindFormers' MoE code with this cell's parameters (`use_mindformers`): the expert
-  selection of MindFormers' TopKRouter (`parallel.mindformers_moe.MindFormersSelect`), then its
-  MoEAlltoAllTokenDispatcher (AlltoAll counts + AlltoAllV rows inside the EP group) and GroupedMatmul experts
-  in one Morph (`mindvl_ms.parallel.moe.EPExperts`); `mindvl_ms.parallel.moe.shard_moe` declares the
-  semi-auto strategies (experts split by expert_parallel). MindFormers' group score is the sum of each
+- The cell itself: DeepSeek-V3's routing (moe_router.TopkRouter) and the experts of `RoutedExperts`, whose
+  dispatch defaults to "grouped" on Ascend (TokenPermute -> GroupedMatmul -> TokenUnpermute, the fused
+  kernels) and "sparse" on CPU: routed rows only, in an [E, C] capacity layout or, when an expert overflows
+  C, expert-pure row blocks; static shapes either way, nothing dropped. "dense" (every expert on every
+  token) is the reference the others are tested against; "grouped" runs on CPU through the kernels' CPU
+  equivalents.
+- Under a parallel layout, `mindvl_ms.parallel` binds the cell to MindFormers' MoE code with this cell's
+  parameters (`parallel.parallelize.apply_ep`; `parallel.moe.use_mindformers` on one device): the router's
+  `mindformers_select` (MindFormers' TopKRouter selection) and the experts' `parallel_experts` (its
+  MoEAlltoAllTokenDispatcher with GroupedMatmul experts in one Morph, split by expert_parallel). The model
+  holds the two slots (None by default) and no parallel code. MindFormers' group score is the sum of each
   group's top (k / topk_group) scores, DeepSeek-V3's the top 2: equal for DeepSeek-V3's own sizes (8 / 4)
-  and the tiny config (2 / 1), different otherwise (tests/parallel/test_mindformers_moe.py shows both, and runs
-  MindFormers' MoELayer on CPU with this project's weights, its Ascend kernels swapped inside the test).
-- CPU (default there): DeepSeek-V3's routing (moe_router.TopkRouter) and sparse experts (`RoutedExperts`
-  dispatch "sparse"): routed rows only, in an [E, C] capacity layout or, when an expert overflows C,
-  expert-pure row blocks; static shapes either way, nothing dropped.
-  "dense" (every expert on every token) is the reference it is tested against; "grouped" runs the Ascend
-  kernels' dataflow (TokenPermute -> GroupedMatmul -> TokenUnpermute) through their CPU equivalents.
+  and the tiny config (2 / 1), different otherwise (tests/parallel/test_mindformers_moe.py shows both).
 Semi-auto graphs cannot compile on CPU: on CPU only data parallel runs.
 
 Multi-token prediction (num_nextn_predict_layers > 0, DeepSeek-V3 section 2.2): depth k combines
 enorm(embedding of token i+k) and hnorm(depth k-1 hidden) with eh_proj, runs one decoder layer, then
 shared_head.norm and the shared lm_head; `mtp_forward` returns those hidden states and `CausalLMLoss`
 weights their loss by mtp_loss_scale. Depth 1 takes the main model's final (normed) hidden states.
-Run the tests: pytest tests/test_moe_*.py
+Run the tests: pytest tests/models/test_moe_*.py
 """
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
@@ -44,21 +44,9 @@ from mindspore.common.initializer import Normal, initializer
 from mindvl_ms.ops import RMSNorm, SwiGLU, is_ascend, segment_bias
 from mindvl_ms.ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, capacity_layout,
                        expert_block_size, expert_capacity, expert_ranks, tokens_per_expert)
-from mindvl_ms.models.mla import MLAttention, MRotaryEmbedding, dense
-from mindvl_ms.parallel.moe_validate import count_parameters, validate_moe_parallel  # noqa: F401  (public API)
+from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
+from mindvl_ms.models.mla import MLAttention
 from mindvl_ms.models.moe_router import ExpertBiasUpdate, TopkRouter, expert_load, seq_aux_loss
-
-
-class Embedding(nn.Cell):
-    """Token embedding with its table named `weight` [V, D] (HF `embed_tokens.weight`)."""
-
-    def __init__(self, vocab: int, dim: int, std: float):
-        super().__init__()
-        self.weight = Parameter(initializer(Normal(std), (vocab, dim), ms.float32), name="weight")
-        self.gather = ops.Gather()
-
-    def construct(self, ids):  # int32 [B, L] -> [B, L, D]
-        return self.gather(self.weight, ids, 0)
 
 
 class DeepseekV3MLP(nn.Cell):
@@ -197,8 +185,6 @@ class DeepseekV3MoE(nn.Cell):
         self.has_shared = m.n_shared_experts > 0
         if self.has_shared:
             self.shared_experts = DeepseekV3MLP(d, m.moe_intermediate_size * m.n_shared_experts, std)
-        if is_ascend() and expert_dispatch is None:
-            use_mindformers(self, m)
 
     def construct(self, x, valid):
         b, l, d = x.shape
@@ -209,19 +195,6 @@ class DeepseekV3MoE(nn.Cell):
             y = y + self.shared_experts(x)
         aux = seq_aux_loss(scores, idx, valid, b, self.top_k) if self.use_aux else ops.zeros((), ms.float32)
         return y, expert_load(idx, self.num_experts, valid), aux
-
-
-def use_mindformers(moe_cell, moe_config, layout=None):
-    """Route and dispatch a DeepseekV3MoE with MindFormers' MoE code (the Ascend default): TopKRouter's
-    expert selection and MoEAlltoAllTokenDispatcher + GroupedMatmul experts (EPExperts, all-to-all inside
-    the EP group of `layout`, default a single device). Parameters stay the cell's."""
-    from mindvl_ms.parallel.layout import Layout
-    from mindvl_ms.parallel.moe import EPExperts
-    from mindvl_ms.parallel.mindformers_moe import MindFormersSelect
-
-    moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
-    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)
-    return moe_cell
 
 
 class DeepseekV3DecoderLayer(nn.Cell):

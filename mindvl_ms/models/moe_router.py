@@ -16,8 +16,8 @@ Balancing, both from DeepSeek-V3 section 2.1.2:
   to i, P_i = mean over tokens of the normalised scores s_i / sum_j s_j, L = alpha * sum_i f_i P_i. A
   "sequence" here is one packed row (padding excluded); the loss is averaged over rows.
 
-On Ascend, the expert selection is MindFormers' `TopKRouter` code (`mindformers_select`, set by
-DeepseekV3MoE through `mindvl_ms.parallel.mindformers_moe.MindFormersSelect`); scores, bias, routing weights
+Under a parallel layout on Ascend the expert selection is MindFormers' `TopKRouter` code (`mindformers_select`,
+set by `mindvl_ms.parallel` to a `parallel.mindformers_moe.MindFormersSelect`); scores, bias, routing weights
 and parameters stay this cell's. MindFormers picks groups by the sum of the top (k / topk_group) scores per
 group rather than DeepSeek-V3's top-2: equal when k / topk_group = 2 (DeepSeek-V3's 8 / 4), different
 otherwise (tests/parallel/test_mindformers_moe.py shows both). On CPU the selection below is DeepSeek-V3's, with
@@ -53,7 +53,7 @@ class TopkRouter(nn.Cell):
         self.topk = TopK()
         self.group_topk = TopK()
         self.expert_topk = TopK()
-        # On Ascend (DeepseekV3MoE sets it): MindFormers' TopKRouter selection, biased scores [T, E] -> ids [T, k]
+        # Set by mindvl_ms.parallel (Ascend): MindFormers' TopKRouter selection, biased scores [T, E] -> ids [T, k]
         self.mindformers_select = None
 
     def construct(self, x):

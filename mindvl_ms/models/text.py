@@ -1,11 +1,12 @@
 """Dense language model with M-RoPE: Qwen3 (QK-norm, no bias) and Qwen2 (qkv bias) from one config.
 
-Reads top to bottom: multimodal rotary embedding, MLP, attention, decoder layer, model, causal-LM head.
+Reads top to bottom: MLP, attention, decoder layer, model, causal-LM head (the embedding table and the
+multimodal rotary embedding are `ops.layers.Embedding` / `ops.layers.MRotaryEmbedding`).
 Module names follow transformers' Qwen2/Qwen3 (`embed_tokens`, `layers.{i}.self_attn.q_proj`, `q_norm`,
 `mlp.gate_proj`, `input_layernorm`, `norm`) so checkpoints convert by name.
 
 M-RoPE: position_ids int32[3, B, L] hold (t, h, w) positions; rotary pair d uses axis a(d) given by
-`mrope_section` and `mrope_layout` (see `mrope_pair_axis`: chunked t|h|w as in Qwen2.5-VL, interleaved
+`mrope_section` and `mrope_layout` (see `ops.layers.mrope_pair_axis`: chunked t|h|w as in Qwen2.5-VL, interleaved
 thw thw ... as in Qwen3-VL, or spread as openPangu-VL's 3D-IM-RoPE with its 1:6 t:(h+w) split; the same
 assignment is repeated for the second half of head_dim). For text tokens the three positions are equal, so either
 layout is plain 1D RoPE.
@@ -15,67 +16,13 @@ behave like separate samples.
 The model returns (hidden [B, L, D], aux_loss [], expert_load [1, 1]) so that it has the same outputs as
 the MoE language model (models/moe.py); for this dense model aux_loss is 0.
 """
-import numpy as np
-
 import mindspore as ms
-from mindspore import Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore import nn, ops
 
 from mindvl_ms.config import TextConfig
 from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
 from mindvl_ms.ops.activation import GatedAct
-from mindvl_ms.models.vision import dense
-
-
-def mrope_pair_axis(mrope_section, layout: str = "chunked") -> np.ndarray:
-    """int64[sum(mrope_section)]: the position axis (0 t, 1 h, 2 w) that drives each rotary frequency pair.
-
-    - chunked (Qwen2.5-VL): the first sec_t pairs read t, the next sec_h read h, the last sec_w read w,
-      so h and w get only the lowest frequencies;
-    - interleaved (Qwen3-VL's `apply_interleaved_mrope`): pair j reads h if j % 3 == 1 and j < 3 * sec_h,
-      w if j % 3 == 2 and j < 3 * sec_w, t otherwise (TextConfig.validate checks the section fits);
-    - spread (openPangu-VL's 3D-IM-RoPE, any split such as 1:6 t:(h+w)): axis a's k_a pairs have the
-      evenly spaced ideal slots (i + 0.5) * n / k_a; merging all slots in order (ties t, h, w) gives each
-      pair its axis, so every axis spans high to low frequencies; an equal split gives thw thw ...
-    """
-    sec = [int(n) for n in mrope_section]
-    if layout == "chunked":
-        return np.repeat(np.arange(3), sec)
-    j = np.arange(sum(sec))
-    if layout == "interleaved":
-        axis = np.zeros(j.size, np.int64)
-        axis[(j % 3 == 1) & (j < 3 * sec[1])] = 1
-        axis[(j % 3 == 2) & (j < 3 * sec[2])] = 2
-        return axis
-    if layout != "spread":
-        raise ValueError(f"mrope layout {layout!r}: expected chunked, interleaved or spread")
-    slots = [((i + 0.5) * j.size / k, a) for a, k in enumerate(sec) for i in range(k)]
-    axis = np.array([a for _, a in sorted(slots)], np.int64)
-    return axis
-
-
-def mrope_axis_mask(mrope_section, rot_dim: int, layout: str = "chunked") -> np.ndarray:
-    """float32[3, rot_dim]: one-hot of the position axis (t, h, w) each rotary dim reads."""
-    axis = np.tile(mrope_pair_axis(mrope_section, layout), 2)
-    assert axis.size == rot_dim, (mrope_section, rot_dim)
-    return (axis[None, :] == np.arange(3)[:, None]).astype(np.float32)
-
-
-class MRotaryEmbedding(nn.Cell):
-    """position_ids [3, B, L] -> cos, sin float32[B, 1, L, rot_dim] (M-RoPE, rotate-half layout)."""
-
-    def __init__(self, rot_dim: int, theta: float, mrope_section, layout: str = "chunked"):
-        super().__init__()
-        inv = 1.0 / (theta ** (np.arange(0, rot_dim, 2, dtype=np.int64).astype(np.float32) / rot_dim))
-        self.inv_freq = Tensor(np.concatenate([inv, inv]).astype(np.float32))  # [rot]
-        self.axis_mask = Tensor(mrope_axis_mask(mrope_section, rot_dim, layout))  # [3, rot]
-
-    def construct(self, position_ids):
-        pos = position_ids.astype(ms.float32)  # [3, B, L]
-        # select the axis of each rotary dim: exact, since the mask is one-hot
-        pos = (pos[:, :, :, None] * self.axis_mask[:, None, None, :]).sum(0)  # [B, L, rot]
-        freqs = pos * self.inv_freq  # [B, L, rot]
-        return ops.cos(freqs)[:, None], ops.sin(freqs)[:, None]
+from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
 
 
 class TextMLP(nn.Cell):
@@ -83,9 +30,9 @@ class TextMLP(nn.Cell):
 
     def __init__(self, hidden: int, inter: int, std: float, hidden_act: str = "silu"):
         super().__init__()
-        self.gate_proj = dense(hidden, inter, False, std)
-        self.up_proj = dense(hidden, inter, False, std)
-        self.down_proj = dense(inter, hidden, False, std)
+        self.gate_proj = dense(hidden, inter, std)
+        self.up_proj = dense(hidden, inter, std)
+        self.down_proj = dense(inter, hidden, std)
         self.glu = SwiGLU() if hidden_act == "silu" else GatedAct(hidden_act)
 
     def construct(self, x):
@@ -99,10 +46,10 @@ class TextAttention(nn.Cell):
         super().__init__()
         self.h, self.kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim_
         std, bias = cfg.initializer_range, cfg.attention_bias
-        self.q_proj = dense(cfg.hidden_size, self.h * self.hd, bias, std)
-        self.k_proj = dense(cfg.hidden_size, self.kv * self.hd, bias, std)
-        self.v_proj = dense(cfg.hidden_size, self.kv * self.hd, bias, std)
-        self.o_proj = dense(self.h * self.hd, cfg.hidden_size, False, std)
+        self.q_proj = dense(cfg.hidden_size, self.h * self.hd, std, bias)
+        self.k_proj = dense(cfg.hidden_size, self.kv * self.hd, std, bias)
+        self.v_proj = dense(cfg.hidden_size, self.kv * self.hd, std, bias)
+        self.o_proj = dense(self.h * self.hd, cfg.hidden_size, std)
         self.use_qk_norm = cfg.use_qk_norm
         if self.use_qk_norm:
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
@@ -146,18 +93,6 @@ class DecoderLayer(nn.Cell):
     def construct(self, x, cos, sin, bias, actual_seq_len=None):
         x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len))
         return self.add(x, self.mlp(self.post_attention_layernorm(x)))
-
-
-class Embedding(nn.Cell):
-    """Token embedding table `weight` [V, D] (a gather, as torch nn.Embedding)."""
-
-    def __init__(self, vocab: int, dim: int, std: float):
-        super().__init__()
-        self.weight = ms.Parameter(initializer(Normal(std), (vocab, dim), ms.float32), name="weight")
-        self.gather = ops.Gather()
-
-    def construct(self, ids):  # [B, L] -> [B, L, D]
-        return self.gather(self.weight, ids, 0)
 
 
 class TextModel(nn.Cell):
@@ -223,7 +158,7 @@ class TextForCausalLM(nn.Cell):
         super().__init__()
         self.model = TextModel(cfg)
         self.tied = cfg.tie_word_embeddings
-        self.lm_head = None if self.tied else dense(cfg.hidden_size, cfg.vocab_size, False, cfg.initializer_range)
+        self.lm_head = None if self.tied else dense(cfg.hidden_size, cfg.vocab_size, cfg.initializer_range)
         self.tied_head = TiedHead() if self.tied else None
 
     def construct(self, input_ids, position_ids, segment_ids):

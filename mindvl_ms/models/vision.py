@@ -32,17 +32,13 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from mindvl_ms.config import VisionConfig
-from mindvl_ms.ops import ApplyRotary, CoreAttention, Linear, RMSNorm, SwiGLU, segment_bias
+from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
 from mindvl_ms.ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
 from mindvl_ms.ops.attention import NEG_INF
 from mindvl_ms.ops.cpu_kernels import custom_op
 from mindvl_ms.ops.dispatch import is_ascend
+from mindvl_ms.ops.layers import dense
 from mindvl_ms.ops.linear import BiasAddMatMulGrad
-
-
-def dense(d_in: int, d_out: int, bias: bool, std: float) -> Linear:
-    """`ops.Linear` (nn.Dense, weight [out, in] as torch Linear) with a normal init and zero bias."""
-    return Linear(d_in, d_out, weight_init=Normal(std), bias_init="zeros", has_bias=bias)
 
 
 class VisionPatchEmbed(nn.Cell):
@@ -51,7 +47,7 @@ class VisionPatchEmbed(nn.Cell):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         k = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-        self.proj = dense(k, cfg.hidden_size, False, cfg.initializer_range)
+        self.proj = dense(k, cfg.hidden_size, cfg.initializer_range)
 
     def construct(self, pixel_values):
         return self.proj(pixel_values.astype(self.proj.weight.dtype))
@@ -197,13 +193,13 @@ class VisionMLP(nn.Cell):
         self.gated = cfg.mlp_type == "gated"
         self.swiglu = cfg.hidden_act == "silu"
         if self.gated:
-            self.gate_proj = dense(cfg.hidden_size, cfg.intermediate_size, True, std)
-            self.up_proj = dense(cfg.hidden_size, cfg.intermediate_size, True, std)
-            self.down_proj = dense(cfg.intermediate_size, cfg.hidden_size, True, std)
+            self.gate_proj = dense(cfg.hidden_size, cfg.intermediate_size, std, bias=True)
+            self.up_proj = dense(cfg.hidden_size, cfg.intermediate_size, std, bias=True)
+            self.down_proj = dense(cfg.intermediate_size, cfg.hidden_size, std, bias=True)
             self.glu = SwiGLU()
         else:
-            self.fc1 = dense(cfg.hidden_size, cfg.intermediate_size, True, std)
-            self.fc2 = dense(cfg.intermediate_size, cfg.hidden_size, True, std)
+            self.fc1 = dense(cfg.hidden_size, cfg.intermediate_size, std, bias=True)
+            self.fc2 = dense(cfg.intermediate_size, cfg.hidden_size, std, bias=True)
         self.act = activation(cfg.hidden_act)
         self.mul = ops.Mul()  # act(gate) * up (gated, non-SiLU)
 
@@ -240,8 +236,8 @@ class VisionAttention(nn.Cell):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.head_dim
-        self.qkv = dense(cfg.hidden_size, cfg.hidden_size * 3, True, cfg.initializer_range)
-        self.proj = dense(cfg.hidden_size, cfg.hidden_size, True, cfg.initializer_range)
+        self.qkv = dense(cfg.hidden_size, cfg.hidden_size * 3, cfg.initializer_range, bias=True)
+        self.proj = dense(cfg.hidden_size, cfg.hidden_size, cfg.initializer_range, bias=True)
         self.rotary = ApplyRotary()
         self.core = CoreAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim, causal=False)
         self.fused = self.core.fused
@@ -315,8 +311,8 @@ class PatchMerger(nn.Cell):
         if self.n_hier:
             self.ln_hier = nn.CellList([RMSNorm(cfg.hidden_size, 1e-6) for _ in range(self.n_hier)])
         in_dim = self.unit_dim * (self.n_hier + 1)
-        self.mlp = nn.SequentialCell([dense(in_dim, self.unit_dim, True, std), nn.GELU(approximate=False),
-                                      dense(self.unit_dim, cfg.out_hidden_size, True, std)])
+        self.mlp = nn.SequentialCell([dense(in_dim, self.unit_dim, std, bias=True), nn.GELU(approximate=False),
+                                      dense(self.unit_dim, cfg.out_hidden_size, std, bias=True)])
 
     def construct(self, x, earlier=()):  # x [N, E] (last block), earlier: n_hier x [N, E] -> [N/4, D_llm]
         h = self.ln_q(x).reshape(-1, self.unit_dim)  # [N/4, 4E]

@@ -13,10 +13,10 @@ import mindspore as ms
 from mindspore import Tensor
 
 from mindvl_ms.checkpoint import hf_deepseek
-from mindvl_ms.checkpoint.hf import load_into, model_tensors
+from mindvl_ms.checkpoint.pretrained import load_into, model_tensors
 from mindvl_ms.checkpoint.io import read_tensors
 from mindvl_ms.config.model import text_from_hf
-from mindvl_ms.models.mla import MRotaryEmbedding
+from mindvl_ms.ops.layers import MRotaryEmbedding
 from mindvl_ms.models.moe import DeepseekV3ForCausalLM
 from mindvl_ms.ops import ApplyRotary
 

@@ -12,8 +12,9 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfi
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from mindvl_ms.config import ConfigError, MindVLConfig, from_hf_dict, load_model_config, to_hf_dict
-from mindvl_ms.models import mla, text
+from mindvl_ms.ops import layers
 from mindvl_ms.models.moe import DeepseekV3Model
+from mindvl_ms.models.text import TextModel
 from tests.support.paths import ROOT
 
 
@@ -28,9 +29,9 @@ def _reference(rot_dim, section, theta, pos):
 
 
 @pytest.mark.parametrize("rotary, rot_dim, section, theta", [
-    (text.MRotaryEmbedding, 32, [7, 5, 4], 10000.0),       # h and w of different sizes
-    (text.MRotaryEmbedding, 128, [24, 20, 20], 5000000.0),  # Qwen3-VL-8B's split and base
-    (mla.MRotaryEmbedding, 16, [5, 1, 2], 10000.0),         # MLA rope dims (tiny-moe: 16)
+    (layers.MRotaryEmbedding, 32, [7, 5, 4], 10000.0),       # h and w of different sizes
+    (layers.MRotaryEmbedding, 128, [24, 20, 20], 5000000.0),  # Qwen3-VL-8B's split and base
+    (layers.MRotaryEmbedding, 16, [5, 1, 2], 10000.0),         # MLA rope dims (tiny-moe: 16)
 ])
 def test_interleaved_cos_sin_match_qwen3_vl(rotary, rot_dim, section, theta):
     rng = np.random.default_rng(0)
@@ -50,8 +51,8 @@ def test_interleaved_cos_sin_match_qwen3_vl(rotary, rot_dim, section, theta):
 
 
 def test_pair_axis_layouts_by_hand():
-    np.testing.assert_array_equal(text.mrope_pair_axis([2, 3, 3]), [0, 0, 1, 1, 1, 2, 2, 2])
-    np.testing.assert_array_equal(text.mrope_pair_axis([4, 2, 2], "interleaved"), [0, 1, 2, 0, 1, 2, 0, 0])
+    np.testing.assert_array_equal(layers.mrope_pair_axis([2, 3, 3]), [0, 0, 1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(layers.mrope_pair_axis([4, 2, 2], "interleaved"), [0, 1, 2, 0, 1, 2, 0, 0])
 
 
 def test_interleaved_section_validated_and_round_trips(tmp_path):
@@ -74,7 +75,7 @@ def test_interleaved_section_validated_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("yaml, section, build", [
-    ("tiny.yaml", [6, 5, 5], text.TextModel),
+    ("tiny.yaml", [6, 5, 5], TextModel),
     ("tiny-moe.yaml", [4, 2, 2], DeepseekV3Model),
 ])
 def test_models_pass_the_flag_to_their_rotary(yaml, section, build):
@@ -99,7 +100,7 @@ def _spread_reference(section):
 
 @pytest.mark.parametrize("section", [[9, 27, 28], [2, 7, 7], [3, 6, 7], [1, 1, 6], [5, 5, 6]])
 def test_spread_layout_counts_and_even_spacing(section):
-    axis = text.mrope_pair_axis(section, "spread")
+    axis = layers.mrope_pair_axis(section, "spread")
     n = sum(section)
     assert [int((axis == a).sum()) for a in range(3)] == section  # the band ratio is exactly the section
     for a, slots in _spread_reference(section).items():
@@ -111,20 +112,20 @@ def test_spread_layout_counts_and_even_spacing(section):
 
 
 def test_spread_equal_split_is_the_interleaved_pattern():
-    np.testing.assert_array_equal(text.mrope_pair_axis([5, 5, 5], "spread"), text.mrope_pair_axis([5, 5, 5], "interleaved"))
-    np.testing.assert_array_equal(text.mrope_pair_axis([1, 3, 3], "spread"), [1, 2, 0, 1, 2, 1, 2])
+    np.testing.assert_array_equal(layers.mrope_pair_axis([5, 5, 5], "spread"), layers.mrope_pair_axis([5, 5, 5], "interleaved"))
+    np.testing.assert_array_equal(layers.mrope_pair_axis([1, 3, 3], "spread"), [1, 2, 0, 1, 2, 1, 2])
 
 
 def test_spread_cos_sin_against_numpy():
     """The rotary module with the spread layout equals cos/sin built in numpy from the pair-axis table."""
     section, theta, rot = [2, 7, 7], 10000.0, 32
     pos = np.random.default_rng(2).integers(0, 300, (3, 2, 6))
-    axis = np.tile(text.mrope_pair_axis(section, "spread"), 2)  # [rot]
+    axis = np.tile(layers.mrope_pair_axis(section, "spread"), 2)  # [rot]
     inv = 1.0 / theta ** (np.arange(0, rot, 2) / rot)
     inv = np.concatenate([inv, inv])
     ang = np.take_along_axis(pos.transpose(1, 2, 0)[..., None].repeat(rot, -1),
                              axis[None, None, None, :].repeat(2, 0).repeat(6, 1), 2)[:, :, 0] * inv
-    cos, sin = text.MRotaryEmbedding(rot, theta, section, "spread")(Tensor(pos.astype(np.int32)))
+    cos, sin = layers.MRotaryEmbedding(rot, theta, section, "spread")(Tensor(pos.astype(np.int32)))
     np.testing.assert_allclose(cos.asnumpy()[:, 0], np.cos(ang), atol=2e-5)
     np.testing.assert_allclose(sin.asnumpy()[:, 0], np.sin(ang), atol=2e-5)
 
