@@ -16,22 +16,39 @@ exactly when num_experts_per_tok // topk_group == 2 (DeepSeek-V3's 8 // 4, the t
 `routing_rules_agree` says whether they do, and tests/parallel/test_mindformers_moe.py shows a config where they
 differ.
 
-Importing MindFormers writes its log under $LOCAL_DEFAULT_PATH (default ./output); this module points it
-at ~/.cache/mindvl_ms/mindformers unless the variable is set.
+`mindformers_dispatcher(...)` builds MindFormers' MoEAlltoAllTokenDispatcher for the routed experts under
+expert parallel (`parallel.moe.EPExperts`); `MindFormersSelect` runs TopKRouter's expert selection.
+
+MindFormers itself is imported on first use (`_mindformers`), not with this module: importing it takes
+seconds and writes a log directory, and only the Ascend MoE path and its CPU test use it, while every
+parallel layout imports this module. Its log goes under $LOCAL_DEFAULT_PATH (MindFormers' default
+./output); this module points it at ~/.cache/mindvl_ms/mindformers unless the variable is set.
 """
+import importlib
 import os
 import warnings
+from types import SimpleNamespace
 
 import mindspore as ms
 from mindspore import nn
 
+from mindvl_ms.parallel.layout import Layout
+
 os.environ.setdefault("LOCAL_DEFAULT_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindvl_ms", "mindformers"))
 
+_MODULES = {  # name -> (MindFormers module, attribute)
+    "TransformerConfig": ("mindformers.parallel_core.transformer_config", "TransformerConfig"),
+    "layout_moe": ("mindformers.parallel_core.training_graph.device_matrix", "layout_moe"),
+    "TopKRouter": ("mindformers.parallel_core.training_graph.transformer.moe.router", "TopKRouter"),
+    "MoEAlltoAllTokenDispatcher": ("mindformers.parallel_core.training_graph.transformer.moe.token_dispatcher",
+                                   "MoEAlltoAllTokenDispatcher"),
+}
 
-def _import_mindformers():
-    from mindformers.parallel_core.transformer_config import TransformerConfig
 
-    return TransformerConfig
+def _mindformers() -> SimpleNamespace:
+    """The MindFormers classes this module uses, imported on first use (see the module docstring)."""
+    return SimpleNamespace(**{name: getattr(importlib.import_module(module), attr)
+                              for name, (module, attr) in _MODULES.items()})
 
 
 def routing_rules_agree(moe) -> bool:
@@ -44,7 +61,6 @@ def routing_rules_agree(moe) -> bool:
 def transformer_config(num_experts: int, top_k: int, hidden: int, layout=None, seq_length: int = 4096,
                        moe=None, dtype: str = "float32"):
     """A MindFormers TransformerConfig carrying the MoE and parallel sizes (one layer, no attention use)."""
-    TransformerConfig = _import_mindformers()
     dp, tp, ep = (layout.dp, layout.tp, layout.ep) if layout is not None else (1, 1, 1)
     kw = dict(num_layers=1, hidden_size=hidden, num_attention_heads=tp, seq_length=seq_length,
               num_moe_experts=num_experts, moe_router_topk=top_k, moe_ffn_hidden_size=hidden,
@@ -59,7 +75,15 @@ def transformer_config(num_experts: int, top_k: int, hidden: int, layout=None, s
                   moe_router_topk_scaling_factor=float(moe.routed_scaling_factor),
                   norm_topk_prob=bool(moe.norm_topk_prob),
                   moe_ffn_hidden_size=moe.moe_intermediate_size)
-    return TransformerConfig(**kw)
+    return _mindformers().TransformerConfig(**kw)
+
+
+def mindformers_dispatcher(num_experts: int, top_k: int, hidden: int, layout: Layout, seq_length: int = 4096):
+    """MindFormers' MoEAlltoAllTokenDispatcher for these sizes (its EP group is created from the rank when
+    the parallel mode is not stand-alone)."""
+    cfg = transformer_config(num_experts=num_experts, top_k=top_k, hidden=hidden, layout=layout,
+                             seq_length=seq_length)
+    return _mindformers().MoEAlltoAllTokenDispatcher(cfg)
 
 
 class MindFormersSelect(nn.Cell):
@@ -71,11 +95,9 @@ class MindFormersSelect(nn.Cell):
     TopkExt runs (Ascend), or on CPU with the kernels substituted as tests/parallel/test_mindformers_moe.py does.
     """
 
-    def __init__(self, moe, layout=None):
+    def __init__(self, moe, layout: Layout = None):
         super().__init__()
-        from mindformers.parallel_core.training_graph.device_matrix import layout_moe
-        from mindformers.parallel_core.training_graph.transformer.moe.router import TopKRouter
-
+        mf = _mindformers()
         if not routing_rules_agree(moe):
             top = moe.num_experts_per_tok // moe.topk_group
             warnings.warn(f"MindFormers' TopKRouter ranks groups by their top {top} scores, DeepSeek-V3 by their "
@@ -85,13 +107,14 @@ class MindFormersSelect(nn.Cell):
         cfg = transformer_config(moe.n_routed_experts, moe.num_experts_per_tok, hidden=8, layout=layout, moe=moe)
         # MindFormers' MoE device matrix (a process-wide singleton read by TopKRouter.shard in semi-auto mode),
         # re-initialised for this layout
-        layout_moe._layout, layout_moe._config = None, None  # pylint: disable=protected-access
-        layout_moe.init_layout(cfg)
+        mf.layout_moe._layout, mf.layout_moe._config = None, None  # pylint: disable=protected-access
+        mf.layout_moe.init_layout(cfg)
         self.moe_config = moe
-        self.stage = layout.dp * layout.tp if layout is not None else 1  # tokens split over the stage's devices
+        self.layout = layout or Layout()  # the layout it was built for (`shard_moe` rebuilds it for another)
+        self.stage = self.layout.dp * self.layout.tp  # tokens split over the stage's devices
         cfg.moe_router_enable_expert_bias = False  # the bias is added by TopkRouter; MindFormers only selects
         cfg.moe_router_load_balancing_type = "seq_aux_loss"
-        router = TopKRouter(cfg)
+        router = mf.TopKRouter(cfg)
         for name in list(router._params):  # pylint: disable=protected-access
             del router._params[name]  # pylint: disable=protected-access
         self.router = router

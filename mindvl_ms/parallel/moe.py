@@ -30,7 +30,10 @@ from mindspore import nn
 from mindspore.ops.operations import Morph
 from mindspore.parallel import Layout as DeviceLayout
 
+from mindvl_ms.ops import SwiGLU
+from mindvl_ms.ops.moe import GroupedMatmul
 from mindvl_ms.parallel.layout import Layout
+from mindvl_ms.parallel.mindformers_moe import MindFormersSelect, mindformers_dispatcher
 
 
 def moe_device_layout(layout: Layout) -> DeviceLayout:
@@ -49,14 +52,12 @@ class EPExperts(nn.Cell):
     its strategies can be declared and read back.
 
     `dispatcher` is MindFormers' MoEAlltoAllTokenDispatcher (or any object with its token_permutation /
-    token_unpermutation interface); `None` builds it from the cell's sizes (`mindformers_dispatcher`).
+    token_unpermutation interface); `None` builds it from the cell's sizes
+    (`parallel.mindformers_moe.mindformers_dispatcher`).
     """
 
     def __init__(self, experts, layout: Layout, top_k: int, dispatcher=None):
         super().__init__()
-        from mindvl_ms.ops import SwiGLU
-        from mindvl_ms.ops.moe import GroupedMatmul
-
         e, d, inter = experts.gate_proj.shape
         if e % layout.ep:
             raise ValueError(f"expert_parallel {layout.ep} must divide the {e} routed experts")
@@ -91,18 +92,6 @@ class EPExperts(nn.Cell):
         return out.reshape(t, d)
 
 
-def mindformers_dispatcher(num_experts: int, top_k: int, hidden: int, layout: Layout, seq_length: int = 4096):
-    """MindFormers' MoEAlltoAllTokenDispatcher for these sizes (its EP group is created from the rank when
-    the parallel mode is not stand-alone)."""
-    from mindvl_ms.parallel.mindformers_moe import transformer_config
-    from mindformers.parallel_core.training_graph.transformer.moe.token_dispatcher import (
-        MoEAlltoAllTokenDispatcher)
-
-    cfg = transformer_config(num_experts=num_experts, top_k=top_k, hidden=hidden, layout=layout,
-                             seq_length=seq_length)
-    return MoEAlltoAllTokenDispatcher(cfg)
-
-
 def shard_mlp(mlp, layout: Layout) -> None:
     """Column-parallel gate/up, row-parallel down (weights are nn.Dense [out, in], transpose_b)."""
     dp, tp = layout.dp, layout.tp
@@ -123,13 +112,21 @@ def shard_moe(moe_cell, layout: Layout, dispatcher=None):
     stage = layout.dp * layout.tp
     moe_cell.gate.gate_matmul.shard(((stage, 1), (1, 1)))
     select = moe_cell.gate.mindformers_select
-    if select is not None:  # Ascend: MindFormers' selection, rebuilt with its tokens over the stage
-        from mindvl_ms.parallel.mindformers_moe import MindFormersSelect
-
+    if select is not None and select.layout != layout:  # MindFormers' selection: its tokens over the stage
         moe_cell.gate.mindformers_select = MindFormersSelect(select.moe_config, layout)
     moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout, moe_cell.top_k, dispatcher)
     if moe_cell.has_shared:
         shard_mlp(moe_cell.shared_experts, layout)
+    return moe_cell
+
+
+def use_mindformers(moe_cell, moe_config, layout: Layout = None):
+    """Route and dispatch a DeepseekV3MoE with MindFormers' MoE code (what `apply_ep` does on Ascend):
+    TopKRouter's expert selection and MoEAlltoAllTokenDispatcher + GroupedMatmul experts (EPExperts,
+    all-to-all inside the EP group of `layout`, default a single device). Parameters stay the cell's;
+    returns the cell."""
+    moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
+    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)
     return moe_cell
 
 
@@ -185,5 +182,5 @@ def parameter_shards(moe_cell) -> Dict[str, dict]:
     return out
 
 
-__all__ = ["EPExperts", "mindformers_dispatcher", "moe_device_layout", "parameter_shards", "shard_mlp",
-           "shard_moe", "split_counts"]
+__all__ = ["EPExperts", "moe_device_layout", "parameter_shards", "shard_mlp", "shard_moe", "split_counts",
+           "use_mindformers"]

@@ -1,21 +1,19 @@
-"""`parallelize(model, run_config_or_layout)`: semi-auto shard strategies on the pure model's primitives.
+"""`parallelize(model, layout)`: semi-auto shard strategies on a pure model, step by step, from plans.
 
-The model files hold primitive instances and no parallel logic; this module walks the cells, recognises
-them by type and name, and calls `Primitive.shard` with the strategies of `parallel/strategies.py`
-(MindFormers' conventions). It also places cells on pipeline stages (`parallel/pipeline.py`) and groups
-gradient communication by `gradient_aggregation_group` (consecutive decoder layers share a
-`Parameter.comm_fusion` id, MindFormers' `set_comm_fusion(layer_id // group + 1)`).
-
-Delegated: the attention core (`parallel/attention.py: shard_core_attention`) and the routed MoE
-(`parallel/moe.py: shard_moe`).
-
-Kernel choice: a SwiGLU whose FFN dim is split by tensor parallelism runs unfused (`fused = False`, same
-values): the fused Ascend kernel takes concat([gate, up]) on the split dim, which semi-auto parallel cannot
-shard (Concat's axis must be whole).
-
-The ViT's CPU block path (`models/vision.py: QkvBiasRope`), every RMSNorm (`ops/norm.py`) and every RoPE
-(`ops/rotary.py`) drop their C++ kernels (`ops/cpu_kernels.py`) and keep the composite ops, whose primitives
-carry the strategies: a parallel layout compiles for Ascend, which runs its fused kernels.
+The model files hold primitive instances and no parallel logic. As torchtitan's `parallelize_llama`, this
+module applies each parallelism as its own step, each driven by a plan: a dict from a module path pattern
+(`model.layers.*.mlp.down_proj`, `parallel/paths.py`) to a style (`parallel/styles.py`), whose strategies
+are the tables of `parallel/strategies.py` (MindFormers' conventions):
+- `apply_ep`: every DeepSeek-V3 MoE layer (`EP_MODULES`): router, routed experts split by expert_parallel
+  (MindFormers' all-to-all dispatcher; on Ascend its expert selection too), shared experts;
+- `apply_vision`: the ViT and projector (`VISION_PLAN`) under the vision layout: data parallel rows, its
+  weights split only with `vision_parallel: tp` (`vision_layout`);
+- `apply_tp`: the language model and head (`LLM_TP_PLAN`: the embedding, each decoder layer's
+  `DECODER_LAYER_PLAN`, the multi-token-prediction depths, the final norm, the LM head);
+- `apply_pipeline`: stages of the embedding, layers and head (`parallel/pipeline.py: STAGE_PLAN`);
+- `apply_gradient_fusion`: consecutive decoder layers share a `Parameter.comm_fusion` id, MindFormers'
+  `set_comm_fusion(layer_id // gradient_aggregation_group + 1)`, so their gradients are reduced together;
+- `apply_recompute` (`parallel/recompute.py: RECOMPUTE_PLAN`), when a recompute config is given.
 
 Strategies only take effect under `semi_auto_parallel` / `auto_parallel` on Ascend; on CPU they are
 declared and read back by the audit tests (`parallel/audit.py`), since such graphs cannot compile on CPU.
@@ -23,189 +21,180 @@ declared and read back by the audit tests (`parallel/audit.py`), since such grap
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from mindspore import nn
 
-from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU
-from mindvl_ms.ops.activation import GatedAct
+from mindvl_ms.models.moe import DeepseekV3Model
+from mindvl_ms.ops import is_ascend
 from mindvl_ms.parallel import strategies as S
-from mindvl_ms.parallel.attention import shard_core_attention
-from mindvl_ms.parallel.moe import shard_moe
 from mindvl_ms.parallel.layout import Layout
-from mindvl_ms.parallel.pipeline import assign_pipeline_stages
+from mindvl_ms.parallel.paths import match_plan, under
+from mindvl_ms.parallel.pipeline import assign_pipeline_stages, language_model
+from mindvl_ms.parallel.recompute import apply_recompute
+from mindvl_ms.parallel.styles import (Attention, DropKernel, Embedding, ExpertParallel, GatedMul, Glu, Linear, Norm,
+                                       ParallelReport, Residual, Rotary, ShardContext, TiedHead)
+
+COLUMN, ROW, REPLICATED = Linear("column"), Linear("row"), Linear("replicated")
+
+DECODER_LAYER_PLAN = {  # paths inside one decoder layer: Qwen2/Qwen3 (GQA) and DeepSeek-V3 (MLA)
+    "": Residual(S.HIDDEN),
+    "input_layernorm": Norm(S.HIDDEN),
+    "post_attention_layernorm": Norm(S.HIDDEN),
+    "self_attn.q_proj": COLUMN,
+    "self_attn.k_proj": COLUMN,
+    "self_attn.v_proj": COLUMN,
+    "self_attn.q_b_proj": COLUMN,                   # MLA up-projections (per head)
+    "self_attn.kv_b_proj": COLUMN,
+    "self_attn.q_a_proj": REPLICATED,               # MLA down-projections (latent)
+    "self_attn.kv_a_proj_with_mqa": REPLICATED,
+    "self_attn.o_proj": ROW,
+    "self_attn.q_norm": Norm(S.HEAD_NORM),
+    "self_attn.k_norm": Norm(S.HEAD_NORM),
+    "self_attn.q_a_layernorm": Norm(S.LATENT_NORM),
+    "self_attn.kv_a_layernorm": Norm(S.LATENT_NORM),
+    "self_attn.rotary": Rotary(S.ROPE_Q, S.ROPE_COS),
+    "self_attn.rotary_k": Rotary(S.ROPE_SHARED_K, S.ROPE_COS),  # MLA's one rope key: no head split
+    "self_attn.core": Attention(),
+    "mlp.gate_proj": COLUMN,                        # dense FFN (an MoE `mlp` is apply_ep's)
+    "mlp.up_proj": COLUMN,
+    "mlp.down_proj": ROW,
+    "mlp.glu": Glu(S.FFN),                          # Qwen MLP
+    "mlp.swiglu": Glu(S.FFN),                       # DeepSeek-V3 dense MLP
+}
+MTP_PLAN = {  # one multi-token-prediction depth: a decoder layer with its input projection and norms
+    **DECODER_LAYER_PLAN,
+    "eh_proj": REPLICATED,
+    "enorm": Norm(S.HIDDEN),
+    "hnorm": Norm(S.HIDDEN),
+    "shared_head.norm": Norm(S.HIDDEN),
+}
+LLM_TP_PLAN = {
+    "model.embed_tokens": Embedding(S.EMBED_GATHER),
+    **under("model.layers.*", DECODER_LAYER_PLAN),
+    **under("model.mtp.*", MTP_PLAN),
+    "model.norm": Norm(S.HIDDEN),
+    "lm_head": Linear("vocab"),
+    "tied_head": TiedHead(),
+}
+
+V_COLUMN, V_ROW = Linear("v_column"), Linear("v_row")
+VISION_BLOCK_PLAN = {  # paths inside one ViT block
+    "": Residual(S.VISION_ROWS),
+    "norm1": Norm(S.VISION_ROWS),
+    "norm2": Norm(S.VISION_ROWS),
+    "attn.qkv": V_COLUMN,
+    "attn.proj": V_ROW,
+    "attn.rotary": Rotary(S.VISION_ROPE_Q, S.VISION_ROPE_COS),
+    "attn.core": Attention(),
+    "attn.qkv_rope": DropKernel(),
+    "mlp": GatedMul(S.VISION_FFN),
+    "mlp.gate_proj": V_COLUMN,
+    "mlp.up_proj": V_COLUMN,
+    "mlp.fc1": V_COLUMN,
+    "mlp.down_proj": V_ROW,
+    "mlp.fc2": V_ROW,
+    "mlp.glu": Glu(S.VISION_FFN),
+}
+VISION_PLAN = {
+    "visual.patch_embed.proj": REPLICATED,
+    **under("visual.blocks.*", VISION_BLOCK_PLAN),
+    "visual.merger.ln_q": Norm(S.VISION_ROWS),
+    "visual.merger.ln_hier.*": Norm(S.VISION_ROWS),  # the hierarchical connector's earlier levels
+    "visual.merger.mlp.0": V_COLUMN,
+    "visual.merger.mlp.2": V_ROW,
+}
+EP_MODULES = ("model.layers.*.mlp", "model.mtp.*.mlp")  # the MoE layers among them get ExpertParallel
 
 
-@dataclass
-class ParallelReport:
-    """What `parallelize` did (names of the cells it sharded by kind)."""
-
-    layout: Layout
-    vision_parallel: str
-    vocab_split: int
-    linear: Dict[str, str] = field(default_factory=dict)   # cell name -> role
-    unmatched_linear: List[str] = field(default_factory=list)
-    cells: Dict[str, str] = field(default_factory=dict)    # cell name -> kind (norm, rotary, glu, ...)
-    delegated: Dict[str, str] = field(default_factory=dict)  # cell name -> "attention" | "moe"
-    stages: Dict[str, int] = field(default_factory=dict)
-    comm_fusion: Dict[str, int] = field(default_factory=dict)
+def apply_plan(model: nn.Cell, plan: Dict[str, object], ctx: ShardContext, prefix: str = "",
+               skip: Sequence[str] = ()) -> List[str]:
+    """Apply each cell's style from `plan`; returns the names of the nn.Dense cells it has no style for."""
+    unmatched = []
+    for name, cell, style in match_plan(model, plan, prefix, tuple(skip)):
+        if style is not None and isinstance(cell, style.types):
+            style.apply(name, cell, ctx)
+        elif isinstance(cell, nn.Dense):
+            unmatched.append(name)
+    return unmatched
 
 
-def _shard(prim, in_strategy, out_strategy=None) -> None:
-    prim.shard(in_strategy=in_strategy, out_strategy=out_strategy)
+def apply_ep(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: ParallelReport,
+             mindformers: Optional[bool] = None) -> List[str]:
+    """Expert parallel on every MoE layer; returns their names. `mindformers` (default: on Ascend) binds
+    MindFormers' expert selection first (`parallel.mindformers_moe.MindFormersSelect`)."""
+    lm = language_model(model)
+    mindformers = is_ascend() if mindformers is None else mindformers
+    moe_config = lm.config.moe if isinstance(lm, DeepseekV3Model) else None
+    plan = dict.fromkeys(EP_MODULES, ExpertParallel(moe_config, mindformers))
+    apply_plan(model, plan, ShardContext(axes, layout, report), skip=("visual",))
+    return [name for name, kind in report.delegated.items() if kind == "moe"]
 
 
-def _shard_prims(cell: nn.Cell, table: Dict[str, tuple]) -> None:
-    for attr, strategy in table.items():
-        _shard(getattr(cell, attr), strategy)
+def vision_layout(layout: Layout, vision_parallel: str) -> Layout:
+    """The layout the ViT's attention cores are sharded under: the run's with `vision_parallel: tp`, else
+    data parallel only (heads whole)."""
+    if vision_parallel == "tp":
+        return layout
+    return dataclasses.replace(layout, tp=1, ep=1, seq_parallel=False)
 
 
-def _shard_linear(cell: nn.Dense, role: str, axes) -> None:
-    mm, out, bias = S.LINEAR[role]
-    _shard(cell.matmul, S.resolve(mm, axes), S.resolve(out, axes) if out is not None else None)
-    if cell.has_bias:
-        _shard(cell.bias_add, S.resolve(bias, axes))
+def apply_vision(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: ParallelReport,
+                 vision_parallel: str) -> None:
+    """`VISION_PLAN` on `model.visual` (if any) under `vision_layout`."""
+    if getattr(model, "visual", None) is not None:
+        ctx = ShardContext(axes, vision_layout(layout, vision_parallel), report)
+        report.unmatched_linear += apply_plan(model.visual, VISION_PLAN, ctx, prefix="visual")
 
 
-def _moe_types():
-    from mindvl_ms.models.moe import DeepseekV3MoE
-    return (DeepseekV3MoE,)
+def apply_tp(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: ParallelReport,
+             skip: Sequence[str] = ()) -> None:
+    """`LLM_TP_PLAN` on the language model and head; `skip` are subtrees sharded by another step."""
+    ctx = ShardContext(axes, layout, report)
+    report.unmatched_linear += apply_plan(model, LLM_TP_PLAN, ctx, skip=("visual",) + tuple(skip))
 
 
-def _decoder_types():
-    from mindvl_ms.models.moe import DeepseekV3DecoderLayer
-    from mindvl_ms.models.text import DecoderLayer
-    from mindvl_ms.models.vision import VisionBlock
-    return (DecoderLayer, DeepseekV3DecoderLayer), VisionBlock
-
-
-def _from_config(config):
-    """(layout, vision_parallel, offset, gradient_aggregation_group) from a RunConfig or a Layout (group 0: unset)."""
-    if isinstance(config, Layout):
-        return config, "dp", (), 0
-    s = config.parallel_config
-    return (Layout.from_run_config(config), getattr(s, "vision_parallel", "dp"), list(s.offset),
-            int(s.gradient_aggregation_group))
-
-
-def _vocab_size(model) -> int:
-    for name, cell in model.cells_and_names():
-        if name.endswith("embed_tokens") and hasattr(cell, "weight"):
-            return int(cell.weight.shape[0])
-    raise ValueError(f"{type(model).__name__}: no `embed_tokens` table found")
-
-
-def parallelize(model: nn.Cell, config, *, vision_parallel: Optional[str] = None,
-                offset: Optional[List[int]] = None,
-                gradient_aggregation_group: Optional[int] = None) -> ParallelReport:
-    """Shard every known primitive of `model` for `config` (a RunConfig or a Layout); returns a report.
-
-    Keyword arguments override what a RunConfig says (and give the values when `config` is a Layout).
-    """
-    layout, vp, off, group = _from_config(config)
-    vp = vision_parallel or vp
-    off = list(offset) if offset is not None else off
-    group = gradient_aggregation_group if gradient_aggregation_group is not None else group
-    vocab = _vocab_size(model)
-    axes = S.axes_for(layout, vocab, vp)
-    report = ParallelReport(layout=layout, vision_parallel=vp, vocab_split=axes["vt"])
-    vision_layout = layout if vp == "tp" else dataclasses.replace(layout, tp=1, ep=1, seq_parallel=False)
-    moe_types = _moe_types()
-    decoder_types, vision_block = _decoder_types()
-    from mindvl_ms.models.vision import QkvBiasRope, VisionMLP as vision_mlp
-    skip: List[str] = []  # MoE subtrees, sharded by shard_moe
-
-    for name, cell in model.cells_and_names():
-        if any(name.startswith(p + ".") for p in skip):
-            continue
-        vision = name.startswith("visual.") or name == "visual"
-        if moe_types and isinstance(cell, moe_types):
-            skip.append(name)
-            report.delegated[name] = "moe"
-            shard_moe(cell, layout)
-            _shard_shared_expert_glu(cell, axes, report, name)
-            continue
-        if isinstance(cell, nn.Dense):
-            role = S.linear_role(name, S.VISION_LINEAR_RULES if vision else S.LLM_LINEAR_RULES)
-            if role is None:
-                report.unmatched_linear.append(name)
-                continue
-            if role == "row" and layout.seq_parallel:
-                role = "row_sp"
-            _shard_linear(cell, role, axes)
-            report.linear[name] = role
-        elif isinstance(cell, RMSNorm):
-            s = S.resolve(S.norm_role(name, vision), axes)
-            cell.drop_kernel()  # the CPU C++ norm: the composite primitives carry the strategy
-            _shard_prims(cell, S.norm_strategies(s))
-            report.cells[name] = f"norm{s}"
-        elif isinstance(cell, ApplyRotary):
-            cell.drop_kernel()  # the CPU C++ RoPE: the composite primitives carry the strategy
-            if vision:
-                q, cos = S.VISION_ROPE_Q, S.VISION_ROPE_COS
-            elif name.endswith("rotary_k"):
-                q, cos = S.ROPE_SHARED_K, S.ROPE_COS
-            else:
-                q, cos = S.ROPE_Q, S.ROPE_COS
-            _shard_prims(cell, S.rotary_strategies(S.resolve(q, axes), S.resolve(cos, axes)))
-            report.cells[name] = "rotary"
-        elif isinstance(cell, (SwiGLU, GatedAct)):
-            s = S.resolve(S.VISION_FFN if vision else S.FFN, axes)
-            table = S.glu_strategies(s)
-            if isinstance(cell, GatedAct):
-                table = {"mul": table["mul"]}
-            elif s[-1] > 1:
-                cell.fused = False  # concat on a split dim: see the module docstring
-            _shard_prims(cell, table)
-            report.cells[name] = "glu"
-        elif isinstance(cell, vision_mlp) and hasattr(cell, "mul"):
-            _shard(cell.mul, (S.resolve(S.VISION_FFN, axes),) * 2)  # act(gate) * up of a non-SiLU gated MLP
-            report.cells[name] = "glu"
-        elif isinstance(cell, (decoder_types + (vision_block,))):
-            s = S.resolve(S.VISION_ROWS if isinstance(cell, vision_block) else S.HIDDEN, axes)
-            _shard(cell.add, (s, s))
-            report.cells[name] = "residual"
-        elif isinstance(cell, QkvBiasRope):
-            cell.drop_kernel()  # the CPU block path's C++ kernel: see the module docstring
-            report.cells[name] = "cpu_kernel_dropped"
-        elif isinstance(cell, CoreAttention):
-            report.delegated[name] = "attention"
-            shard_core_attention(cell, vision_layout if vision else layout)
-        elif hasattr(cell, "gather") and name.endswith("embed_tokens"):
-            _shard(cell.gather, S.resolve(S.EMBED_GATHER, axes))
-            report.cells[name] = "embedding"
-        elif name.endswith("tied_head") and hasattr(cell, "matmul"):
-            _shard(cell.matmul, S.resolve(S.LINEAR["vocab"][0], axes))
-            report.cells[name] = "tied_head"
-
+def apply_pipeline(model: nn.Cell, layout: Layout, offset: Sequence[int], report: ParallelReport) -> None:
     if layout.pp > 1:
-        report.stages = assign_pipeline_stages(model, layout.pp, off)
-    if group > 0:
-        report.comm_fusion = set_gradient_fusion(model, group)
-    return report
+        report.stages = assign_pipeline_stages(model, layout.pp, offset)
 
 
-def _shard_shared_expert_glu(moe_cell, axes, report: ParallelReport, prefix: str) -> None:
-    """The shared experts' SwiGLU (a dense FFN on [B, L, I]) when shard_moe left it without a strategy."""
-    shared = getattr(moe_cell, "shared_experts", None)
-    glu = getattr(shared, "swiglu", None) if shared is not None else None
-    if glu is None or glu.silu.attrs.get("in_strategy") is not None:
-        return
-    s = S.resolve(S.FFN, axes)
-    if s[-1] > 1:
-        glu.fused = False
-    _shard_prims(glu, S.glu_strategies(s))
-    report.cells[f"{prefix}.shared_experts.swiglu"] = "glu"
-
-
-def set_gradient_fusion(model: nn.Cell, group: int) -> Dict[str, int]:
+def apply_gradient_fusion(model: nn.Cell, group: int, report: ParallelReport) -> None:
     """Decoder layer i's parameters get comm_fusion i // group + 1 (their gradients are reduced together)."""
-    from mindvl_ms.parallel.pipeline import _language_model
-
-    lm = _language_model(model)
-    fusion = {}
-    for i, layer in enumerate(lm.layers):
-        fusion[f"layers.{i}"] = i // group + 1
+    for i, layer in enumerate(language_model(model).layers):
+        report.comm_fusion[f"layers.{i}"] = i // group + 1
         layer.set_comm_fusion(i // group + 1)
-    return fusion
+
+
+def _knobs(config, vision_parallel, offset, group):
+    """(layout, vision_parallel, offset, gradient_aggregation_group) from a Layout or a RunConfig, the
+    keyword values first (group 0: unset)."""
+    if isinstance(config, Layout):
+        layout, vp, off, grp = config, "dp", [], 0
+    else:
+        s = config.parallel_config
+        layout, vp, off, grp = (Layout.from_run_config(config), s.vision_parallel, list(s.offset),
+                                int(s.gradient_aggregation_group))
+    return layout, vision_parallel or vp, (list(offset) if offset is not None else off), (grp if group is None else group)
+
+
+def parallelize(model: nn.Cell, layout, *, vision_parallel: Optional[str] = None,
+                offset: Optional[List[int]] = None, gradient_aggregation_group: Optional[int] = None,
+                recompute=None, mindformers: Optional[bool] = None) -> ParallelReport:
+    """Shard `model` for `layout` (a Layout, or a RunConfig whose `parallel_config` gives the layout and the
+    knobs below); returns what was done.
+
+    Keyword arguments override what a RunConfig says (and give the values for a Layout). `recompute` (a
+    RecomputeConfig) also applies activation recomputation; `mindformers` is `apply_ep`'s."""
+    layout, vp, off, group = _knobs(layout, vision_parallel, offset, gradient_aggregation_group)
+    axes = S.axes_for(layout, int(language_model(model).embed_tokens.weight.shape[0]), vp)
+    report = ParallelReport(layout=layout, vision_parallel=vp, vocab_split=axes["vt"])
+    moe = apply_ep(model, layout, axes, report, mindformers)
+    apply_vision(model, layout, axes, report, vp)
+    apply_tp(model, layout, axes, report, skip=moe)
+    apply_pipeline(model, layout, off, report)
+    if group > 0:
+        apply_gradient_fusion(model, group, report)
+    if recompute is not None:
+        report.recompute = apply_recompute(model, recompute)
+    return report

@@ -1,4 +1,4 @@
-"""Shard-strategy tables (data, no model code): which strategy each primitive of the model gets.
+"""Shard-strategy tables (data, no model code): the strategies the styles of `parallel/styles.py` declare.
 
 Conventions are MindFormers' (mindformers/models/llama/llama_transformer.py and
 parallel_core/training_graph/tensor_parallel/layers.py), which are known to compile on Ascend:
@@ -27,8 +27,7 @@ openPangu-VL keep the ViT data parallel) and `tp` applies the LLM's column/row s
 """
 from __future__ import annotations
 
-import re
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 Template = Tuple  # nested tuples of symbols / ints
 
@@ -45,27 +44,6 @@ LINEAR: Dict[str, Tuple[Template, Optional[Template], Template]] = {
     "v_row": ((("dp", "vtp"), (1, "vtp")), None, (("dp", 1), (1,))),
 }
 
-# cell-name pattern (re.search on the full cell name) -> linear role; first match wins
-LLM_LINEAR_RULES: Sequence[Tuple[str, str]] = (
-    (r"self_attn\.(q_proj|k_proj|v_proj)$", "column"),
-    (r"self_attn\.(q_b_proj|kv_b_proj)$", "column"),            # MLA up-projections (per head)
-    (r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)$", "replicated"),  # MLA down-projections (latent)
-    (r"self_attn\.o_proj$", "row"),
-    (r"mlp\.(gate_proj|up_proj)$", "column"),
-    (r"mlp\.down_proj$", "row"),
-    (r"eh_proj$", "replicated"),                                   # MTP input projection
-    (r"(^|\.)lm_head$", "vocab"),
-)
-VISION_LINEAR_RULES: Sequence[Tuple[str, str]] = (
-    (r"patch_embed\.proj$", "replicated"),
-    (r"attn\.qkv$", "v_column"),
-    (r"attn\.proj$", "v_row"),
-    (r"mlp\.(gate_proj|up_proj|fc1)$", "v_column"),
-    (r"mlp\.(down_proj|fc2)$", "v_row"),
-    (r"merger\.mlp\.0$", "v_column"),
-    (r"merger\.mlp\.2$", "v_row"),
-)
-
 # -- activations' input strategies by role --------------------------------------------------------
 HIDDEN = ("dp", "sp", 1)            # [B, L, D] norms and residual adds
 HEAD_NORM = ("dp", 1, "tp", 1)      # q_norm / k_norm on [B, L, H, hd]
@@ -79,12 +57,6 @@ ROPE_COS = ("dp", 1, 1, 1)          # cos/sin [B, 1, L, d]
 VISION_ROPE_Q = (1, "vtp", "dp", 1)  # ViT q/k [1, H, N, hd]
 VISION_ROPE_COS = (1, 1, "dp", 1)   # ViT cos/sin [1, 1, N, hd]
 EMBED_GATHER = (("vt", 1), ("dp", 1))
-
-# norm-name pattern -> role (re.search on the cell name); default HIDDEN (VISION_ROWS under visual.)
-NORM_RULES: Sequence[Tuple[str, Template]] = (
-    (r"(q_norm|k_norm)$", HEAD_NORM),
-    (r"(q_a_layernorm|kv_a_layernorm)$", LATENT_NORM),
-)
 
 
 def vocab_split(layout, vocab_size: int) -> int:
@@ -110,22 +82,6 @@ def resolve(template, axes: Dict[str, int]):
     if isinstance(template, int):
         return template
     return axes[template]
-
-
-def linear_role(name: str, rules) -> Optional[str]:
-    for pattern, role in rules:
-        if re.search(pattern, name):
-            return role
-    return None
-
-
-def norm_role(name: str, vision: bool) -> Template:
-    if vision:
-        return VISION_ROWS
-    for pattern, role in NORM_RULES:
-        if re.search(pattern, name):
-            return role
-    return HIDDEN
 
 
 def norm_strategies(s: Tuple[int, ...]) -> Dict[str, tuple]:

@@ -18,6 +18,7 @@ from mindvl_ms.config.model import MoEConfig, TextConfig
 from mindvl_ms.parallel import mindformers_moe  # noqa: F401  (sets MindFormers' log dir before its import)
 from mindvl_ms.models.moe import DeepseekV3MoE
 from mindvl_ms.parallel.mindformers_moe import routing_rules_agree, transformer_config
+from mindvl_ms.parallel.moe import use_mindformers
 
 
 # ---- CPU stand-ins with the Ascend primitives' call signatures (jit_class: usable inside graphs) ----
@@ -261,10 +262,8 @@ def test_mindformers_group_score_differs_when_k_over_topk_group_is_not_2(cpu_min
 
 
 def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_mindformers):
-    """use_mindformers (what DeepseekV3MoE does on Ascend): MindFormers' selection and its all-to-all token
+    """use_mindformers (what apply_ep binds on Ascend): MindFormers' selection and its all-to-all token
     dispatcher + grouped matmuls inside the Morph, with this project's parameters, on a single device."""
-    from mindvl_ms.models.moe import use_mindformers
-
     tc = text_config(e=16, k=4, groups=4, topk_group=2)
     b, seq = 2, 12
     ours, _ = build_pair(cpu_mindformers, tc, seq)

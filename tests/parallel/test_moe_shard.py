@@ -9,7 +9,7 @@ import pytest
 from mindvl_ms.config import load_model_config
 from mindvl_ms.models.moe import DeepseekV3MoE
 from mindvl_ms.parallel.layout import Layout
-from mindvl_ms.parallel.moe import parameter_shards, shard_moe, split_counts
+from mindvl_ms.parallel.moe import parameter_shards, shard_moe, split_counts, use_mindformers
 from tests.support.paths import ROOT
 
 TINY = load_model_config(os.path.join(ROOT, "configs/model/tiny-moe.yaml")).text
@@ -93,8 +93,6 @@ def test_expert_parallel_must_divide_the_experts():
 
 
 def test_shard_moe_on_the_mindformers_path_splits_selection_over_the_stage():
-    from mindvl_ms.models.moe import use_mindformers
-
     moe = use_mindformers(DeepseekV3MoE(TINY), TINY.moe)
     assert moe.gate.mindformers_select.stage == 1
     lay = Layout(dp=2, tp=2, ep=4)
