@@ -1,26 +1,22 @@
-"""The compiled train step: forward + loss + gradients + accumulation per micro-batch, then once per
-global batch all-reduce + unscale + finite check + clipping + AdamW + loss-scale update.
+"""The train step: forward + loss + gradients + accumulation per micro-batch, then once per global batch
+all-reduce + unscale + finite check + clipping + AdamW + loss-scale update.
 
 Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompiles are counted):
-- `MicroStep`: forward, loss share (+ MoE aux loss), gradients of the trainable parameters only (frozen ones are
-  not in the weight list, so autodiff produces no gradient for them), added into fp32
-  accumulators. No communication here. For models with `hidden_states` + `head_weight` (MindVL) the
-  LM head runs only at the supervised positions, in chunks of `loss.logits_chunk_tokens`
-  (`train/loss_head.py`; the host computes the gather grid); other models return full [B, L, V] logits.
-  Their [V, D] tables (embedding, head) add their gradients into the accumulators row-wise from their
-  own bprops (`train/row_grads.py`), so no dense [V, D] gradient is made (standalone / data parallel).
-- `ReduceStep`: once per global batch: all-reduce (sum, in place) of the accumulated gradients and
-  the loss across data-parallel ranks (the single gradient synchronisation of openPangu-VL's
-  asynchronous accumulation), divided by dp when `parallel.gradients_mean`, and the global gradient
-  norm. Under semi/auto parallel (`parallel_mode` 1/2) the compiler inserts the reduction, so this
-  step reduces nothing (`compiler_reduces`).
-- `PipelineMicroStep` (train/pipeline.py) replaces `MicroStep` when pipeline stages > 1 (Ascend).
+- `MicroStep` (train/step_cells.py) over `ForwardLoss` (train/forward_loss.py): forward, loss share
+  (+ MoE aux loss), gradients of the trainable parameters added into fp32 accumulators. MindVL's LM head
+  runs only at the supervised positions, in chunks (train/loss_head.py), and its [V, D] tables add their
+  gradients row-wise (train/row_grads.py; standalone / data parallel).
+- `ReduceStep` (train/step_cells.py): once per global batch, the data-parallel reduction of the
+  accumulated gradients and the loss, and the global gradient norm. Under semi/auto parallel
+  (`parallel_mode` 1/2) the compiler inserts the reduction, so this step reduces nothing
+  (`compiler_reduces`).
+- `PipelineMicroStep` (parallel/pipeline_step.py) replaces `MicroStep` when pipeline stages > 1 (Ascend).
 - `AdamWUpdate` (optim.py): unscale x clip folded into one multiplier, fused in-place AdamW with
   per-parameter LR coefficients, accumulators zeroed. It runs only when loss and norm are finite;
   otherwise `ZeroAccum` clears the accumulators, so a non-finite step leaves every parameter and
   moment bit-identical; it is reported and the dynamic loss scale (float16) shrinks.
-- `WeightSumStep` (balanced loss only, when the global batch is split): a forward-only pre-pass
-  that measures the global sum of token weights so each micro-batch's share is exact.
+- `WeightSumStep` (train/forward_loss.py; balanced loss only, when the global batch is split): a
+  forward-only pre-pass that measures the global sum of token weights so each micro-batch's share is exact.
 
 MoE models (`DeepseekV3Model`): the per-micro-batch expert load is summed over the global batch
 (and ranks) and, after an applied update, the aux-loss-free routing-bias update runs once.
@@ -33,214 +29,30 @@ packed multimodal micro-batches differ in patch count, so slicing them inside on
 per-micro-batch index plumbing; the gradient synchronisation must happen once per global batch,
 not per micro-batch; and deciding "skip or update" on the host (from two scalars) lets the update
 be the fused in-place kernel instead of a masked update that materialises several optimizer-sized
-temporaries (measured: +2.3 GB for the tiny model's 19M-entry embedding). Every graph is still
-compiled once per stage; nothing runs op by op.
+temporaries (docs/PERFORMANCE.md, ## train). Every graph is still compiled once per stage; nothing
+runs op by op.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn
 
-from mindvl_ms.train.loss_head import ChunkedHeadCE, ChunkedHeadCERowGrad, supervised_layout
+from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, stack_micro_batches
+from mindvl_ms.train.forward_loss import ForwardLoss, WeightSumStep, has_sparse_head, row_grad_tables
+from mindvl_ms.train.grad_ops import accumulate
+from mindvl_ms.train.loss import IGNORE, TrainLoss
+from mindvl_ms.train.loss_head import supervised_layout
 from mindvl_ms.train.memory import release_heap
-from mindvl_ms.train.loss import IGNORE, TrainLoss, token_ce
-from mindvl_ms.train.optim import AdamWUpdate, GradNorm, ZeroAccum, zeros_like_params
-from mindvl_ms.train.row_grads import RowGradEmbedding, row_grad_token
+from mindvl_ms.train.optim import AdamWUpdate, ZeroAccum, zeros_like_params
+from mindvl_ms.train.step_cells import MicroStep, ReduceStep
 
 log = logging.getLogger(__name__)
-
-_acc = ops.MultitypeFuncGraph("acc")
-
-
-@_acc.register("Tensor", "Tensor")
-def _acc_one(acc, g):
-    if g.dtype != acc.dtype:  # resolved at compile time: no copy for float32 gradients
-        g = g.astype(acc.dtype)
-    return ops.assign_add(acc, g)
-
-
-def backbone(model: nn.Cell) -> nn.Cell:
-    """The model under an AMP wrapper (`auto_mixed_precision` O2 wraps it in `_OutputTo32`)."""
-    return getattr(model, "_backbone", model)
-
-
-def has_sparse_head(model: nn.Cell) -> bool:
-    """True when the model exposes `hidden_states(*inputs)` and `head_weight()` (MindVL does): the
-    step then runs the LM head only at supervised positions, in chunks (train/loss_head.py)."""
-    net = backbone(model)
-    hs, hw = getattr(net, "hidden_states", None), getattr(net, "head_weight", None)
-    if not (callable(hs) and callable(hw)):
-        return False
-    names = getattr(net, "INPUT_NAMES", ())  # a subclass with other inputs (its own logits layout) opts out
-    return len(inspect.signature(hs).parameters) == len(names)
-
-
-class ForwardLoss(nn.Cell):
-    """(*model_inputs, *loss_inputs, token_norm, num_samples, scale) -> (loss share * scale, expert load).
-
-    loss_inputs: sparse head (`has_sparse_head`): sup_targets, sup_segment_ids, sup_token_index,
-    logit_index, all [n, c] (`head.supervised_layout`); otherwise targets, token_index [B, L] (the model
-    returns full [B, L, V] logits and segment_ids is the model input at `seg_pos`).
-
-    `row_grads` {table Parameter name: accumulator} (sparse head only, `row_grad_tables`): the embedding
-    lookup and/or the head add those tables' gradients into the accumulators themselves (train/row_grads.py);
-    `self.token` then carries the dependency and the tables must be left out of the differentiated weights."""
-
-    def __init__(self, model: nn.Cell, loss: TrainLoss, n_model: int, seg_pos: int, aux_weight: float = 1.0,
-                 sparse: bool = False, row_grads: Optional[Dict[str, Parameter]] = None):
-        super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.model, self.loss, self.n_model, self.seg_pos = model, loss, n_model, seg_pos
-        self.sparse = sparse
-        self.row_embed = self.row_head = False
-        if row_grads and not sparse:
-            raise ValueError("row-wise table gradients need the sparse head (has_sparse_head); got "
-                             f"row_grads for {sorted(row_grads)}")
-        self.row_tables = frozenset(row_grads or ())  # names of the tables MicroStep must not differentiate
-        if sparse:
-            self.net = backbone(model)
-            row_grads = row_grads or {}
-            table, head = self.net.model.embed_tokens.weight, self.net.head_weight()
-            self.row_embed, self.row_head = table.name in row_grads, head.name in row_grads
-            self.token = row_grad_token() if row_grads else None
-            if self.row_embed:
-                self.embed = RowGradEmbedding(table, row_grads[table.name], self.token)
-            if self.row_head:
-                self.head_acc = row_grads[head.name]
-            self.head = ChunkedHeadCERowGrad() if self.row_head else ChunkedHeadCE()
-        self.aux_weight = float(aux_weight)  # 1 / (micro-batches x ranks): the MoE aux loss is a batch mean
-
-    def ce_and_aux(self, *args):
-        """-> (ce, mask, segment_ids, token_index [n, c] or [B, L], model output tuple or None)."""
-        model_args = args[:self.n_model]
-        n = self.n_model
-        if self.sparse:
-            targets, seg, tok, index = args[n], args[n + 1], args[n + 2], args[n + 3]
-            if self.row_embed:
-                text = self.embed(model_args[0])                                 # [B, L, D]
-                hidden, aux, load = self.net.hidden_states_from_embeds(text, *model_args[1:])
-            else:
-                hidden, aux, load = self.net.hidden_states(*model_args)          # [B, L, D]
-            d = hidden.shape[-1]
-            kept = ops.gather(hidden.reshape(-1, d), index.reshape(-1), 0)    # [n*c, D]
-            kept = kept.reshape(index.shape[0], index.shape[1], d)            # [n, c, D]
-            if self.row_head:
-                ce = self.head(kept, self.net.head_weight(), targets, self.head_acc, self.token)  # [n, c]
-            else:
-                ce = self.head(kept, self.net.head_weight(), targets)         # [n, c]
-            return ce, (targets != IGNORE).astype(ms.float32), seg, tok, (aux, load)
-        out = self.model(*model_args)
-        logits = out[0] if isinstance(out, tuple) else out                   # [B, L, V]
-        ce, mask = token_ce(logits, args[n])
-        extra = (out[1], out[2]) if isinstance(out, tuple) else None
-        return ce, mask, model_args[self.seg_pos], args[n + 1], extra
-
-    def construct(self, *args):
-        ce, mask, seg, tok, extra = self.ce_and_aux(*args)
-        token_norm, num_samples, scale = args[-3], args[-2], args[-1]
-        loss = self.loss.from_ce(ce, mask, seg, tok, token_norm, num_samples)
-        load = ops.zeros((1, 1), ms.float32)
-        if extra is not None:
-            loss = loss + extra[0].astype(ms.float32) * self.aux_weight      # MoE sequence-wise aux loss
-            load = extra[1].astype(ms.float32)                               # [moe layers, E] routed tokens
-        return loss * scale, load
-
-
-class MicroStep(nn.Cell):
-    """Forward + backward of one micro-batch; gradients (scaled) are added to the accumulators.
-
-    Tables with row-wise gradients (`forward.row_tables`, with `forward.token`) are not differentiated:
-    their accumulators are written by the forward's own bprops, and the output depends on the token's
-    gradient, which depends on those writes. Forwards without the attribute (`PolicyForward`) have none."""
-
-    def __init__(self, forward: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple):
-        super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.forward = forward
-        rows = getattr(forward, "row_tables", frozenset())
-        pairs = [(p, a) for p, a in zip(params, accum) if p.name not in rows]
-        self.rows = bool(rows)
-        token = [forward.token] if self.rows else []
-        self.weights = ParameterTuple([p for p, _ in pairs] + token)
-        self.accum = ParameterTuple([a for _, a in pairs])
-        self.hyper_map = ops.HyperMap()
-        self.grad_fn = ops.value_and_grad(self.forward, None, self.weights, has_aux=True)
-
-    def construct(self, *args):
-        (scaled, load), grads = self.grad_fn(*args)
-        if self.rows:  # the last gradient is the token's: it orders the row-wise adds before the output
-            done = (self.hyper_map(_acc, self.accum, grads[:-1]), grads[-1])
-        else:
-            done = self.hyper_map(_acc, self.accum, grads)
-        return ops.depend(scaled / args[-1], done), load
-
-
-class WeightSumStep(nn.Cell):
-    """Forward only: the sum of balanced-loss token weights of one micro-batch (same inputs as ForwardLoss
-    without the three scalars)."""
-
-    def __init__(self, forward: ForwardLoss):
-        super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.forward = forward
-
-    def construct(self, *args):
-        ce, mask, _, tok, _ = self.forward.ce_and_aux(*args)
-        return self.forward.loss.weight_sum_ce(ce, mask, tok)
-
-
-_allreduce_into = ops.MultitypeFuncGraph("allreduce_into")
-
-
-@_allreduce_into.register("Function", "Tensor")
-def _allreduce_into_one(op, acc):
-    return ops.assign(acc, op(acc))
-
-
-_scale_into = ops.MultitypeFuncGraph("scale_into")
-
-
-@_scale_into.register("Tensor", "Tensor")
-def _scale_into_one(k, acc):
-    return ops.assign(acc, acc * k)
-
-
-class ReduceStep(nn.Cell):
-    """Once per global batch: reduce the accumulators (in place) and the loss over data-parallel ranks, then
-    measure the global gradient norm. construct(loss_sum [1], inv_scale []) -> (global loss [1], grad norm []).
-
-    - explicit (data parallel, `parallel_mode` 0/3): an AllReduce sum here; with `gradients_mean` the
-      reduced gradients are then divided by dp (the default, sum, gives the single-process gradient of
-      the global batch because every loss share is normalised by global counts). The reported loss is
-      the global loss either way.
-    - not explicit (semi/auto parallel, `parallel_mode` 1/2): the compiler already inserts the gradient
-      reduction (honouring `gradients_mean` from the auto-parallel context) and the loss is a global-view
-      value, so nothing is reduced here: an AllReduce here would double it.
-    `allreduce` replaces the collective (tests stand in for it on one process)."""
-
-    def __init__(self, accum: ParameterTuple, dp: int, mean: bool = False, explicit: bool = True,
-                 allreduce=None):
-        super().__init__(auto_prefix=False)  # keep the model's parameter names
-        self.accum = accum
-        self.reduce = bool(explicit) and dp > 1
-        self.mean = self.reduce and bool(mean)
-        self.inv_dp = Tensor(1.0 / dp, ms.float32)
-        self.norm = GradNorm(accum)
-        self.hyper_map = ops.HyperMap()
-        if self.reduce:
-            self.allreduce = allreduce if allreduce is not None else ops.AllReduce()
-
-    def construct(self, loss_sum, inv_scale):
-        if self.reduce:
-            done = self.hyper_map(ops.partial(_allreduce_into, self.allreduce), self.accum)
-            if self.mean:
-                done = ops.depend(self.hyper_map(ops.partial(_scale_into, self.inv_dp), self.accum), done)
-            loss_sum = ops.depend(self.allreduce(loss_sum), done)
-        return loss_sum, self.norm(ops.depend(inv_scale, loss_sum))
 
 
 @dataclass
@@ -255,23 +67,40 @@ class StepResult:
     expert_load: Optional[np.ndarray] = None  # MoE: routed tokens per expert [moe layers, E], global batch
 
 
-def row_grad_tables(model: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple) -> Dict[str, Parameter]:
-    """{name: accumulator} of the trainable [V, D] tables whose gradients are added row-wise
-    (train/row_grads.py): the token embedding (when the model can take looked-up embeddings,
-    `hidden_states_from_embeds`) and the LM head, for models with the sparse head. Empty otherwise."""
-    if not has_sparse_head(model):
-        return {}
-    net = backbone(model)
-    by_name = {p.name: a for p, a in zip(params, accum)}
-    tables = [net.head_weight()]
-    if callable(getattr(net, "hidden_states_from_embeds", None)):
-        tables.append(net.model.embed_tokens.weight)
-    return {t.name: by_name[t.name] for t in tables if t.name in by_name}
 
-
-def _ms_dtype(a: np.ndarray):
+def ms_dtype(a: np.ndarray):
+    """The MindSpore dtype of a numpy array (the dtypes micro-batches carry)."""
     return {np.dtype(np.int32): ms.int32, np.dtype(np.int64): ms.int64, np.dtype(np.float32): ms.float32,
             np.dtype(np.float16): ms.float16, np.dtype(np.bool_): ms.bool_}[a.dtype]
+
+
+def dynamic_like(arrays: Sequence[np.ndarray]) -> List[Tensor]:
+    """Placeholder Tensors with every dimension dynamic, in the arrays' dtypes (for `set_inputs`)."""
+    return [Tensor(shape=[None] * a.ndim, dtype=ms_dtype(a)) for a in arrays]
+
+
+def local_counts(micro_batches: Sequence[Dict[str, np.ndarray]]) -> Tuple[int, int, int, int]:
+    """(supervised targets, supervised samples, non-padding tokens, vision patches) of this rank's
+    micro-batches."""
+    sup, samples, toks, patches = 0, 0, 0, 0
+    for mb in micro_batches:
+        t, seg = mb["targets"], mb["segment_ids"]
+        sup += int((t != IGNORE).sum())
+        samples += int(np.unique(seg[(t != IGNORE) & (seg > 0)]).size)
+        toks += int((mb.get("attn_segment_ids", seg) > 0).sum())  # all tokens, also for compact-logit models
+        pv = mb.get("pixel_values")
+        patches += 0 if pv is None else int(pv.shape[0])
+    return sup, samples, toks, patches
+
+
+def find_bias_updater(model: nn.Cell):
+    """The MoE language model's expert-bias update cell, when balancing by bias is on; else None."""
+    net = getattr(model, "_backbone", model)  # AMP wraps the model
+    lm = getattr(net, "model", None)
+    moe = getattr(getattr(getattr(net, "config", None), "text", None), "moe", None)
+    if lm is None or not hasattr(lm, "bias_updater") or moe is None or moe.bias_update_speed <= 0:
+        return None
+    return lm.bias_updater()
 
 
 class TrainStep:
@@ -286,7 +115,6 @@ class TrainStep:
         self.input_names = list(input_names)
         if "segment_ids" not in self.input_names:
             raise ValueError(f"the model's INPUT_NAMES {self.input_names} must include segment_ids")
-        n_model = len(self.input_names)
         self.loss = TrainLoss(loss_cfg.type, loss_cfg.lambda1, loss_cfg.lambda2, loss_cfg.tau1, loss_cfg.tau2)
         self.chunk = int(getattr(loss_cfg, "logits_chunk_tokens", 1024))
         self.sparse = has_sparse_head(model)
@@ -299,38 +127,31 @@ class TrainStep:
                                requires_grad=False)
         self.good = Parameter(Tensor(0, ms.int32), name="loss_scale_good_steps", requires_grad=False)
         self.factor, self.window = float(loss_scale_factor), int(loss_scale_window)
-        self.pipeline = pipeline  # (stages, micro_batch_num): Ascend pipeline parallel, see train/pipeline.py
-        # row-wise table gradients (train/row_grads.py): not under a compiler-sharded layout or pipeline stages
-        rows = (row_grad_tables(model, params, self.accum) if row_grads and not compiler_reduces and pipeline is None
-                else {})
-        self.row_grad_tables = sorted(rows)
-        fwd = ForwardLoss(model, self.loss, n_model, self.input_names.index("segment_ids"),
-                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
-        if pipeline is not None:
-            from mindvl_ms.train.pipeline import PipelineMicroStep
-
-            self.micro = PipelineMicroStep(fwd, params, self.accum, pipeline[1])
-        else:
-            self.micro = MicroStep(fwd, params, self.accum)
-        self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
-        self.zero = ZeroAccum(self.accum)
-        self.weight_sum = WeightSumStep(fwd)
+        self.pipeline = pipeline  # (stages, micro_batch_num): Ascend pipeline parallel, parallel/pipeline_step.py
+        self._build_graphs(model, stage, dp, gradients_mean, compiler_reduces,
+                           row_grads and not compiler_reduces and pipeline is None)
         self.need_prepass_kind = loss_cfg.type == "balanced" and loss_cfg.lambda1 > 0
         self.dp, self.clip = dp, float(stage.grad_clip)
         self.allreduce_host = allreduce_host or (lambda x: x)
         self._shaped = False
         self.compiles = 0
-        self.bias_updater = self._find_bias_updater(model)
+        self.bias_updater = find_bias_updater(model)
 
-    @staticmethod
-    def _find_bias_updater(model):
-        """The MoE language model's expert-bias update cell, when balancing by bias is on."""
-        net = getattr(model, "_backbone", model)  # AMP wraps the model
-        lm = getattr(net, "model", None)
-        moe = getattr(getattr(getattr(net, "config", None), "text", None), "moe", None)
-        if lm is None or not hasattr(lm, "bias_updater") or moe is None or moe.bias_update_speed <= 0:
-            return None
-        return lm.bias_updater()
+    def _build_graphs(self, model: nn.Cell, stage, dp: int, gradients_mean: bool, compiler_reduces: bool,
+                      row_grads: bool) -> None:
+        """The step's Cells. Row-wise table gradients (train/row_grads.py) only when `row_grads`: not
+        under a compiler-sharded layout or pipeline stages."""
+        rows = row_grad_tables(model, self.params, self.accum) if row_grads else {}
+        self.row_grad_tables = sorted(rows)
+        fwd = ForwardLoss(model, self.loss, len(self.input_names), self.input_names.index("segment_ids"),
+                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
+        if self.pipeline is not None:
+            self.micro = PipelineMicroStep(fwd, self.params, self.accum, self.pipeline[1], accumulate)
+        else:
+            self.micro = MicroStep(fwd, self.params, self.accum)
+        self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
+        self.zero = ZeroAccum(self.accum)
+        self.weight_sum = WeightSumStep(fwd)
 
     # -- state (for checkpoints) ---------------------------------------------------------------
     def state_parameters(self) -> Dict[str, Parameter]:
@@ -342,12 +163,9 @@ class TrainStep:
 
     # -- one optimizer step --------------------------------------------------------------------
     def _set_inputs(self, feed: List[np.ndarray], arrays: List[np.ndarray]) -> None:
-        def dyn(arrs):
-            return [Tensor(shape=[None] * a.ndim, dtype=_ms_dtype(a)) for a in arrs]
-
         scalar = Tensor(shape=[], dtype=ms.float32)
-        self.micro.set_inputs(*dyn(feed), scalar, scalar, scalar)
-        self.weight_sum.set_inputs(*dyn(arrays))
+        self.micro.set_inputs(*dynamic_like(feed), scalar, scalar, scalar)
+        self.weight_sum.set_inputs(*dynamic_like(arrays))
         self._shaped = True
 
     def _micro_arrays(self, mb: Dict[str, np.ndarray], min_slots: int = 0) -> List[np.ndarray]:
@@ -361,6 +179,16 @@ class TrainStep:
                                lay["logit_index"]]
         return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
 
+    def _feeds(self, micro_batches: List[Dict[str, np.ndarray]]):
+        """(graph feeds, per-micro-batch arrays): one feed per micro-batch, or under pipeline stages one
+        stacked feed that the pipeline cell slices (all micro-batches then share one head grid)."""
+        feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
+        if self.pipeline is not None:
+            slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)
+            arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
+            feeds = [stack_micro_batches(arrays, self.pipeline[1])]
+        return feeds, arrays
+
     def compile_micro(self, feed: List[np.ndarray]) -> None:
         """Compile the micro-step graph for inputs like `feed` (dynamic shapes), then hand the compiler's
         freed heap back to the OS (train/memory.py) before the first run allocates activations."""
@@ -370,35 +198,20 @@ class TrainStep:
         self.micro.compile(*[Tensor(a) for a in feed], one, one, one)
         release_heap()
 
-    def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
-        """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
-        feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
-        if self.pipeline is not None:  # one call: the pipeline cell slices the stacked micro-batches
-            from mindvl_ms.train.pipeline import stack_micro_batches
+    def _token_norm(self, arrays: List[List[np.ndarray]], g_sup: float) -> float:
+        """The loss's global token denominator: supervised targets (token mean); for the balanced loss the
+        global sum of token weights when the global batch is split (forward-only pre-pass), else -1
+        (each micro-batch's own sum)."""
+        if not self.loss.balanced:
+            return g_sup
+        if self.need_prepass_kind and (len(arrays) > 1 or self.dp > 1):
+            w = sum(float(self.weight_sum(*[Tensor(a) for a in arr]).asnumpy()) for arr in arrays)
+            return float(self.allreduce_host(np.array([w], np.float32))[0])
+        return -1.0
 
-            slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)  # one head grid for all
-            arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
-            feeds = [stack_micro_batches(arrays, self.pipeline[1])]
-        if not self._shaped:
-            self._set_inputs(feeds[0], arrays[0])
-        sup, samples, toks, patches = 0, 0, 0, 0
-        for mb in micro_batches:
-            t, seg = mb["targets"], mb["segment_ids"]
-            sup += int((t != IGNORE).sum())
-            samples += int(np.unique(seg[(t != IGNORE) & (seg > 0)]).size)
-            toks += int((mb.get("attn_segment_ids", seg) > 0).sum())  # all tokens, also for compact-logit models
-            pv = mb.get("pixel_values")
-            patches += 0 if pv is None else int(pv.shape[0])
-        counts = self.allreduce_host(np.array([sup, samples], np.float32))
-        g_sup, g_samples = float(counts[0]), float(counts[1])
-        if self.loss.balanced:
-            token_norm = -1.0
-            if self.need_prepass_kind and (len(arrays) > 1 or self.dp > 1):
-                w = sum(float(self.weight_sum(*[Tensor(a) for a in arr]).asnumpy()) for arr in arrays)
-                token_norm = float(self.allreduce_host(np.array([w], np.float32))[0])
-        else:
-            token_norm = g_sup
-        scalars = [Tensor(token_norm, ms.float32), Tensor(g_samples, ms.float32)]
+    def _accumulate(self, feeds: List[List[np.ndarray]], scalars: List[Tensor]):
+        """Run the micro-step on every feed (gradients into the accumulators); counts recompiles.
+        Returns (this rank's loss sum, summed expert load)."""
         scale = Tensor(self.scale.asnumpy(), ms.float32)
         loss_sum, load = 0.0, None
         before = len(self.micro.compile_cache)
@@ -413,6 +226,19 @@ class TrainStep:
             self.compiles += after - before
             if before:
                 log.warning("train step recompiled (%d graphs now): input ranks/dtypes changed", after)
+        return loss_sum, load
+
+    def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
+        """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
+        feeds, arrays = self._feeds(micro_batches)
+        if not self._shaped:
+            self._set_inputs(feeds[0], arrays[0])
+        sup, samples, toks, patches = local_counts(micro_batches)
+        counts = self.allreduce_host(np.array([sup, samples], np.float32))
+        g_sup, g_samples = float(counts[0]), float(counts[1])
+        token_norm = self._token_norm(arrays, g_sup)
+        scalars = [Tensor(token_norm, ms.float32), Tensor(g_samples, ms.float32)]
+        loss_sum, load = self._accumulate(feeds, scalars)
         loss, norm, applied = self.apply(loss_sum, lr)
         expert_load = None
         if self.bias_updater is not None:  # aux-loss-free balancing: once per global batch, on the global load

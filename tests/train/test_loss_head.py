@@ -16,7 +16,7 @@ from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
 from mindvl_ms.train.loss import TrainLoss
-from mindvl_ms.train.train_step import ForwardLoss, has_sparse_head
+from mindvl_ms.train.forward_loss import ForwardLoss, has_sparse_head
 from tests.train.test_trainer_mindvl import MODEL
 
 

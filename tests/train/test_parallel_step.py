@@ -13,10 +13,11 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn
 from mindvl_ms.config.base import load
 from mindvl_ms.config.train import RunConfig, StageConfig
 from mindvl_ms.train.batches import micro_batches
-from mindvl_ms.parallel.runtime import DistInfo, fill_coords
+from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, fill_coords
 from mindvl_ms.train.optim import AdamWUpdate, select_trainable
-from mindvl_ms.train.pipeline import PipelineMicroStep, stack_micro_batches
-from mindvl_ms.train.train_step import ReduceStep, TrainStep
+from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, stack_micro_batches
+from mindvl_ms.train.step_cells import ReduceStep
+from mindvl_ms.train.train_step import TrainStep
 from mindvl_ms.train.trainer import pipeline_config
 from tests.support.train_tiny import TinyVLM, collate, make_rows
 
@@ -145,9 +146,7 @@ def test_pipeline_config_only_on_ascend():
 
 def test_host_counts_are_summed_over_data_parallel_replicas(monkeypatch):
     """Under TP x PP the tp * pp ranks of a replica read the same rows: the world sum counts them once."""
-    from mindvl_ms.parallel import runtime
-
-    h = distributed.HostAllReduce(world=8, dp=2)  # 8 ranks = 2 replicas x (tp 2 x pp 2)
+    h = HostAllReduce(world=8, dp=2)  # 8 ranks = 2 replicas x (tp 2 x pp 2)
     per_rank = np.array([10.0, 3.0], np.float32)  # supervised tokens, samples of each rank's replica rows
 
     class FakeSum:  # the world all-reduce: 4 ranks of replica 0 report per_rank, 4 of replica 1 report 2x
@@ -156,4 +155,4 @@ def test_host_counts_are_summed_over_data_parallel_replicas(monkeypatch):
 
     h._cell = FakeSum()
     np.testing.assert_allclose(h(per_rank), per_rank + 2 * per_rank)  # replica 0 + replica 1
-    assert distributed.HostAllReduce(world=4).replica == 1  # plain data parallel: the world sum as is
+    assert HostAllReduce(world=4).replica == 1  # plain data parallel: the world sum as is

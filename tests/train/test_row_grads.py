@@ -14,7 +14,8 @@ from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
 from mindvl_ms.train import row_grads
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.optim import select_trainable
-from mindvl_ms.train.train_step import ForwardLoss, TrainStep
+from mindvl_ms.train.forward_loss import ForwardLoss
+from mindvl_ms.train.train_step import TrainStep
 from tests.train.test_loss_head import _batch, _numpy_ce_and_grads
 from tests.train.test_trainer_mindvl import MODEL
 

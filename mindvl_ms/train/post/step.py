@@ -23,7 +23,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindvl_ms.train.loss import IGNORE
-from mindvl_ms.train.train_step import MicroStep, StepResult, TrainStep, _ms_dtype
+from mindvl_ms.train.step_cells import MicroStep
+from mindvl_ms.train.train_step import StepResult, TrainStep, ms_dtype
 
 
 def target_logp(logits, targets, temperature: float = 1.0):
@@ -99,7 +100,7 @@ class PostTrainStep(TrainStep):
         """Forward-only per-token log-probs of mb['targets'] under the current weights. -> [B, L]."""
         arrays = self.model_arrays(mb) + [mb["targets"].astype(np.int32)]
         if not self._lp_shaped:
-            self.logprobs.set_inputs(*[Tensor(shape=[None] * a.ndim, dtype=_ms_dtype(a)) for a in arrays])
+            self.logprobs.set_inputs(*[Tensor(shape=[None] * a.ndim, dtype=ms_dtype(a)) for a in arrays])
             self._lp_shaped = True
         return self.logprobs(*[Tensor(a) for a in arrays]).asnumpy()
 
@@ -107,7 +108,7 @@ class PostTrainStep(TrainStep):
         """One optimizer step over this rank's micro-batches (model arrays + objective arrays each).
         Returns the step result and the stats summed over micro-batches (this rank only)."""
         if not self._shaped:
-            dyn = [Tensor(shape=[None] * a.ndim, dtype=_ms_dtype(a)) for a in arrays[0]]
+            dyn = [Tensor(shape=[None] * a.ndim, dtype=ms_dtype(a)) for a in arrays[0]]
             self.micro.set_inputs(*dyn, Tensor(shape=[], dtype=ms.float32), Tensor(shape=[], dtype=ms.float32))
             self._shaped = True
         scale = Tensor(self.scale.asnumpy(), ms.float32)

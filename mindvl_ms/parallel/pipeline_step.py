@@ -1,10 +1,14 @@
 """Pipeline-parallel micro-batching of the train step (Ascend only): `parallel_config.pipeline_stage > 1`.
 
+Nothing here imports the training code (train/ sits above parallel/): the forward-loss Cell and the
+per-tensor gradient add come in as arguments (`train.train_step.TrainStep` passes
+`train.forward_loss.ForwardLoss` and `train.grad_ops.accumulate`).
+
 MindSpore's pipeline parallel needs every micro-batch of a rank inside one graph call, so the stages
 can overlap them: `nn.PipelineCell(net, micro_batch_num)` slices each input along axis 0 into
 micro_batch_num parts, runs the network on each and adds the results (its `Add`s carry the
 `pipeline_end` marks the pipeline pass schedules by). `PipelineMicroStep` therefore replaces
-`MicroStep`:
+the train step's `MicroStep`:
   - the host stacks the rank's micro-batches on a new axis 0 (`stack_micro_batches`; they must have
     equal shapes, so pixel arrays need a fixed visual budget per micro-batch), and the three scalars
     (token_norm, num_samples, loss scale) are broadcast to [micro_batch_num] inside the graph;
@@ -59,17 +63,19 @@ class _SliceLoss(nn.Cell):
 
 
 class PipelineMicroStep(nn.Cell):
-    """construct(*stacked inputs [k, ...], token_norm [], num_samples [], scale []) -> (loss share sum, load)."""
+    """construct(*stacked inputs [k, ...], token_norm [], num_samples [], scale []) -> (loss share sum, load).
 
-    def __init__(self, forward: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple, micro_batch_num: int):
+    `accumulate(acc, g)` is the per-tensor add of a gradient into its accumulator, mapped with HyperMap
+    (the train step passes `train.grad_ops.accumulate`, the same add as its micro-batch loop)."""
+
+    def __init__(self, forward: nn.Cell, params: Sequence[Parameter], accum: ParameterTuple, micro_batch_num: int,
+                 accumulate: ops.MultitypeFuncGraph):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
-        from mindvl_ms.train.train_step import _acc
-
         self.micro_batch_num = int(micro_batch_num)
         self.pipe = nn.PipelineCell(_SliceLoss(forward), self.micro_batch_num)
         self.weights = ParameterTuple(params)
         self.accum = accum
-        self.acc = _acc
+        self.acc = accumulate
         self.hyper_map = ops.HyperMap()
         self.grad_fn = ops.value_and_grad(self.pipe, None, self.weights)
         mode = ms.get_auto_parallel_context("parallel_mode")
