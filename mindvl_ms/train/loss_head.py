@@ -17,8 +17,8 @@ and targets [n, c] -> per-position cross entropy [n, c] (0 at IGNORE). A `while`
 chunks computes one [c, V] logits block at a time (forward: log-softmax and the target entry; the
 block is freed before the next). The backward is a custom bprop that recomputes each block's logits
 (one extra [c, D] x [D, V] matmul) and accumulates dW and dh chunk by chunk (the onehot is
-scattered into the [c, V] block, row scalings are applied to [c, D] operands: broadcasting over a
-[c, V] block measured ~150 ms per op on CPU for c = 96; the first chunk's dW product is the
+scattered into the [c, V] block, row scalings are applied to [c, D] operands because a broadcast over
+a [c, V] block is slow on CPU (docs/PERFORMANCE.md, ## train); the first chunk's dW product is the
 accumulator, so one chunk means one [V, D] temporary), so no [N, V] tensor
 exists in either direction: peak logits memory is O(C x V), whatever the sequence length. The
 per-position CE is what both losses consume (token_mean and the balanced loss, whose weights are
@@ -77,7 +77,8 @@ def supervised_layout(targets: np.ndarray, segment_ids: np.ndarray, token_index:
 
 def _cast(x, dtype):
     """x in `dtype`, as x itself when it already is (decided at compile time): `Tensor.astype` copies even
-    then, and for the [V, D] head weight that copy was a 297 MB TensorMove per micro-step on `small`."""
+    then, and for the [V, D] head weight that copy is a table-sized TensorMove per micro-step
+    (docs/PERFORMANCE.md, ## train)."""
     return x if x.dtype == dtype else x.astype(dtype)
 
 

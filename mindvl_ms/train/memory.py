@@ -4,9 +4,9 @@ Graph compilation builds and frees hundreds of MB of small C++ objects (IR, pass
 and loading a checkpoint frees the host copies of the weights. glibc keeps freed small blocks inside the
 heap (only a free *top* of the heap is returned automatically), so those pages stay resident for the
 whole run. `malloc_trim(0)` releases every free page of every arena (madvise), without moving live data.
-`TrainStep` calls it after the model is built and after the micro-step graph is compiled. Measured with
-`bench/profile_memory.py` (bench_train's step), RSS after two steps: small 5,275 -> 5,190 MB, tiny
-1,448 -> 1,406 MB. A no-op where the C library has no `malloc_trim` (not glibc).
+`TrainStep` calls it after the model is built and after the micro-step graph is compiled (the resident
+memory it gives back: docs/PERFORMANCE.md, ## train). A no-op where the C library has no `malloc_trim`
+(not glibc).
 """
 from __future__ import annotations
 

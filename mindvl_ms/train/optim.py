@@ -99,10 +99,10 @@ NORM_ROW_BLOCK = 16384  # rows per block of the squared-sum of a large table (32
 
 @_sq.register("Tensor", "Tensor")
 def _sq_one(s, g):
-    """sum((g * s)^2) of one accumulator. Rows first: a single full reduction of the [V, D] embedding runs
-    ~8x slower on CPU. Tables of more than `NORM_ROW_BLOCK` rows go in row blocks, so no table-sized
-    temporary is made: whole, g * s and its square were two 297 MB temporaries for a [151936, 512]
-    table; in blocks its sum took +109 MB of RSS (against +610) and 62 ms (against 91)."""
+    """sum((g * s)^2) of one accumulator. Rows first: a single full reduction of the [V, D] embedding is
+    much slower on CPU. Tables of more than `NORM_ROW_BLOCK` rows go in row blocks, so no table-sized
+    temporary is made (whole, g * s and its square are two [V, D] temporaries). Figures:
+    docs/PERFORMANCE.md, ## train."""
     if g.ndim < 2 or g.shape[0] <= NORM_ROW_BLOCK:
         sq = ops.square(g.astype(ms.float32) * s)
         if sq.ndim >= 2:

@@ -4,9 +4,7 @@ accumulators, a block of rows at a time, so no dense [V, D] gradient exists duri
 Why: with the Qwen3 vocabulary (151,936 rows) each table's gradient is 297 MB at D = 512 (1.2 GB at
 D = 2,048). Autodiff materialises it as a temporary (the embedding's Gather backward scatters into a
 zero [V, D] tensor; the head's dW is a [V, D] MatMul output) before `MicroStep` adds it into the
-accumulator, and those pool pages stay resident. Measured with `bench/profile_memory.py` on `small`
-(bench_train's step): the first micro-step's RSS growth fell from 1,679 to 1,328 MB, and with the
-gradient norm's row blocks (train/optim.py) the RSS after two steps from 5,187 to ~4,950 MB.
+accumulator, and those pool pages stay resident (the memory this saves: docs/PERFORMANCE.md, ## train).
 
 How (graph side; standalone and data-parallel runs: `TrainStep` keeps plain autodiff under
 semi/auto parallel and pipeline stages, where the accumulators are sharded by the compiler):
@@ -18,9 +16,8 @@ semi/auto parallel and pipeline stages, where the accumulators are sharded by th
   list, and `MicroStep` makes its output depend on the token's gradient, so the adds are neither
   pruned nor reordered after the step returns. For the table and the accumulator themselves the bprop
   returns a scalar (`NO_GRAD`): neither is differentiated.
-- Cost: MindSpore's CPU `ScatterAdd` adds a row block slower than `AssignAdd` adds a whole tensor (the
-  profile of the `small` step, bench/profile_train.py: 11 ScatterAdd kernels, 196 ms per step); the
-  step was still faster than before together with `ops/broadcast.py` (2.0 s against 2.1-2.2 s).
+- Cost: MindSpore's CPU `ScatterAdd` adds a row block slower than `AssignAdd` adds a whole tensor; with
+  `ops/broadcast.py` the step was still faster than before (docs/PERFORMANCE.md, ## train).
 - The added values are those autodiff would have added (`tests/train/test_row_grads.py` compares the
   accumulators with the plain path's, and with numpy for the lookup): only the order of the float
   additions differs.
@@ -32,7 +29,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 # the "gradient" returned for a table and its accumulator: never used (neither is differentiated); a
-# scalar, because a zeros_like([V, D]) is folded into a 297 MB constant at compile time (measured)
+# scalar, because a zeros_like([V, D]) is folded into a table-sized constant at compile time
 NO_GRAD = Tensor(0.0, ms.float32)
 HEAD_ROW_BLOCK = 16384  # rows of the head's dW per MatMul (a 32 MB fp32 block at D = 512)
 
