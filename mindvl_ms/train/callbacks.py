@@ -21,13 +21,16 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import mindspore as ms
 import numpy as np
+from matplotlib.figure import Figure
+from mindspore import Tensor, ops
+from mindspore._c_expression import MSContext
+from tqdm import tqdm
 
 
 class ProgressBar:
     def __init__(self, total: int, initial: int, desc: str, enabled: bool = True):
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", disable=not enabled,
                         dynamic_ncols=True)
 
@@ -74,13 +77,9 @@ def plot_stage(records: List[Dict[str, Any]], path: str, title: str) -> Optional
     """Loss and LR against step; returns the PNG path (None without records)."""
     if not records:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4), dpi=100)  # no pyplot: no global backend, nothing to close
+    ax = fig.subplots()
     ax.plot(steps, [r["loss"] for r in records], color="tab:blue", label="loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
@@ -91,14 +90,11 @@ def plot_stage(records: List[Dict[str, Any]], path: str, title: str) -> Optional
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path)
-    plt.close(fig)
     return path
 
 
 def measure_matmul_peak(n: int = 512, repeats: int = 20) -> float:
     """Achieved fp32 FLOP/s of an n x n MindSpore matmul on this device (best of `repeats`)."""
-    from mindspore import Tensor, ops
-
     a = Tensor(np.random.RandomState(0).rand(n, n).astype(np.float32))
     b = Tensor(np.random.RandomState(1).rand(n, n).astype(np.float32))
     ops.matmul(a, b).asnumpy()  # warm up
@@ -122,13 +118,10 @@ PEAK_TFLOPS: Dict[Tuple[str, str], Tuple[float, str]] = {
 def soc_version() -> str:
     """MindSpore's Ascend SoC name ('' off Ascend or when MindSpore cannot tell)."""
     try:
-        import mindspore as ms
-        from mindspore._c_expression import MSContext
-
         if ms.get_context("device_target") != "Ascend":
             return ""
         return str(MSContext.get_instance().get_ascend_soc_version() or "")
-    except (ImportError, AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError):
         return ""
 
 

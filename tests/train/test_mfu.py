@@ -1,7 +1,7 @@
 """MFU arithmetic and the per-device peak: table entries for Ascend, the measured matmul rate elsewhere."""
 import pytest
 
-from mindvl_ms.train.callbacks import PEAK_TFLOPS, device_peak, soc_version, summarize
+from mindvl_ms.train.callbacks import PEAK_TFLOPS, device_peak, measure_matmul_peak, soc_version, summarize
 
 
 def test_summary_arithmetic_by_hand():
@@ -44,7 +44,5 @@ def test_soc_version_off_ascend_is_empty():
 
 
 def test_measured_peak_is_a_real_rate():
-    from mindvl_ms.train.callbacks import measure_matmul_peak
-
     flops, src = device_peak("CPU", "", "float32", measure=lambda: measure_matmul_peak(n=128, repeats=3))
     assert 1e7 < flops < 1e13 and src.startswith("measured: ")
