@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 
 def register(subparsers) -> None:
@@ -33,8 +34,6 @@ def register(subparsers) -> None:
 
 
 def _run_rollout(args) -> int:
-    import logging
-
     from mindvl_ms.data.preference import read_post_file
     from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
     from mindvl_ms.infer.rollout import rollout_pairs, write_pairs
