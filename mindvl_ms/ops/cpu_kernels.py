@@ -9,7 +9,7 @@ The shared library is compiled on first use with the C++ compiler in `$CXX` (def
 `$XDG_CACHE_HOME/mindvl_ms/kernels/` (default `~/.cache/...`), named by a hash of the sources, the
 build command and the host (`-march=native`), so an edited source, another compiler or another machine
 sharing the home directory gets its own build. Builds are atomic (written under a temporary name, then
-renamed), so concurrent processes (msrun ranks, the demo's phase processes) can race safely. Without a
+renamed), so concurrent processes (msrun ranks, several runs on one machine) can race safely. Without a
 compiler, or if the build or the load fails, the callers keep their composite ops after one warning.
 CPU only: on Ascend the fused CANN kernels are used.
 """
@@ -21,6 +21,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+
+from mindspore import ops
+from mindspore.ops import CustomRegOp, DataType
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +87,6 @@ def custom_op(name: str, n_inputs: int):
     None when the library is not available. Output shape and dtype come from the library's
     `<name>InferShape` / `<name>InferType` (MindSpore's C++ inference, which dynamic shapes need; it also
     needs the registration info with the inputs' names)."""
-    from mindspore import ops
-    from mindspore.ops import CustomRegOp, DataType
-
     lib = library()
     if lib is None:
         return None

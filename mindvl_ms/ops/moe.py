@@ -28,6 +28,7 @@ Semantics (T tokens, k experts per token, E experts, M = T * k routed rows):
 """
 import mindspore as ms
 from mindspore import Tensor, nn, ops
+from mindspore.ops.auto_generate import CumsumExt, GroupedMatmul as GroupedMatmulExt, SortExt, TopkExt
 
 from mindvl_ms.ops.dispatch import is_ascend
 
@@ -39,8 +40,6 @@ class TopK(nn.Cell):
         super().__init__()
         self.fused = is_ascend()
         if self.fused:
-            from mindspore.ops.auto_generate import TopkExt
-
             self.topk_ext = TopkExt()
         else:
             self.topk_cpu = ops.TopK(sorted=True)
@@ -60,8 +59,6 @@ class Sort(nn.Cell):
         super().__init__()
         self.fused = is_ascend()
         if self.fused:
-            from mindspore.ops.auto_generate import SortExt
-
             self.sort_ext = SortExt()
         else:
             self.sort_cpu = ops.Sort(axis=-1, descending=False)
@@ -82,8 +79,6 @@ class Cumsum(nn.Cell):
         self.axis = axis
         self.fused = is_ascend()
         if self.fused:
-            from mindspore.ops.auto_generate import CumsumExt
-
             self.cumsum_ext = CumsumExt()
 
     def construct(self, x):
@@ -140,9 +135,7 @@ class GroupedMatmul(nn.Cell):
         super().__init__()
         self.fused = is_ascend()
         if self.fused:
-            from mindspore.ops.auto_generate import GroupedMatmul as GMM
-
-            self.gmm = GMM(split_item=3, group_type=0)
+            self.gmm = GroupedMatmulExt(split_item=3, group_type=0)
 
     def construct(self, x, w, group_list):
         if self.fused:
@@ -170,8 +163,8 @@ def expert_block_size(rows: int, num_experts: int) -> int:
     """Row-block size of the block-sparse expert layout: a power of two near rows / (2 E), in [8, 128].
 
     Padding costs at most E * (block - 1) rows and the per-block weight gather costs rows / block + E expert
-    weight copies; half the mean group size keeps both near the routed rows (8 and 64 experts of
-    bench/bench_moe.py ran equally fast at 16 to 128).
+    weight copies; half the mean group size keeps both near the routed rows (block sizes compared:
+    docs/PERFORMANCE.md, "## ops").
     """
     target = max(1, rows // (2 * num_experts))
     block = 8

@@ -18,6 +18,8 @@ from typing import Dict, Optional, Tuple
 from mindspore import nn
 from mindspore.ops import Primitive
 
+from mindvl_ms.ops import RMSNorm
+
 NO_STRATEGY = {"Reshape", "Shape", "TensorShape", "Cast", "Depend", "make_tuple"}
 AUDITED = ("MatMul", "BatchMatMul", "Gather", "FlashAttentionScore", "GroupedMatmul")
 
@@ -66,8 +68,6 @@ def _dense_shards(cell: nn.Dense) -> Dict[str, Tuple[int, ...]]:
 
 def parameter_splits(model: nn.Cell) -> Dict[str, Tuple[int, ...]]:
     """Parameter name -> split per dim, from the strategy of the primitive that consumes it."""
-    from mindvl_ms.ops import RMSNorm
-
     splits: Dict[str, Tuple[int, ...]] = {}
     for name, cell in model.cells_and_names():
         if isinstance(cell, nn.Dense):

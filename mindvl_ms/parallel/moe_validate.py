@@ -14,7 +14,10 @@ divisible by TP, and DP x TP x PP equal to the device count when it is given.
 """
 from typing import Any, Dict, Optional
 
+from mindspore.nn.utils import no_init_parameters
+
 from mindvl_ms.config.base import ConfigError
+from mindvl_ms.models.moe import DeepseekV3ForCausalLM
 
 
 def _size(p: Any, *names: str, default: int = 1) -> int:
@@ -97,10 +100,6 @@ def count_parameters(t) -> Dict[str, int]:
 
 def abstract_parameter_shapes(text_config) -> Dict[str, tuple]:
     """Build DeepseekV3ForCausalLM without allocating weights; returns {name: shape}."""
-    from mindspore.nn.utils import no_init_parameters
-
-    from mindvl_ms.models.moe import DeepseekV3ForCausalLM
-
     with no_init_parameters():
         lm = DeepseekV3ForCausalLM(text_config)
     return {name: tuple(p.shape) for name, p in lm.parameters_and_names()}

@@ -22,15 +22,20 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import List, Optional
 
+import mindspore as ms
 import numpy as np
+from mindspore import Tensor, nn, ops
+from mindspore.communication import get_group_size, get_rank, init
 
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.parallel.layout import Layout
+from mindvl_ms.parallel.moe_validate import validate_moe_parallel
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +122,6 @@ def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
         checks.append(("moe n_routed_experts", t.moe.n_routed_experts, ep))
         if ep * mp > world:
             problems.append(f"expert_parallel ({ep}) x model_parallel ({mp}) exceeds the {world} ranks")
-        from mindvl_ms.parallel.moe_validate import validate_moe_parallel
-
         try:  # the MoE module's own rules (experts / EP / TP divisibility)
             validate_moe_parallel(t, sizes, device_num=world)
         except (ValueError, ConfigError) as e:
@@ -137,8 +140,6 @@ def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
 
 def setup(run_cfg) -> DistInfo:
     """Set the MindSpore context, join the msrun cluster when launched by it, validate the strategy."""
-    import mindspore as ms
-
     ctx = run_cfg.context
     ms.set_context(mode=ms.GRAPH_MODE if ctx.mode == 0 else ms.PYNATIVE_MODE)
     ms.set_device(ctx.device_target)
@@ -156,8 +157,6 @@ def setup(run_cfg) -> DistInfo:
             f"ep {sizes.expert_parallel}); tensor/pipeline/expert parallel need Ascend")
     info = DistInfo()
     if launched_by_msrun() or os.environ.get("MS_SIMULATION_LEVEL"):  # dry run: init() mocks the cluster
-        from mindspore.communication import get_group_size, get_rank, init
-
         init()
         info.rank, info.world = get_rank(), get_group_size()
     if sizes.data_parallel == 1 and sizes.model_parallel * sizes.pipeline_stage == 1 and info.world > 1:
@@ -182,6 +181,17 @@ def fill_coords(info: DistInfo, run_cfg) -> DistInfo:
     return info
 
 
+class _Collective(nn.Cell):
+    """One collective primitive (AllReduce, AllGather) as a cell, so it runs as a graph."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def construct(self, v):
+        return self.op(v)
+
+
 class HostAllReduce:
     """Sum a small float32 numpy vector over the data-parallel replicas (counts used to normalise the loss).
 
@@ -197,50 +207,20 @@ class HostAllReduce:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if self.world == 1:
             return x
-        import mindspore as ms
-        from mindspore import Tensor, nn, ops
-
         if self._cell is None:
-            class _Sum(nn.Cell):
-                def __init__(self):
-                    super().__init__()
-                    self.op = ops.AllReduce()
-
-                def construct(self, v):
-                    return self.op(v)
-
-            self._cell = _Sum()
+            self._cell = _Collective(ops.AllReduce())
         out = self._cell(Tensor(np.asarray(x, np.float32), ms.float32)).asnumpy()
         return out / self.replica if self.replica > 1 else out
 
 
 def gather_json(obj, world: int):
     """{"rank<r>": obj of rank r} on every rank (an AllGather of the JSON bytes, padded to equal length)."""
-    import json
-
     if world == 1:
         return {"rank0": obj}
-    import mindspore as ms
-    from mindspore import Tensor, nn, ops
-
     raw = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
-    sizes = HostAllReduce(world)(np.eye(world, dtype=np.float32)[_rank()] * raw.size).astype(int)
+    sizes = HostAllReduce(world)(np.eye(world, dtype=np.float32)[get_rank()] * raw.size).astype(int)
     buf = np.zeros(int(sizes.max()), np.int32)
     buf[:raw.size] = raw
-
-    class _Gather(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.op = ops.AllGather()
-
-        def construct(self, v):
-            return self.op(v)
-
-    allv = _Gather()(Tensor(buf, ms.int32)).asnumpy().reshape(world, -1)
+    allv = _Collective(ops.AllGather())(Tensor(buf, ms.int32)).asnumpy().reshape(world, -1)
     return {f"rank{r}": json.loads(bytes(allv[r, :sizes[r]].astype(np.uint8)).decode()) for r in range(world)}
 
-
-def _rank() -> int:
-    from mindspore.communication import get_rank
-
-    return get_rank()

@@ -32,6 +32,9 @@ from __future__ import annotations
 from typing import Dict, List, Sequence
 
 import numpy as np
+from mindspore import nn, ops
+
+from mindvl_ms.data.rope_index import vision_metadata
 
 
 def _window_sq_sum(n: int, size: int) -> int:
@@ -168,8 +171,6 @@ def rank_vision_inputs(pixel_values: np.ndarray, grid_thw, images: Sequence[int]
     With `pad_to`, a zero padding image of the missing merged tokens (grid [1, m, m * missing]) is appended so
     the rank's ViT output has exactly `pad_to` rows (equal shapes for the all-gather); its rows are never
     gathered by `gather_index`."""
-    from mindvl_ms.data.rope_index import vision_metadata
-
     grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
     starts = np.concatenate([[0], np.cumsum(grid.prod(1))])
     if starts[-1] != len(pixel_values):
@@ -215,24 +216,20 @@ def rank_tokens(grid_thw, assignment: Sequence[Sequence[int]], spatial_merge_siz
     return [int(tokens[list(a)].sum()) for a in assignment]
 
 
-def balanced_visual_encoder(visual, group: str = None):
-    """`BalancedVisualEncoder`: this rank's ViT inputs (padded to `pad_to` merged tokens by
-    `rank_vision_inputs`) -> [M, D] merged tokens of the whole micro-batch in image order.
+class BalancedVisualEncoder(nn.Cell):
+    """This rank's ViT inputs (padded to `pad_to` merged tokens by `rank_vision_inputs`) -> [M, D] merged
+    tokens of the whole micro-batch in image order.
 
     visual: the `VisionTransformer` cell (unchanged; the same weights on every rank of the group).
     group: the communication group of the TP ranks (None: the world group)."""
-    from mindspore import nn, ops
 
-    class BalancedVisualEncoder(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.visual = visual
-            self.all_gather = ops.AllGather(group) if group else ops.AllGather()
+    def __init__(self, visual, group: str = None):
+        super().__init__()
+        self.visual = visual
+        self.all_gather = ops.AllGather(group) if group else ops.AllGather()
 
-        def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
-                      full_segment_ids, gather_index):
-            local = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
-                                full_segment_ids)  # [pad_to, D], this rank's images in order, then padding
-            return ops.gather(self.all_gather(local), gather_index, 0)  # [t * pad_to, D] -> [M, D]
-
-    return BalancedVisualEncoder()
+    def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
+                  full_segment_ids, gather_index):
+        local = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
+                            full_segment_ids)  # [pad_to, D], this rank's images in order, then padding
+        return ops.gather(self.all_gather(local), gather_index, 0)  # [t * pad_to, D] -> [M, D]

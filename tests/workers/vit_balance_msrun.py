@@ -10,17 +10,16 @@ alone. Rank 0 writes both to OUT_DIR/features.npz.
 import os
 import sys
 
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor
 
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-from mindspore import Tensor  # noqa: E402
+from mindvl_ms.config import load_model_config
+from mindvl_ms.models.vision import VisionTransformer
+from mindvl_ms.parallel.vit_balance import (BalancedVisualEncoder, balance, gather_index, image_costs, rank_tokens,
+                                            rank_vision_inputs)
+from tests.support.paths import ROOT
 
-from mindvl_ms.config import load_model_config  # noqa: E402
-from mindvl_ms.models.vision import VisionTransformer  # noqa: E402
-from mindvl_ms.parallel.vit_balance import (balance, balanced_visual_encoder, gather_index,  # noqa: E402
-                                            image_costs, rank_tokens, rank_vision_inputs)
-
-from tests.support.paths import ROOT  # noqa: E402
 GRID = np.array([[1, 16, 24], [1, 4, 4], [1, 8, 8], [1, 4, 8], [1, 12, 8], [1, 4, 4], [1, 6, 10]])
 NAMES = ("pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids", "full_segment_ids")
 
@@ -47,7 +46,7 @@ def main(out: str) -> None:
     pad_to = max(rank_tokens(GRID, assignment, vision.spatial_merge_size))
     local = rank_vision_inputs(pixels, GRID, assignment[rank], vision, pad_to)  # padded to pad_to tokens
     index = gather_index(GRID, assignment, vision.spatial_merge_size, pad_to)
-    encoder = balanced_visual_encoder(vit)
+    encoder = BalancedVisualEncoder(vit)
     gathered = encoder(*[Tensor(local[k]) for k in NAMES], Tensor(index)).asnumpy()  # [M, D]
     if rank == 0:
         os.makedirs(out, exist_ok=True)
