@@ -10,29 +10,22 @@ import sys
 
 import numpy as np
 
-from tests.parallel.test_msrun_dp import free_port
+from tests.support import msrun
+from tests.support.paths import ROOT
 
-from tests.support.paths import ROOT  # noqa: E402
 WORKER = os.path.join(ROOT, "tests", "workers", "moe_msrun.py")
 
 
 def test_two_msrun_workers_train_moe_like_one_process(tmp_path):
     single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    env.pop("MS_WORKER_NUM", None)
     # each run in its own working directory: MindSpore writes graph dumps (rank_0/...) into the cwd
     os.makedirs(tmp_path / "cwd_single")
-    r = subprocess.run([sys.executable, WORKER, single], env=env, capture_output=True, text=True, timeout=400,
-                       cwd=str(tmp_path / "cwd_single"))
+    r = subprocess.run([sys.executable, WORKER, single], env=msrun.worker_env(), capture_output=True, text=True,
+                       timeout=400, cwd=str(tmp_path / "cwd_single"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "RANKS 1" in r.stdout
-    env_dp = dict(env, MASTER_PORT=str(free_port()), LOG_DIR=str(tmp_path / "logs"), CLUSTER_TIMEOUT="120")
     os.makedirs(tmp_path / "cwd_dp")
-    r = subprocess.run([os.path.join(ROOT, "scripts", "msrun_train.sh"), "2", WORKER, dp], env=env_dp,
-                       capture_output=True, text=True, timeout=500, cwd=str(tmp_path / "cwd_dp"))
-    logs = "".join(open(os.path.join(tmp_path / "logs", f)).read()[-3000:]
-                   for f in sorted(os.listdir(tmp_path / "logs")) if f.startswith("worker"))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + logs
+    logs = msrun.run(2, WORKER, [dp], tmp_path / "logs", timeout=500, cwd=str(tmp_path / "cwd_dp"))
     assert logs.count("RANKS 2") == 2
     ref = np.load(os.path.join(single, "params_rank0.npz"))
     init = np.load(single + "_init.npz")

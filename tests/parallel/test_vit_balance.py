@@ -3,9 +3,6 @@ ViT's own window metadata, the split against a brute-force optimum on skewed mix
 msrun CPU workers (a stand-in TP group) whose all-gathered features equal one process encoding every image."""
 import itertools
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +11,9 @@ from mindvl_ms.config import load_model_config
 from mindvl_ms.data.rope_index import vision_metadata
 from mindvl_ms.parallel.vit_balance import balance, gather_index, image_costs, lpt, makespan, rank_tokens
 
-from tests.support.paths import ROOT  # noqa: E402
+from tests.support import msrun
+from tests.support.paths import ROOT
+
 TINY = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml")).vision      # d 64, f 128, 2 blocks
 BIG = load_model_config(os.path.join(ROOT, "configs", "model", "mindvl-8b.yaml")).vision   # Qwen2.5-ViT 32 blocks
 
@@ -97,18 +96,9 @@ def test_gather_index_restores_image_order():
 
 
 def test_two_msrun_workers_gather_what_one_process_encodes(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT, MASTER_PORT=str(port), LOG_DIR=str(tmp_path / "logs"), CLUSTER_TIMEOUT="120",
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     out = tmp_path / "out"
-    proc = subprocess.run([os.path.join(ROOT, "scripts", "msrun_train.sh"), "2",
-                           os.path.join(ROOT, "tests", "workers", "vit_balance_msrun.py"), str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    logs = "".join(open(os.path.join(tmp_path / "logs", f)).read()[-2000:]
-                   for f in sorted(os.listdir(tmp_path / "logs")) if f.startswith("worker"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + logs
+    logs = msrun.run(2, os.path.join(ROOT, "tests", "workers", "vit_balance_msrun.py"), [out], tmp_path / "logs",
+                     timeout=300)
     assert "RANK 0 OF 2" in logs and "RANK 1 OF 2" in logs
     got = np.load(out / "features.npz")
     assert got["single"].shape == (167, 128) and sorted(got["sizes"]) == [1, 6]  # the 16x24 image alone

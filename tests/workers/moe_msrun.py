@@ -7,17 +7,15 @@ final parameters. Run under msrun (2 data-parallel ranks) or as one process with
 import os
 import sys
 
+import mindspore as ms
+import numpy as np
 
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tests.support import hf_tiny as hf_tiny  # noqa: E402
-from mindvl_ms.config import read_yaml  # noqa: E402
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration  # noqa: E402
-from mindvl_ms.train import load_run_config, run_training  # noqa: E402
-from mindvl_ms.train.batches import RowSource  # noqa: E402
-
-from tests.support.paths import ROOT  # noqa: E402
+from mindvl_ms.config import read_yaml
+from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.train import load_run_config, run_training
+from mindvl_ms.train.batches import RowSource
+from tests.support import hf_tiny
+from tests.support.paths import ROOT
 
 
 def make_rows(n_rows, seed=0):
@@ -45,7 +43,7 @@ def main(out: str) -> None:
         {"name": "dp", "trainable": "all", "seq_length": 40, "global_batch_size": 4, "micro_batch_size": 2,
          "max_lr": 3e-3, "warmup_ratio": 0.0, "epochs": None, "max_steps": 2}]})
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg.model)
+    model = MindVLModel(cfg.model)
     np.savez(os.path.join(out + "_init.npz"), **{p.name: p.asnumpy() for p in model.get_parameters()})
     summary = run_training(cfg, out, model=model, progress=False,
                            data_factory=lambda rc, st, i, d: RowSource(make_rows(8), seed=rc.seed))
