@@ -137,8 +137,8 @@ def lm_logits(h, embedding_weight, lm_head, tied_head=None):
 
     The tied head (`tied_head`, a TiedHead) is one 2-D MatMul on [B*L, D] x [V, D]^T: a batched matmul
     against the shared table would differentiate through a broadcast of the [V, D] table to every batch row
-    and a sum back (measured: ~250 ms of a 1.2 s tiny-model micro-step on CPU with the 151,936-row
-    vocabulary)."""
+    and a sum back, a large share of a CPU micro-step with a 151,936-row vocabulary (docs/PERFORMANCE.md,
+    "## models")."""
     d = h.shape[-1]
     flat = h.reshape(-1, d)                                           # [B*L, D]
     if lm_head is None:

@@ -2,8 +2,8 @@
 
 Reads top to bottom: patch embedding (a MatMul equal to HF's Conv3d with stride = kernel, the MindVL
 paper's Conv3d replacement; the converter reshapes the Conv3d weight [E, C, T, P, P] to [E, C*T*P*P]),
-optional learned absolute positions (off by default, as in Qwen2.5-ViT; the demo's from-scratch model
-uses them), 2D rotary embedding, MLP, attention, block, patch merger, the encoder.
+optional learned absolute positions (off by default, as in Qwen2.5-ViT; see VisionAbsPosEmbed for when
+they help), 2D rotary embedding, MLP, attention, block, patch merger, the encoder.
 
 All images of a batch are one packed sequence of N patches. Everything that depends on image sizes is
 computed host-side (`mindvl_ms.data.collate.vision_metadata`) and passed in:
@@ -56,9 +56,10 @@ class VisionPatchEmbed(nn.Cell):
 class VisionAbsPosEmbed(nn.Cell):
     """(row, col) [N, 2] -> learned row + column embeddings [N, E] (Pix2Struct-style absolute positions).
 
-    Optional (`abs_pos_grid` > 0): Qwen2.5-ViT has only relative 2D RoPE, so nothing in the model says where a
-    visual token is; the demo's small model trained from scratch did not learn to map a shape to box
-    coordinates without it. Rows and columns past the grid share its last entry. Init std = the patch
+    Optional (`abs_pos_grid` > 0): Qwen2.5-ViT has only relative 2D RoPE, under which attention depends on
+    the offsets between patches and not on where a patch sits in the image. Outputs in image coordinates
+    (grounding boxes) need that absolute position, and a model trained from scratch, without a pretrained
+    encoder's learned cues, gets it only from an input like this one. Rows and columns past the grid share its last entry. Init std = the patch
     embedding's output scale at init.
     """
 
@@ -95,7 +96,7 @@ def qkv_rotary(cos, sin, q_scale: float, num_heads: int):
     cos/sin, the q rows cos/sin times `q_scale` (the attention's 1/sqrt(hd), applied to the [N, H, hd]
     queries instead of the [S, H, W, W] scores), the v rows cos 1 and sin 0 (v * 1 + rotate_half(v) * 0 = v).
     Broadcast to every head once here, for all blocks: MindSpore's CPU Mul of [N, 3, H, hd] by [N, 3, 1, hd]
-    took 4-5x as long as the same-shape Mul (2 cores, N = 1,024: 0.87 against 0.22 ms)."""
+    is several times slower than the same-shape Mul (docs/PERFORMANCE.md, "## models")."""
     n, hd = cos.shape
     one, zero = ops.ones((n, hd), cos.dtype), ops.zeros((n, hd), sin.dtype)
     shape = (n, 3, num_heads, hd)
@@ -105,7 +106,7 @@ def qkv_rotary(cos, sin, q_scale: float, num_heads: int):
 
 # the MatMul primitive: its backward is MatMuls with transpose flags. `ops.matmul` (MatMulExt) differentiates
 # through Transpose kernels, and MindSpore's CPU Transpose keeps an 8-byte index per element per kernel
-# (on `small`, bench/profile_memory.py: 30 MB less RSS with the primitive)
+# (the memory saved: docs/PERFORMANCE.md, "## models")
 _MATMUL = ops.MatMul()
 
 

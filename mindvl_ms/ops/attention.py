@@ -65,8 +65,8 @@ class SoftmaxV(nn.Cell):
     v's dtype), with a hand-written backward that never reduces over an [.., L, S] tensor.
 
     Autodiff's softmax gradient is P * (dP - rowsum(dP * P)): a multiply and a last-axis reduction over
-    every score (measured on 2 CPU cores: the reduction alone was 284 ms of a 2.04 s ViT forward+backward
-    at 1280x720, most of it the full-attention block's [4, 4784, 4784] scores). Here, as in
+    every score, a large share of a ViT forward+backward at large image sizes, where a full-attention block
+    has one [L, L] score matrix per head and image (timings: docs/PERFORMANCE.md, "## ops"). Here, as in
     FlashAttention's backward, rowsum(dP * P) = rowsum(dO * O) ([.., L, Dv]), and the subtraction rides in
     the dP matmul on operands widened by one column: [dO, -D] [v, 1]^T = dO v^T - D. The backward
     asks for softmax(scores) again; in a compiled graph that is the forward's kernel (common

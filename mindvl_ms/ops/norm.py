@@ -13,7 +13,7 @@ Three paths, chosen at construction:
   layout compiles for Ascend, where the C++ kernel never runs). Also the path of other dtypes and of
   machines without a C++ compiler. Under dynamic shapes (the train step) the [..., 1] statistic and the [D]
   weight are broadcast to x's shape before the two multiplies: MindSpore's CPU arithmetic kernels keep two
-  8-byte index tables per output element for a broadcasting operation, and run it up to 10x slower
+  8-byte index tables per output element for a broadcasting operation, and run it far slower
   (`ops/broadcast.py`).
 """
 import mindspore as ms
