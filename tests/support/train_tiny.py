@@ -1,4 +1,4 @@
-"""A tiny stand-in for MindVLForConditionalGeneration used by the trainer tests.
+"""A tiny stand-in for MindVLModel used by the trainer tests.
 
 Same call convention (positional INPUT_NAMES arrays -> logits [B, L, V]) and the same parameter
 name prefixes (`visual.merger.`, `visual.`, `model.`, `lm_head.`), but small enough to compile in

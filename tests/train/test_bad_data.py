@@ -12,16 +12,21 @@ import os
 import re
 import warnings
 
-import mindspore as ms
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from mindvl_ms.cli import main
+from mindvl_ms.config.base import deep_merge, load, to_dict
+from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.dataset import DataLoader
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train import trainer as trainer_mod
 from mindvl_ms.train.batches import LoaderSource
-from tests.support.train_tiny import IGNORE, TinyVLM, collate
+from tests.support.stopped_run import nothing_written as _nothing_written, params as _params
+from tests.support.stopped_run import tiny_model as _model
+from tests.support.train_tiny import IGNORE, collate
 
 NON_UTF8 = (b'{"images": ["img/ok.png"], "task": "vqa", "metric": "exact_match", "messages": [{"role": "user", '
             b'"content": "<image>Q"}, {"role": "assistant", "content": "caf\xff"}]}')
@@ -45,10 +50,6 @@ def _tiny(rows, stage):
 
 def loader_factory(rc, stage, i, dist):
     """default_data_factory with the tiny adapter as collate."""
-    from mindvl_ms.config.base import deep_merge, load, to_dict
-    from mindvl_ms.config.data import DataConfig
-    from mindvl_ms.data.dataset import DataLoader
-
     cfg = load(DataConfig, deep_merge(to_dict(rc.data), stage.data))
     cfg = dataclasses.replace(cfg, seq_length=stage.seq_length, micro_batch_size=stage.micro_batch_size)
     loader = DataLoader.from_config(cfg, collate=lambda rows: _tiny(rows, stage))
@@ -62,11 +63,6 @@ def _cfg(src, **stage):
     return load_run_config(data={"seed": 3, "plot": False, "stages": [st],
                                  "data": {"packing": "online", "shuffle": False, "online_buffer": 2,
                                           "sources": [{"path": src}]}})
-
-
-def _model():
-    ms.set_seed(0)
-    return TinyVLM()
 
 
 def _img(d, name, w=64, h=48):
@@ -87,22 +83,6 @@ def _write(path, lines):
     with open(path, "wb") as f:
         f.write(b"".join(x + b"\n" for x in lines))
     return str(path)
-
-
-def _snapshot(d):
-    return {os.path.join(r, n): (os.path.getsize(os.path.join(r, n)), os.path.getmtime(os.path.join(r, n)))
-            for r, _, fs in os.walk(d) for n in fs}
-
-
-def _params(model):
-    return {p.name: p.asnumpy().copy() for p in model.get_parameters()}
-
-
-def _nothing_written(out):
-    assert not os.path.exists(os.path.join(out, "latest.json"))
-    assert not os.path.exists(os.path.join(out, "summary.json"))
-    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
-    assert not [d for _, ds, _ in os.walk(out) for d in ds if d.startswith("checkpoint-") or ".tmp-" in d]
 
 
 def test_every_image_truncated_stops_before_any_step(tmp_path):
@@ -164,8 +144,6 @@ def test_bad_lines_are_skipped_named_and_counted_in_the_summary(tmp_path, caplog
 
 @pytest.mark.parametrize("kind", ["empty", "all invalid"])
 def test_empty_or_all_invalid_data_stops_with_reasons_through_the_cli(tmp_path, capsys, monkeypatch, kind):
-    import yaml
-
     src = _write(tmp_path / "train.jsonl", [] if kind == "empty" else [b"{not json"] * 3)
     out = str(tmp_path / "run")
     cfg = str(tmp_path / "run.yaml")

@@ -8,37 +8,18 @@ import errno
 import json
 import os
 
-import mindspore as ms
 import numpy as np
 import pytest
+import yaml
 
 from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.cli import main
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train import trainer as trainer_mod
 from mindvl_ms.train.batches import RowSource
-from tests.support.train_tiny import IGNORE, TinyVLM, collate, make_rows
-
-
-def _model():
-    ms.set_seed(0)
-    return TinyVLM()
-
-
-def _snapshot(d):
-    return {os.path.join(r, n): (os.path.getsize(os.path.join(r, n)), os.path.getmtime(os.path.join(r, n)))
-            for r, _, fs in os.walk(d) for n in fs}
-
-
-def _params(model):
-    return {p.name: p.asnumpy().copy() for p in model.get_parameters()}
-
-
-def _nothing_written(out):
-    assert not os.path.exists(os.path.join(out, "latest.json"))
-    assert not os.path.exists(os.path.join(out, "summary.json"))
-    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))
-    assert not [d for _, ds, _ in os.walk(out) for d in ds if d.startswith("checkpoint-") or ".tmp-" in d]
+from tests.support.stopped_run import nothing_written as _nothing_written, params as _params
+from tests.support.stopped_run import snapshot as _snapshot, tiny_model as _model
+from tests.support.train_tiny import IGNORE, collate, make_rows
 
 
 def _unsupervised(row):
@@ -97,8 +78,6 @@ def test_resume_on_changed_data_stops_unless_allowed(tmp_path):
 
 
 def test_disk_full_during_save_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, capsys, monkeypatch):
-    import yaml
-
     out = str(tmp_path / "run")
     cfg = str(tmp_path / "run.yaml")
     with open(cfg, "w") as f:

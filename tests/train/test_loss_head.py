@@ -9,14 +9,17 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.config.base import load
 from mindvl_ms.config.model import MindVLConfig
+from mindvl_ms.config.train import StageConfig
 from mindvl_ms.data.collate import build_model_inputs
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
-from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
-from mindvl_ms.train.loss import TrainLoss
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train.forward_loss import ForwardLoss, has_sparse_head
+from mindvl_ms.train.loss import TrainLoss
+from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
+from mindvl_ms.train.optim import select_trainable
+from mindvl_ms.train.train_step import TrainStep
+from tests.support import hf_tiny as hf_tiny
 from tests.train.test_trainer_mindvl import MODEL
 
 
@@ -116,7 +119,7 @@ def test_sparse_chunked_forward_equals_the_full_logits_path(kind):
     ms.set_context(mode=ms.GRAPH_MODE)
     cfg = load(MindVLConfig, MODEL, "test")
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg)
+    model = MindVLModel(cfg)
     assert has_sparse_head(model)
     batch = build_model_inputs(_batch(), cfg)
     names = list(model.INPUT_NAMES)
@@ -145,12 +148,8 @@ def test_sparse_chunked_forward_equals_the_full_logits_path(kind):
 
 
 def test_train_step_reads_the_chunk_size_from_the_loss_config():
-    from mindvl_ms.config.train import StageConfig
-    from mindvl_ms.train.optim import select_trainable
-    from mindvl_ms.train.train_step import TrainStep
-
     cfg = load(MindVLConfig, MODEL, "test")
-    model = MindVLForConditionalGeneration(cfg)
+    model = MindVLModel(cfg)
     batch = build_model_inputs(_batch(1), cfg)
     n_sup = int((batch["targets"] != IGNORE).sum())
     for chunk, expect in ((3, (-(-n_sup // 3), 3)), (4096, (1, -(-n_sup // 8) * 8))):

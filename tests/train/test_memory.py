@@ -1,11 +1,13 @@
 """bench/profile_memory.py's readers of /proc: an allocation of known size shows up in RSS and as a mapping;
 train/memory.py's release_heap gives freed heap blocks back (seen in RSS).
 Run: pytest -q tests/train/test_memory.py"""
+import ctypes
 import importlib.util
 import os
 
 import numpy as np
 
+from mindvl_ms.train.memory import release_heap
 from tests.support.paths import ROOT
 
 _spec = importlib.util.spec_from_file_location("profile_memory", os.path.join(ROOT, "bench", "profile_memory.py"))
@@ -35,10 +37,6 @@ def test_release_heap_returns_freed_small_blocks():
     200 MB of 100 KB blocks, below glibc's mmap threshold so they live in the heap, freed while the last
     block stays live (so glibc's automatic trim of the heap top cannot return them): RSS keeps them until
     release_heap(), which gives back nearly all of it."""
-    import ctypes
-
-    from mindvl_ms.train.memory import release_heap
-
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]

@@ -1,5 +1,6 @@
 """MoE training on CPU in graph mode: loss decreases, router load statistics, balancing bias update, aux/MTP."""
 import dataclasses
+import os
 
 import numpy as np
 import mindspore as ms
@@ -16,8 +17,6 @@ TINY = "configs/model/tiny-moe.yaml"
 
 
 def _tiny_text(vocab=64):
-    import os
-
     cfg = load_model_config(os.path.join(ROOT, TINY)).text
     return dataclasses.replace(cfg, vocab_size=vocab, moe=dataclasses.replace(cfg.moe))
 

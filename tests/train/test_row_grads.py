@@ -10,8 +10,8 @@ from mindvl_ms.config.base import load
 from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.config.train import StageConfig
 from mindvl_ms.data.collate import build_model_inputs
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
-from mindvl_ms.train import row_grads
+from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.train import optim, row_grads
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.forward_loss import ForwardLoss
@@ -110,10 +110,10 @@ def test_train_step_with_row_grads_equals_plain_autodiff(tied):
     st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
                             "max_steps": 2, "max_lr": 1e-2, "loss": {"logits_chunk_tokens": 5}})
     ms.set_seed(0)
-    init = {p.name: p.asnumpy().copy() for p in MindVLForConditionalGeneration(cfg).get_parameters()}
+    init = {p.name: p.asnumpy().copy() for p in MindVLModel(cfg).get_parameters()}
     out = {}
     for rows in (False, True):
-        model = MindVLForConditionalGeneration(cfg)
+        model = MindVLModel(cfg)
         for p in model.get_parameters():
             p.set_data(Tensor(init[p.name]))
         eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st, row_grads=rows)
@@ -133,7 +133,7 @@ def test_row_grads_without_the_sparse_head_are_refused():
     """Only the sparse head's cells add rows into accumulators: a dense-logits forward given row-wise tables
     would differentiate nothing for them, so it raises instead of dropping their gradients."""
     cfg = load(MindVLConfig, MODEL, "test")
-    model = MindVLForConditionalGeneration(cfg)
+    model = MindVLModel(cfg)
     acc = Parameter(Tensor(np.zeros((V, D), np.float32)), name="acc", requires_grad=False)
     with pytest.raises(ValueError, match="sparse head.*model.embed_tokens.weight"):
         ForwardLoss(model, None, len(model.INPUT_NAMES), 0, sparse=False,
@@ -143,8 +143,6 @@ def test_row_grads_without_the_sparse_head_are_refused():
 def test_gradient_norm_sums_large_tables_in_row_blocks(monkeypatch):
     """GradNorm over a table longer than NORM_ROW_BLOCK (row blocks, the ragged last one included) and a
     small tensor (whole): the unscaled global norm numpy computes."""
-    from mindvl_ms.train import optim
-
     monkeypatch.setattr(optim, "NORM_ROW_BLOCK", 8)
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(3)

@@ -7,11 +7,15 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from mindvl_ms.cli import main
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.config.train import load_run_config
 from mindvl_ms.parallel.runtime import setup, validate_strategy
+from mindvl_ms.train import run_training
+from mindvl_ms.train.batches import RowSource
+from tests.support.paths import ROOT
+from tests.support.train_tiny import TinyVLM, collate, make_rows
 
-from tests.support.paths import ROOT  # noqa: E402
 STAGE = os.path.join(ROOT, "configs", "stage")
 
 
@@ -92,8 +96,6 @@ def test_strategy_validation_and_cpu_refusal():
 
 
 def test_cli_help_and_config_error(tmp_path, capsys):
-    from mindvl_ms.cli import main
-
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])
     assert e.value.code == 0
@@ -107,10 +109,6 @@ def test_cli_help_and_config_error(tmp_path, capsys):
 
 
 def test_fp16_dynamic_loss_scale_tracks_fp32(tmp_path):
-    from mindvl_ms.train import run_training
-    from mindvl_ms.train.batches import RowSource
-    from tests.support.train_tiny import TinyVLM, collate, make_rows
-
     rows = make_rows(16, seed=4)
     out = {}
     for prec in ("float32", "float16"):

@@ -7,14 +7,13 @@ import os
 import signal
 import sys
 
+import mindspore as ms
 
-import mindspore as ms  # noqa: E402
-
-from mindvl_ms.checkpoint import trainer_state as ts  # noqa: E402
-from mindvl_ms.train import run_training  # noqa: E402
-from mindvl_ms.train.batches import RowSource  # noqa: E402
-from tests.train.test_resume import ROWS, run_cfg  # noqa: E402
-from tests.support.train_tiny import TinyVLM, collate  # noqa: E402
+from mindvl_ms.checkpoint import trainer_state as ts
+from mindvl_ms.train import run_training
+from mindvl_ms.train.batches import RowSource
+from tests.train.test_resume import ROWS, run_cfg
+from tests.support.train_tiny import TinyVLM, collate
 
 real_write = ts.write_file
 calls = {"n": 0}

@@ -6,13 +6,12 @@ final parameters. Run under msrun (2 data-parallel ranks) or as one process with
 import os
 import sys
 
+import mindspore as ms
+import numpy as np
 
-import mindspore as ms  # noqa: E402
-import numpy as np  # noqa: E402
-
-from mindvl_ms.train import load_run_config, run_training  # noqa: E402
-from mindvl_ms.train.batches import RowSource  # noqa: E402
-from tests.support.train_tiny import TinyVLM, collate, make_rows  # noqa: E402
+from mindvl_ms.train import load_run_config, run_training
+from mindvl_ms.train.batches import RowSource
+from tests.support.train_tiny import TinyVLM, collate, make_rows
 
 
 def main(out: str) -> None:
