@@ -59,8 +59,8 @@ class VisionAbsPosEmbed(nn.Cell):
     Optional (`abs_pos_grid` > 0): Qwen2.5-ViT has only relative 2D RoPE, under which attention depends on
     the offsets between patches and not on where a patch sits in the image. Outputs in image coordinates
     (grounding boxes) need that absolute position, and a model trained from scratch, without a pretrained
-    encoder's learned cues, gets it only from an input like this one. Rows and columns past the grid share its last entry. Init std = the patch
-    embedding's output scale at init.
+    encoder's learned cues, gets it only from an input like this one. Rows and columns past the grid share
+    its last entry. Init std = the patch embedding's output scale at init.
     """
 
     def __init__(self, grid: int, dim: int, std: float):

@@ -1,10 +1,10 @@
 """`Linear`: nn.Dense (weight [out, in], as torch Linear) whose bias gradient is a matmul on CPU.
 
 MindSpore's CPU BiasAddGrad reduces [N, out] over N several times slower than the same sum as a ones-row
-matmul (timings: docs/PERFORMANCE.md, "## ops"). On CPU the bias add is `BiasAddMatMulGrad`: the same BiasAdd forward, and a
-hand-written backward whose bias gradient is ones[1, N] @ dout. On Ascend, where parallel layouts
-compile and attach strategies to nn.Dense's own `matmul` / `bias_add` primitives, the forward is
-nn.Dense's. Parameter names and layouts are nn.Dense's, so `isinstance(cell, nn.Dense)` holds and weight
+matmul (timings: docs/PERFORMANCE.md, "## ops"). On CPU the bias add is `BiasAddMatMulGrad`: the same
+BiasAdd forward, and a hand-written backward whose bias gradient is ones[1, N] @ dout. On Ascend, where
+parallel layouts compile and attach strategies to nn.Dense's own `matmul` / `bias_add` primitives, the
+forward is nn.Dense's. Parameter names and layouts are nn.Dense's, so `isinstance(cell, nn.Dense)` holds and weight
 conversion is unaffected.
 """
 import mindspore as ms

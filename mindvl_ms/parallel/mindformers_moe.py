@@ -20,9 +20,10 @@ differ.
 expert parallel (`parallel.moe.EPExperts`); `MindFormersSelect` runs TopKRouter's expert selection.
 
 MindFormers itself is imported on first use (`_mindformers`), not with this module: importing it is slow
-(docs/PERFORMANCE.md, "## parallel") and writes a log directory, and only the Ascend MoE path and its CPU test use it, while every
-parallel layout imports this module. Its log goes under $LOCAL_DEFAULT_PATH (MindFormers' default
-./output); this module points it at ~/.cache/mindvl_ms/mindformers unless the variable is set.
+(docs/PERFORMANCE.md, "## parallel") and writes a log directory, and only the Ascend MoE path and its CPU
+test use it, while every parallel layout imports this module. Its log goes under $LOCAL_DEFAULT_PATH
+(MindFormers' default ./output); this module points it at ~/.cache/mindvl_ms/mindformers unless the
+variable is set.
 """
 import importlib
 import os

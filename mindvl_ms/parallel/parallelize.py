@@ -155,6 +155,7 @@ def apply_tp(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: Paral
 
 
 def apply_pipeline(model: nn.Cell, layout: Layout, offset: Sequence[int], report: ParallelReport) -> None:
+    """Pipeline stages of `STAGE_PLAN` when the layout has more than one (`parallel/pipeline.py`)."""
     if layout.pp > 1:
         report.stages = assign_pipeline_stages(model, layout.pp, offset)
 
@@ -175,7 +176,8 @@ def _knobs(config, vision_parallel, offset, group):
         s = config.parallel_config
         layout, vp, off, grp = (Layout.from_run_config(config), s.vision_parallel, list(s.offset),
                                 int(s.gradient_aggregation_group))
-    return layout, vision_parallel or vp, (list(offset) if offset is not None else off), (grp if group is None else group)
+    off = list(offset) if offset is not None else off
+    return layout, vision_parallel or vp, off, grp if group is None else group
 
 
 def parallelize(model: nn.Cell, layout, *, vision_parallel: Optional[str] = None,
