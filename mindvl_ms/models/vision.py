@@ -33,7 +33,7 @@ from mindspore.common.initializer import Normal, initializer
 
 from mindvl_ms.config import VisionConfig
 from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
-from mindvl_ms.ops.activation import QuickGELU, activation  # noqa: F401  (QuickGELU re-exported)
+from mindvl_ms.ops.activation import activation
 from mindvl_ms.ops.attention import NEG_INF
 from mindvl_ms.ops.cpu_kernels import custom_op
 from mindvl_ms.ops.dispatch import is_ascend

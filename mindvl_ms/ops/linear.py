@@ -7,7 +7,6 @@ parallel layouts compile and attach strategies to nn.Dense's own `matmul` / `bia
 forward is nn.Dense's. Parameter names and layouts are nn.Dense's, so `isinstance(cell, nn.Dense)` holds and weight
 conversion is unaffected.
 """
-import mindspore as ms
 from mindspore import nn, ops
 
 from mindvl_ms.ops.dispatch import is_ascend

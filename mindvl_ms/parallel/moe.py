@@ -1,6 +1,7 @@
 """Semi-auto parallel strategies for the DeepSeek-V3 MoE layer (`mindvl_ms.models.moe.DeepseekV3MoE`).
 
     shard_moe(moe_cell, layout)      # layout: mindvl_ms.parallel.layout.Layout; returns moe_cell
+    use_mindformers(moe_cell, moe)   # MindFormers' selection + dispatcher on one device (returns moe_cell)
 
 Conventions are MindFormers' (parallel_core/training_graph/transformer/moe and device_matrix.py), which are
 known to compile on Ascend:

@@ -61,7 +61,6 @@ Communication per optimizer step and device (m = micro-batches per rank per step
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
