@@ -8,17 +8,21 @@ conversion is near-identity:
 - DeepSeek-V3 language models map through `hf_deepseek` when present.
 A native checkpoint directory is `config.json` ({"format": "mindvl-native", "config": {...}}) plus
 safetensors; an HF directory is transformers' `config.json` plus safetensors.
+
+Everything here works on numpy tensors and JSON, without MindSpore or model classes; building and filling
+models from these tensors is `checkpoint/pretrained.py`.
 """
 import dataclasses
 import json
 import os
 import re
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from mindvl_ms.config import MindVLConfig, from_hf_dict, load, to_hf_dict
+from mindvl_ms.config import MindVLConfig, TextConfig, from_hf_dict, load, to_hf_dict
 from mindvl_ms.config.model import text_from_hf, vision_from_hf
+from mindvl_ms.checkpoint import hf_deepseek
 from mindvl_ms.checkpoint.io import RawTensor, atomic_dir, read_tensors, write_json, write_tensors
 
 PATCH = "visual.patch_embed.proj.weight"
@@ -64,16 +68,12 @@ def hf_to_native(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, 
             t = t.reshape(t.shape[0], -1)
         out[name] = t
     if cfg.text.model_type == "deepseek_v3":
-        from mindvl_ms.checkpoint import hf_deepseek
-
         out = hf_deepseek.hf_to_native(out, cfg.text)
     return out
 
 
 def native_to_hf(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, RawTensor]:
     if cfg.text.model_type == "deepseek_v3":
-        from mindvl_ms.checkpoint import hf_deepseek
-
         tensors = hf_deepseek.native_to_hf(tensors, cfg.text)
     v = cfg.vision
     out = dict(tensors)
@@ -83,52 +83,7 @@ def native_to_hf(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, 
     return out
 
 
-# -- model <-> tensors ---------------------------------------------------------------------------------
-
-def model_tensors(model, dtype: Optional[str] = None) -> Dict[str, RawTensor]:
-    """Parameters of a MindSpore model as RawTensors (fp32 unless `dtype` is F16/BF16)."""
-    out = {}
-    for name, p in model.parameters_and_names():
-        arr = p.asnumpy()
-        if dtype == "BF16":
-            out[name] = RawTensor(to_bf16(arr), "BF16")
-        elif dtype == "F16":
-            out[name] = RawTensor.of(arr.astype(np.float16))
-        else:
-            out[name] = RawTensor.of(arr)
-    return out
-
-
-def to_bf16(arr: np.ndarray) -> np.ndarray:
-    from mindvl_ms.checkpoint.io import to_bf16_bits
-
-    return to_bf16_bits(arr.astype(np.float32))
-
-
-def load_into(model, tensors: Dict[str, RawTensor], strict: bool = True, prefix_filter=None) -> Dict[str, list]:
-    """Copy tensors into the model's parameters by name; shape mismatches and (if strict) missing or
-    unexpected names are a ValueError listing them. Returns {"missing": [...], "unexpected": [...]}."""
-    import mindspore as ms
-
-    params = dict(model.parameters_and_names())
-    if prefix_filter is not None:
-        params = {k: v for k, v in params.items() if prefix_filter(k)}
-        tensors = {k: v for k, v in tensors.items() if prefix_filter(k)}
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
-    bad = [f"{k}: checkpoint {list(tensors[k].shape)} vs model {list(params[k].shape)}"
-           for k in sorted(set(params) & set(tensors)) if tuple(tensors[k].shape) != tuple(params[k].shape)]
-    if bad:
-        raise ValueError("shape mismatch:\n  " + "\n  ".join(bad))
-    if strict and (missing or unexpected):
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:20]}"
-                         f"{' ...' if len(missing) > 20 else ''}; unexpected {unexpected[:20]}"
-                         f"{' ...' if len(unexpected) > 20 else ''}")
-    for k in sorted(set(params) & set(tensors)):
-        p = params[k]
-        p.set_data(ms.Tensor(tensors[k].float32().astype(ms.dtype_to_nptype(p.dtype))))
-    return {"missing": missing, "unexpected": unexpected}
-
+# -- checkpoint directories <-> native-named tensors ------------------------------------------------
 
 def read_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
     """(config, native-named tensors) from a native or HF directory."""
@@ -138,13 +93,6 @@ def read_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
     if not is_native(d):
         tensors = hf_to_native(tensors, cfg)
     return cfg, tensors
-
-
-def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None):
-    cfg, tensors = read_checkpoint(path, config)
-    model = cls(cfg)
-    load_into(model, tensors)
-    return model
 
 
 def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor], format: str = "native",
@@ -163,10 +111,6 @@ def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor]
             write_json(os.path.join(tmp, name), obj)
 
 
-def save_pretrained(model, path: str, format: str = "native", max_shard_bytes: Optional[int] = None) -> None:
-    write_checkpoint(path, model.config, model_tensors(model), format, max_shard_bytes)
-
-
 # -- conversions used by the CLI ------------------------------------------------------------------------
 
 def is_text_only(cfg_json: dict) -> bool:
@@ -179,16 +123,12 @@ def is_text_only(cfg_json: dict) -> bool:
 def _text_tensors_to_native(tensors: Dict[str, RawTensor], text) -> Dict[str, RawTensor]:
     tensors = {normalize_hf_name(k): v for k, v in tensors.items()}
     if text.model_type == "deepseek_v3":
-        from mindvl_ms.checkpoint import hf_deepseek
-
         tensors = hf_deepseek.hf_to_native(tensors, text)
     return tensors
 
 
 def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optional[int]) -> Dict[str, RawTensor]:
     """Text-only LLM checkpoints: HF <-> native {"kind": "text"} (the HF config.json is kept verbatim)."""
-    from mindvl_ms.config import TextConfig
-
     tensors = read_tensors(src)
     if is_native(d):
         text = load(TextConfig, d["config"], source=os.path.join(src, "config.json"))
@@ -201,8 +141,6 @@ def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optiona
         if to == "hf":
             out = tensors
             if text.model_type == "deepseek_v3":
-                from mindvl_ms.checkpoint import hf_deepseek
-
                 out = hf_deepseek.native_to_hf(tensors, text)
             write_json(os.path.join(tmp, "config.json"), hf_cfg)
             write_tensors(tmp, out, max_shard_bytes)
@@ -211,26 +149,6 @@ def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optiona
                                                           "config": dataclasses.asdict(text), "hf_config": hf_cfg})
             write_tensors(tmp, tensors, max_shard_bytes)
     return tensors
-
-
-def load_text_model(path: str):
-    """A text-only causal LM (TextForCausalLM or DeepseekV3ForCausalLM) from an HF or native text checkpoint."""
-    from mindvl_ms.config import TextConfig
-
-    d = read_config_json(path)
-    if is_native(d):
-        text = load(TextConfig, d["config"], source=os.path.join(path, "config.json"))
-        tensors = read_tensors(path)
-    else:
-        text = text_from_hf(d)
-        tensors = _text_tensors_to_native(read_tensors(path), text)
-    if text.model_type == "deepseek_v3":
-        from mindvl_ms.models.moe import DeepseekV3ForCausalLM as cls
-    else:
-        from mindvl_ms.models.text import TextForCausalLM as cls
-    model = cls(text)
-    load_into(model, tensors)
-    return model
 
 
 def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None) -> Dict[str, int]:
@@ -250,21 +168,25 @@ def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None) 
     return {"tensors": len(tensors), "parameters": int(sum(np.prod(t.shape) for t in tensors.values()))}
 
 
-def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 0) -> MindVLConfig:
-    """The MindVL initialisation: ViT from a Qwen2.5-VL checkpoint, LLM from a Qwen3 (or Qwen2/DeepSeek-V3)
-    checkpoint, projector (`visual.merger.*`) freshly initialised. Writes a native checkpoint to `out`."""
-    import mindspore as ms
+# -- what checkpoint/pretrained.py builds models from ---------------------------------------------------
 
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+def read_text_checkpoint(path: str) -> Tuple[TextConfig, Dict[str, RawTensor]]:
+    """(text config, native-named tensors) of a text-only LLM checkpoint, HF or native."""
+    d = read_config_json(path)
+    if is_native(d):
+        text = load(TextConfig, d["config"], source=os.path.join(path, "config.json"))
+        return text, read_tensors(path)
+    text = text_from_hf(d)
+    return text, _text_tensors_to_native(read_tensors(path), text)
 
+
+def init_sources(vision_from: str, llm_from: str):
+    """The pieces of the MindVL initialisation (`pretrained.init_from_pretrained`): the combined config,
+    the vision tower's tensors (`visual.*` without the projector `visual.merger.*`) and the language
+    model's (`model.*`, `lm_head.*`), native-named. Returns (config, vision tensors, LLM tensors)."""
     vd, ld = read_config_json(vision_from), read_config_json(llm_from)
-    if is_native(vd):
-        vision = config_from_dir(vision_from).vision
-    else:
-        vision = vision_from_hf(vd.get("vision_config") or vd)
+    vision = config_from_dir(vision_from).vision if is_native(vd) else vision_from_hf(vd.get("vision_config") or vd)
     if is_native(ld):
-        from mindvl_ms.config import TextConfig
-
         text = load(TextConfig, ld["config"]) if ld.get("kind") == "text" else config_from_dir(llm_from).text
     else:
         text = text_from_hf(ld)
@@ -274,26 +196,17 @@ def init_from_pretrained(vision_from: str, llm_from: str, out: str, seed: int = 
         if k in vd:
             setattr(cfg, k, vd[k])
     cfg.validate()
-    ms.set_seed(seed)
-    model = MindVLForConditionalGeneration(cfg)
     vt = read_tensors(vision_from)
     if not is_native(vd):
-        vt = {k: v for k, v in hf_to_native(vt, from_hf_dict(vd)).items()}
-    vt = {k: v for k, v in vt.items() if k.startswith("visual.") and not k.startswith("visual.merger.")}
+        vt = hf_to_native(vt, from_hf_dict(vd))
+    vt = {k: v for k, v in vt.items() if is_vision_tower(k)}
     lt = read_tensors(llm_from)
     if not is_native(ld):
-        lt = {normalize_hf_name(k): v for k, v in lt.items()}
-        if text.model_type == "deepseek_v3":
-            from mindvl_ms.checkpoint import hf_deepseek
-
-            lt = hf_deepseek.hf_to_native(lt, text)
+        lt = _text_tensors_to_native(lt, text)
     lt = {k: v for k, v in lt.items() if re.match(r"^(model\.|lm_head\.)", k)}
-    load_into(model, vt, strict=False, prefix_filter=lambda k: k.startswith("visual.") and
-              not k.startswith("visual.merger."))
-    load_into(model, lt, strict=False, prefix_filter=lambda k: not k.startswith("visual."))
-    names = dict(model.parameters_and_names())
-    missing = [k for k in names if not k.startswith("visual.merger.") and k not in vt and k not in lt]
-    if missing:
-        raise ValueError(f"init: parameters found in neither checkpoint: {missing[:20]}")
-    save_pretrained(model, out)
-    return cfg
+    return cfg, vt, lt
+
+
+def is_vision_tower(name: str) -> bool:
+    """A vision-encoder parameter other than the projector (`visual.merger.*`)."""
+    return name.startswith("visual.") and not name.startswith("visual.merger.")

@@ -21,8 +21,8 @@ Design:
   bytes are fetched with positional reads in chunks of `CHUNK` elements; the output is written as a
   stream (header first, then tensor bytes in order) and each written shard is checked by opening it with
   `safetensors.safe_open`. Reading the inputs through `safe_open` instead keeps the memory-mapped pages
-  of all N inputs resident, and its numpy frontend cannot hold bf16. bench/bench_merge.py, 3 x 300 MB
-  fp32: peak RSS growth 49 MB (0.16 x one checkpoint) vs 1229 MB through safe_open and 1409 MB loading all.
+  of all N inputs resident, and its numpy frontend cannot hold bf16 (peak memory of both ways:
+  docs/PERFORMANCE.md, ## checkpoint).
 - Floating tensors are combined in float32 (float64 stays float64) and written back in their own dtype
   (bf16 with round-to-nearest-even). Integer/bool tensors must be identical across inputs and are copied.
 - The output mirrors the first input: same shard files, same index, same `__metadata__`
@@ -46,7 +46,10 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
+from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
 from mindvl_ms.checkpoint.io import INDEX, atomic_dir, weight_files
+from mindvl_ms.data.processor import carry_processor
+from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
 CHUNK = 1 << 22  # elements per streamed chunk (16 MiB in float32)
 METHODS = ("linear", "task_arithmetic", "ties")
@@ -257,10 +260,6 @@ def _copy_side_files(src: str, dst: str, skip: set) -> List[str]:
 def _ensure_processor(tmp: str, inputs: Sequence[str]) -> str:
     """Make sure a merged MindVL directory carries processor files; returns where they came from (None for
     LLM-only or config-less merges, whose side files are only copied)."""
-    from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
-    from mindvl_ms.data.processor import carry_processor
-    from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
-
     if not os.path.isfile(os.path.join(tmp, "config.json")) or is_text_only(read_config_json(tmp)):
         return None
     if has_tokenizer(tmp) and all(os.path.isfile(os.path.join(tmp, f)) for f in (PREPROCESSOR, CHAT_TEMPLATE)):

@@ -26,7 +26,9 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
+from mindvl_ms.checkpoint.hf import NATIVE
 from mindvl_ms.checkpoint.io import RawTensor, atomic_dir, read_file, read_tensors, write_file, write_json, write_tensors
+from mindvl_ms.checkpoint.pretrained import model_tensors
 
 LATEST = "latest.json"
 STATE = "trainer_state.json"
@@ -52,8 +54,6 @@ def save_checkpoint(path: str, model, optim_params: Dict[str, Any], state: Dict[
                     out_dir: Optional[str] = None, extra=None) -> str:
     """Write a complete checkpoint directory atomically; then point OUT/latest.json at it.
     `extra(tmp_dir)` writes further files (the processor) inside the same atomic directory."""
-    from mindvl_ms.checkpoint.hf import NATIVE, model_tensors
-
     with atomic_dir(path) as tmp:
         cfg = getattr(model, "config", None)
         if cfg is not None and dataclasses.is_dataclass(cfg):

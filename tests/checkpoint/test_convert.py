@@ -105,7 +105,7 @@ def test_text_only_llm_convert_round_trip_and_logits(tmp_path, kind):
     import mindspore as ms
     from mindspore import Tensor
 
-    from mindvl_ms.checkpoint.hf import load_text_model
+    from mindvl_ms.checkpoint.pretrained import load_text_model
 
     if kind == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM

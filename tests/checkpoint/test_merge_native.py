@@ -9,11 +9,12 @@ import mindspore as ms
 import numpy as np
 import torch
 
-from mindvl_ms.checkpoint.hf import model_tensors, write_checkpoint
+from mindvl_ms.checkpoint.hf import write_checkpoint
+from mindvl_ms.checkpoint.pretrained import load_pretrained, model_tensors, save_pretrained
 from mindvl_ms.checkpoint.io import read_tensors
 from mindvl_ms.checkpoint.merge import merge
 from mindvl_ms.config import load_model_config
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.models.mindvl import MindVLModel
 
 from tests.support.paths import ROOT  # noqa: E402
 
@@ -31,14 +32,14 @@ def test_native_sft_variants_merge_and_load(tmp_path):
     params = []
     for seed in range(3):
         ms.set_seed(seed)
-        m = MindVLForConditionalGeneration(cfg)
-        m.save_pretrained(str(tmp_path / f"sft{seed}"), max_shard_bytes=400_000 if seed == 0 else None)
+        m = MindVLModel(cfg)
+        save_pretrained(m, str(tmp_path / f"sft{seed}"), max_shard_bytes=400_000 if seed == 0 else None)
         params.append({k: v for k, v in model_tensors(m).items()})
     k0 = "model.layers.0.mlp.up_proj.weight"
     assert not np.array_equal(params[0][k0].data, params[1][k0].data)  # different random inits
     rec = merge([str(tmp_path / f"sft{i}") for i in range(3)], str(tmp_path / "merged"), progress=False)
     assert rec["merged_tensors"] == len(params[0]) and rec["copied_tensors"] == 0
-    loaded = MindVLForConditionalGeneration.from_pretrained(str(tmp_path / "merged"))
+    loaded = load_pretrained(MindVLModel, str(tmp_path / "merged"))
     got = model_tensors(loaded)
     assert set(got) == set(params[0])
     for k, t in got.items():
@@ -52,7 +53,7 @@ def test_native_bf16_checkpoint_stays_bf16(tmp_path):
     tensors = []
     for seed in range(2):
         ms.set_seed(10 + seed)
-        m = MindVLForConditionalGeneration(cfg)
+        m = MindVLModel(cfg)
         ts = model_tensors(m, dtype="BF16")
         write_checkpoint(str(tmp_path / f"b{seed}"), cfg, ts)
         tensors.append(ts)

@@ -1,0 +1,104 @@
+"""Models <-> checkpoint directories: build a model from a checkpoint, fill one, write one.
+
+    model = load_pretrained(MindVLModel, path)             # native or HF Qwen2.5-VL directory, sharded too
+    save_pretrained(model, out, format="hf")               # or "native"
+    load_into(model, tensors)                              # native-named RawTensors into the parameters
+    init_from_pretrained(MindVLModel, vit_dir, llm_dir, out)   # the MindVL initialisation
+
+The model class is the caller's (`load_pretrained`, `init_from_pretrained` take it as their first
+argument): this layer knows checkpoint layouts, not which Cell a command wants, so the trainer builds the
+plain `models.mindvl.MindVLModel` and the Hugging-Face-style API builds its subclass
+(`infer.hf_api.MindVLForConditionalGeneration`) through the same functions. Text-only LLMs
+(`load_text_model`) pick their class from the checkpoint's model_type. Name and layout mapping lives in
+`checkpoint/hf.py`, which needs no MindSpore.
+"""
+from typing import Callable, Dict, Optional
+
+import numpy as np
+
+import mindspore as ms
+
+from mindvl_ms.config import MindVLConfig
+from mindvl_ms.checkpoint.hf import init_sources, is_vision_tower, read_checkpoint, read_text_checkpoint, \
+    write_checkpoint
+from mindvl_ms.checkpoint.io import RawTensor, to_bf16_bits
+from mindvl_ms.models.moe import DeepseekV3ForCausalLM
+from mindvl_ms.models.text import TextForCausalLM
+
+TEXT_MODELS = {"deepseek_v3": DeepseekV3ForCausalLM}  # any other model_type: TextForCausalLM (Qwen2/Qwen3)
+
+
+def model_tensors(model, dtype: Optional[str] = None) -> Dict[str, RawTensor]:
+    """Parameters of a MindSpore model as RawTensors (fp32 unless `dtype` is F16/BF16)."""
+    out = {}
+    for name, p in model.parameters_and_names():
+        arr = p.asnumpy()
+        if dtype == "BF16":
+            out[name] = RawTensor(to_bf16_bits(arr.astype(np.float32)), "BF16")
+        elif dtype == "F16":
+            out[name] = RawTensor.of(arr.astype(np.float16))
+        else:
+            out[name] = RawTensor.of(arr)
+    return out
+
+
+def load_into(model, tensors: Dict[str, RawTensor], strict: bool = True,
+              prefix_filter: Optional[Callable[[str], bool]] = None) -> Dict[str, list]:
+    """Copy tensors into the model's parameters by name; shape mismatches and (if strict) missing or
+    unexpected names are a ValueError listing them. Returns {"missing": [...], "unexpected": [...]}."""
+    params = dict(model.parameters_and_names())
+    if prefix_filter is not None:
+        params = {k: v for k, v in params.items() if prefix_filter(k)}
+        tensors = {k: v for k, v in tensors.items() if prefix_filter(k)}
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    bad = [f"{k}: checkpoint {list(tensors[k].shape)} vs model {list(params[k].shape)}"
+           for k in sorted(set(params) & set(tensors)) if tuple(tensors[k].shape) != tuple(params[k].shape)]
+    if bad:
+        raise ValueError("shape mismatch:\n  " + "\n  ".join(bad))
+    if strict and (missing or unexpected):
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}; unexpected {unexpected[:20]}"
+                         f"{' ...' if len(unexpected) > 20 else ''}")
+    for k in sorted(set(params) & set(tensors)):
+        p = params[k]
+        p.set_data(ms.Tensor(tensors[k].float32().astype(ms.dtype_to_nptype(p.dtype))))
+    return {"missing": missing, "unexpected": unexpected}
+
+
+def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None):
+    """`cls(config)` with the weights of a native or HF directory (`config` defaults to the directory's)."""
+    cfg, tensors = read_checkpoint(path, config)
+    model = cls(cfg)
+    load_into(model, tensors)
+    return model
+
+
+def save_pretrained(model, path: str, format: str = "native", max_shard_bytes: Optional[int] = None) -> None:
+    """config.json + safetensors of `model` (its `.config`); format 'hf' writes transformers' layout."""
+    write_checkpoint(path, model.config, model_tensors(model), format, max_shard_bytes)
+
+
+def load_text_model(path: str):
+    """A text-only causal LM (TextForCausalLM or DeepseekV3ForCausalLM) from an HF or native text checkpoint."""
+    text, tensors = read_text_checkpoint(path)
+    model = TEXT_MODELS.get(text.model_type, TextForCausalLM)(text)
+    load_into(model, tensors)
+    return model
+
+
+def init_from_pretrained(cls, vision_from: str, llm_from: str, out: str, seed: int = 0) -> MindVLConfig:
+    """The MindVL initialisation: ViT from a Qwen2.5-VL checkpoint, LLM from a Qwen3 (or Qwen2/DeepSeek-V3)
+    checkpoint, projector (`visual.merger.*`) freshly initialised (from `seed`) in a `cls(config)`. Writes
+    a native checkpoint to `out`; returns its config."""
+    cfg, vt, lt = init_sources(vision_from, llm_from)
+    ms.set_seed(seed)
+    model = cls(cfg)
+    load_into(model, vt, strict=False, prefix_filter=is_vision_tower)
+    load_into(model, lt, strict=False, prefix_filter=lambda k: not k.startswith("visual."))
+    missing = [k for k, _ in model.parameters_and_names()
+               if not k.startswith("visual.merger.") and k not in vt and k not in lt]
+    if missing:
+        raise ValueError(f"init: parameters found in neither checkpoint: {missing[:20]}")
+    save_pretrained(model, out)
+    return cfg
