@@ -1,2 +1,2 @@
-"""Evaluation: benchmark metrics (`metrics`), the JSONL benchmark runner (`runner`, `mindvl eval`) and the
+"""Evaluation: benchmark metrics (`metrics`), the JSONL benchmark runner (`benchmark`, `mindvl eval`) and the
 test-time resolution search (`resolution_search`, `mindvl search-resolution`)."""

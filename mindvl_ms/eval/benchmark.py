@@ -22,7 +22,7 @@ Design:
   prompt `messages`, absolute `images`, their resized `image_hw` [(h, w)] and, when the backend
   encodes images, `image_features` from a VisionCache keyed on (image, resized h, w), so repeated
   images and resolution-search settings that resize an image identically encode it once. The default
-  backend is the real model (`mindvl_ms.infer.generate`, imported lazily); tests inject a fake.
+  backend is the real model (`mindvl_ms.infer.generate`); tests inject a fake.
 - Pixel limits: the flags, else the checkpoint's inference_config.json (written by
   `mindvl search-resolution --save`), else its preprocessor_config.json, else Qwen2-VL's defaults.
 - Bad lines are collected and reported together (file:line: problem); nothing is skipped silently.
@@ -45,6 +45,7 @@ from mindvl_ms.config.data import ImageConfig
 from mindvl_ms.data.image import image_size, smart_resize
 from mindvl_ms.data.schema import IMAGE_PLACEHOLDER, SampleError, decode_line, normalise_messages, warn_unknown
 from mindvl_ms.eval import metrics as M
+from mindvl_ms.infer.generate import load_eval_backend
 
 INFERENCE_CONFIG = "inference_config.json"
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
@@ -321,15 +322,8 @@ def score(items: Sequence[EvalItem], preds: Sequence[str]) -> Tuple[List[float],
 
 
 def load_backend(ckpt: str, max_new_tokens: int = 128):
-    """The real model behind `mindvl eval`: mindvl_ms.infer.generate.load_eval_backend (imported lazily)."""
-    try:
-        from mindvl_ms.infer import generate as gen
-    except ImportError as e:
-        raise RuntimeError(f"generation backend unavailable (mindvl_ms.infer.generate): {e}") from e
-    if not hasattr(gen, "load_eval_backend"):
-        raise RuntimeError("mindvl_ms.infer.generate has no load_eval_backend(ckpt, max_new_tokens) -> backend "
-                           "with generate(samples) -> list[str]")
-    return gen.load_eval_backend(ckpt, max_new_tokens=max_new_tokens)
+    """The real model behind `mindvl eval`: mindvl_ms.infer.generate.load_eval_backend."""
+    return load_eval_backend(ckpt, max_new_tokens=max_new_tokens)
 
 
 def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pixels: Optional[int] = None,

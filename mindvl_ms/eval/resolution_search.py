@@ -7,7 +7,7 @@ Grid (in units of 28x28 pixels, configurable): min_pixels {4, 16, 32, 64} x max_
 3072, 4096, 8192}; settings with min > max are skipped. For every checkpoint and setting all benchmark
 files are evaluated (metrics.py, one primary 0..1 score per benchmark/task).
 
-Caching: per checkpoint, vision features are cached on (image, resized h, w) (runner.VisionCache), and a
+Caching: per checkpoint, vision features are cached on (image, resized h, w) (benchmark.VisionCache), and a
 sample whose images all resize exactly as in an earlier setting reuses that setting's greedy answer, since
 its model inputs are identical. Small images are often unchanged by max_pixels, so most of the grid is
 free. The report counts generated vs reused answers and encoded vs reused images.
@@ -24,6 +24,7 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence
 
+from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from mindvl_ms.eval.benchmark import INFERENCE_CONFIG, Sizes, VisionCache, load_backend, load_benchmark, predict, score
@@ -132,14 +133,10 @@ def format_table(result: dict) -> str:
 
 def box_plot(result: dict, path: str) -> str:
     """Figure-4 style PNG: one panel per benchmark, one box per checkpoint over the grid settings."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = sorted({t for r in result["rows"] for t in r["scores"]})
     ckpts = list(dict.fromkeys(r["checkpoint"] for r in result["rows"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(max(3.2 * len(tasks), 4), 3.6), squeeze=False)
+    fig = Figure(figsize=(max(3.2 * len(tasks), 4), 3.6))  # no pyplot: no global backend, nothing to close
+    axes = fig.subplots(1, len(tasks), squeeze=False)
     for ax, t in zip(axes[0], tasks):
         vals = [[100 * r["scores"][t] for r in result["rows"] if r["checkpoint"] == c] for c in ckpts]
         ax.boxplot(vals, whis=(0, 100))  # whiskers at min and max, as in the paper's Figure 4
@@ -150,7 +147,6 @@ def box_plot(result: dict, path: str) -> str:
     fig.suptitle("accuracy across test-time resolutions (min/max pixels grid)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 

@@ -3,7 +3,7 @@
 `Engine(backend)` runs batched generation; a backend supplies `spec` (an EngineSpec) and four calls on
 numpy arrays: `vision(pixels, meta, uint8) -> [M, D]`, `new_cache(B, S)`, `prefill(arrays, cache)` and
 `decode(arrays, cache)` -> (logits [B, V], cache). The eager MindSpore cells (generate.py) and the exported
-MindIR graphs (runner.py) are two such backends, so both run exactly this code.
+MindIR graphs (mindir_runner.py) are two such backends, so both run exactly this code.
 
 Everything value-dependent is computed here, in numpy: M-RoPE positions (`rope_index`; decode positions
 continue from each prompt's max position + 1, transformers' rope_deltas), vision window metadata, the

@@ -9,7 +9,7 @@
     out/decode.mindir    one token per row, positions, slot, cache in -> logits float32[B, V], cache out
     out/export.json      every graph's inputs/outputs (name, shape with -1 = dynamic, dtype), file sizes,
                          the host-side model facts (EngineSpec), special token ids, the KV-cache layout and
-                         the image preprocessing, so a runner (runner.py) needs nothing else
+                         the image preprocessing, so a runner (mindir_runner.py) needs nothing else
 
 Every dimension that varies (patches, batch, prompt length, image tokens, cache length) is dynamic: the
 cells get `set_inputs` placeholders with None dims and `mindspore.export(..., file_format="MINDIR")` stores
@@ -27,10 +27,15 @@ from tqdm import tqdm
 
 import mindspore as ms
 
-from mindvl_ms.ops.cpu_kernels import drop_kernels
+from mindvl_ms.checkpoint.io import atomic_dir, write_json
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.data.processor import carry_processor, save_processor
+from mindvl_ms.data.processor_files import read_image_config, read_system_prompt
 from mindvl_ms.infer.engine import EngineSpec
+from mindvl_ms.infer.generate import load_model
 from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, Decode, Prefill, VisionEncoder, param_dtype, \
     supports_cache
+from mindvl_ms.ops.cpu_kernels import drop_kernels
 
 EXPORT_JSON = "export.json"
 FORMAT = "mindvl-mindir"
@@ -47,8 +52,6 @@ def _describe(names, placeholders):
 
 def image_config_for(ckpt: str):
     """The checkpoint's preprocessor_config.json values when present, else the Qwen2-VL defaults."""
-    from mindvl_ms.data.processor_files import read_image_config
-
     return read_image_config(ckpt)
 
 
@@ -57,9 +60,6 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
     """Export a loaded model's vision / prefill / decode graphs to `out`; returns the export.json dict.
     The processor files of `processor_from` (a checkpoint; defaults when None) are written next to the
     graphs (tokenizer, preprocessor_config.json, chat_template.json with the training system prompt)."""
-    from mindvl_ms.checkpoint.io import atomic_dir, write_json
-    from mindvl_ms.config.data import ImageConfig
-
     cfg = model.config
     if not supports_cache(cfg):
         raise ValueError(f"export supports qwen2/qwen3 language models (KV-cache layout); this checkpoint has "
@@ -105,10 +105,6 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
                 "file": fn, "bytes": _size(tmp, name), "inputs": _describe(names, inputs),
                 "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in (outs or lm_out)]}
         meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values())
-        from mindvl_ms.data.processor import carry_processor, save_processor
-        from mindvl_ms.data.processor_files import read_system_prompt
-        from mindvl_ms.config.data import DataConfig
-
         meta["processor_files"] = (carry_processor(tmp, processor_from) if processor_from else
                                    save_processor(tmp, data_cfg=DataConfig(image=img)))
         meta["system_prompt"] = read_system_prompt(tmp)
@@ -131,8 +127,6 @@ def _size(directory: str, name: str) -> int:
 
 def export(ckpt: str, out: str, fp16: bool = False) -> Dict:
     """Load `ckpt` (native or HF directory), export to `out`; returns the export.json dict."""
-    from mindvl_ms.infer.generate import load_model
-
     model = load_model(ckpt, fp16)
     return export_model(model, out, image_config_for(ckpt), extra={"source_checkpoint": os.path.abspath(ckpt)},
                         processor_from=ckpt)

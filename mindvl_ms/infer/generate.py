@@ -14,6 +14,7 @@ Design: `EagerBackend` wraps the model's own cells (kv_cache.py: vision, prefill
 each for all shapes) and `engine.Engine` does the host-side work; an Engine is kept per model so image
 features stay cached across calls (chat turns). Models without a KV-cache layout (DeepSeek-V3 MLA) fall
 back to full-sequence forwards of the model per new token (same outputs, slower).
+`load_model(ckpt)` builds the plain `models.mindvl.MindVLModel` (the engine needs only its cells);
 `load_eval_backend(ckpt)` is what `mindvl eval` calls.
 """
 import logging
@@ -22,14 +23,21 @@ import weakref
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 import mindspore as ms
 from mindspore import Tensor
 
+from mindvl_ms.checkpoint.pretrained import load_pretrained
+from mindvl_ms.data.collate import build_model_inputs, llm_actual_seq_len, model_args
+from mindvl_ms.data.processor import processor_of
+from mindvl_ms.data.schema import Sample, normalise_messages
 from mindvl_ms.infer.engine import Engine, EngineSpec
 from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, build_cells, cache_shape, param_dtype, \
     supports_cache
+from mindvl_ms.infer.preprocess import uint8_patches
 from mindvl_ms.infer.sampling import SamplingConfig, choose, stop_reason
+from mindvl_ms.models.mindvl import MindVLModel, cast_params
 
 log = logging.getLogger(__name__)
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -40,7 +48,7 @@ class EagerBackend:
 
     def __init__(self, model, image_mean=None, image_std=None):
         if ms.get_context("mode") != ms.GRAPH_MODE:  # the CLI commands call use_graph_mode(); scripts may not
-            log.warning("MindSpore is in PyNative mode: generation runs op by op (~30x slower than compiled "
+            log.warning("MindSpore is in PyNative mode: generation runs op by op (far slower than compiled "
                         "graphs); call ms.set_context(mode=ms.GRAPH_MODE) before loading the model")
         self.model = model
         self.dtype = param_dtype(model)
@@ -105,8 +113,6 @@ def generate(model, batch_samples: Sequence[Dict], max_new_tokens: int = 32, *, 
 
 def _generate_full(model, sample: Dict, cfg: SamplingConfig, decode, on_token, rng) -> List[int]:
     """Reference path without a cache: one full forward of the model per new token."""
-    from mindvl_ms.data.collate import model_args
-
     if sample.get("pixel_frames") is not None or sample.get("image_features") is not None:
         raise ValueError("the no-cache path takes float pixel_values only")
     if getattr(model, "_dynamic_shape_inputs", None) is None:
@@ -127,8 +133,6 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
     """Model inputs for prompt + generated tokens in one row. Generated tokens are plain text (an emitted
     <|image_pad|> id is embedded as a token, as in cached decoding) with positions continuing from the
     prompt's max position + 1."""
-    from mindvl_ms.data.collate import build_model_inputs, llm_actual_seq_len
-
     n = len(np.asarray(sample["input_ids"]).reshape(-1))
     k = len(generated)
     batch = build_model_inputs([[dict(sample, labels=None)]], config, pad_to=n + k)
@@ -146,9 +150,6 @@ def encode_chat(processor, messages, images: Sequence = (), image_hw: Optional[S
                 videos: Sequence[str] = ()) -> Dict:
     """Chat messages + images (PIL or paths) + video paths -> a generation sample: images as uint8 patches,
     videos sampled and patchified as in training (float temporal patches, second_per_grid_ts)."""
-    from mindvl_ms.data.schema import Sample, normalise_messages
-    from mindvl_ms.infer.preprocess import uint8_patches
-
     msgs = normalise_messages(messages)
     frames, grids = [], []
     for i, im in enumerate(images):
@@ -171,8 +172,6 @@ def encode_chat(processor, messages, images: Sequence = (), image_hw: Optional[S
 
 def open_image(path: str):
     """Decode an image file; a missing or unreadable file is a clear error naming it."""
-    from PIL import Image, UnidentifiedImageError
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"image not found: {path}")
     try:
@@ -206,20 +205,18 @@ def generate_text(model, processor, samples: Sequence[Dict], max_new_tokens: int
 
 def use_graph_mode() -> None:
     """Compiled graphs for the commands that run a model (eval, search-resolution, rollout, generate, chat,
-    export). MindSpore's default is PyNative (op by op): `mindvl eval` on the demo's checkpoint took ~4 s per
-    OCR batch of 8 and ~13 s per grounding batch that way, against ~0.12 s and ~0.45 s in graph mode."""
+    export). MindSpore's default is PyNative (op by op), many times slower per batch for `mindvl eval`
+    (docs/PERFORMANCE.md, ## infer)."""
     ms.set_context(mode=ms.GRAPH_MODE)
 
 
 def load_model(ckpt: str, fp16: bool = False):
     """A checkpoint directory (native or HF) -> model in inference dtype, with clear errors."""
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration, cast_params
-
     if not os.path.isdir(ckpt):
         raise FileNotFoundError(f"checkpoint directory not found: {ckpt}")
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise FileNotFoundError(f"{ckpt}: no config.json (expected a checkpoint directory)")
-    model = MindVLForConditionalGeneration.from_pretrained(ckpt)
+    model = load_pretrained(MindVLModel, ckpt)
     return cast_params(model, ms.float16) if fp16 else model
 
 
@@ -227,8 +224,6 @@ def load_processor(ckpt: Optional[str], model_config=None):
     """The checkpoint's processor (data/processor_files.py): its tokenizer when it ships one, else the
     bundled Qwen3 tokenizer; its pixel limits (preprocessor_config.json) and training system prompt
     (chat_template.json) when recorded, else the defaults. Checked against the model's vocabulary."""
-    from mindvl_ms.data.processor import processor_of
-
     proc = processor_of(ckpt)
     if model_config is not None:
         if proc.image_pad_id != model_config.image_token_id:
@@ -271,16 +266,12 @@ class EvalBackend:
         self.engine = get_engine(model)
 
     def encode_image(self, path: str, height: int, width: int) -> np.ndarray:
-        from mindvl_ms.infer.preprocess import uint8_patches
-
         frames, grid = uint8_patches(open_image(path), self.processor.image_config, (height, width))
         return self.engine.image_features([{"pixel_frames": frames, "image_grid_thw": grid[None]}])[0][0]
 
     def generate(self, samples: Sequence[Dict]) -> List[str]:
         """Greedy answers; samples carry messages, image paths, resized image_hw and optionally the
         features from encode_image (then the images are not decoded again)."""
-        from mindvl_ms.data.schema import normalise_messages
-
         if not samples:
             return []
         p = self.processor.image_config.patch_size

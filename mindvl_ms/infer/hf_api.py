@@ -1,19 +1,23 @@
-"""Hugging Face style calls on MindVL: `model(**inputs)` and `model.generate(**inputs, ...)`.
+"""`MindVLForConditionalGeneration`: the MindVL Cell with Hugging Face style loading, saving and calls.
 
+    model = MindVLForConditionalGeneration.from_pretrained(path)   # native or HF Qwen2.5-VL directory
     inputs = processor(messages=[...], images=[...])        # input_ids [B, L], attention_mask, pixel_values,
     out = model(**inputs)                                    #   image_grid_thw, labels (numpy or MindSpore)
     out.logits        # float32 [B, L, V], aligned with input_ids (zeros at padding)
     out.loss          # [] mean next-token cross entropy over labels != -100 (None without labels)
     ids = model.generate(**inputs, max_new_tokens=32, do_sample=False)   # int64 numpy [B, L + new]
+    model.save_pretrained(out_dir, format="hf")              # or "native"
 
-Design: a thin layer over the positional path, not a second implementation. Keyword arrays are turned
-into one sample per row (the attention mask picks the row's tokens, so left or right padding both work;
-images are assigned to rows in order, as transformers concatenates them) and handed to the host-side
-`build_model_inputs`; the compiled `construct` runs on its INPUT_NAMES arrays; the loss is the trainer's
-token-mean `TrainLoss` on the builder's next-token targets (the same shift as transformers: the label of
-position t+1 is the target of position t, never across rows). `generate` calls
+Design: a subclass of the pure Cell `models.mindvl.MindVLModel` (same parameters, same compiled
+`construct`), and a thin layer over its positional path, not a second implementation. Keyword arrays are
+turned into one sample per row (the attention mask picks the row's tokens, so left or right padding both
+work; images are assigned to rows in order, as transformers concatenates them) and handed to the
+host-side `build_model_inputs`; the compiled `construct` runs on its INPUT_NAMES arrays; the loss is the
+trainer's token-mean `TrainLoss` on the builder's next-token targets (the same shift as transformers: the
+label of position t+1 is the target of position t, never across rows). `generate` calls
 `mindvl_ms.infer.generate.generate` (KV-cache engine) with the same samples and returns prompt + new
-tokens per row, padded on the right with `pad_token_id` as transformers does.
+tokens per row, padded on the right with `pad_token_id` as transformers does. Loading and saving are
+`checkpoint.pretrained`'s, with this class as the one to build.
 """
 from __future__ import annotations
 
@@ -21,6 +25,16 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+
+import mindspore as ms
+from mindspore import Tensor
+
+from mindvl_ms.config import MindVLConfig
+from mindvl_ms.checkpoint.pretrained import load_pretrained, save_pretrained
+from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs, model_args
+from mindvl_ms.infer.generate import generate as generate_ids
+from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.train.loss import TrainLoss
 
 KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "labels")
 
@@ -100,19 +114,13 @@ def _positions(mask: np.ndarray) -> List[np.ndarray]:
 def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, labels=None,
             **unknown) -> MindVLOutput:
     """`model(**inputs)`; see the module docstring."""
-    import mindspore as ms
-    from mindspore import Tensor
-
-    from mindvl_ms.train.loss import TrainLoss
-    from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs, model_args
-
     if unknown:
         raise TypeError(f"MindVL keyword call: unknown argument(s) {sorted(unknown)}; takes {', '.join(KEYS)}")
     if input_ids is None:
         raise TypeError("MindVL keyword call needs input_ids")
     if tuple(model.INPUT_NAMES) != INPUT_NAMES:
         raise TypeError(f"{type(model).__name__} takes {model.INPUT_NAMES} positionally; keyword calls need the "
-                        "MindVLForConditionalGeneration input layout")
+                        "MindVLModel input layout (data.collate.INPUT_NAMES)")
     rows = split_rows(model.config, input_ids, attention_mask, pixel_values, image_grid_thw, labels)
     shape = to_numpy(input_ids).reshape(len(rows), -1).shape
     batch = build_model_inputs([[s] for s in rows], model.config, pad_to=shape[1])
@@ -143,13 +151,11 @@ def generate(model, input_ids=None, attention_mask=None, pixel_values=None, imag
     right-padded with pad_token_id (default: the first eos id, else 0). `labels` (a processor output) are
     not used. Further options are those of `mindvl_ms.infer.generate.generate` (temperature, top_k, top_p,
     repetition_penalty, seed, use_cache, ...)."""
-    from mindvl_ms.infer.generate import generate as gen
-
     if input_ids is None:
         raise TypeError("generate needs input_ids")
     rows = split_rows(model.config, input_ids, attention_mask, pixel_values, image_grid_thw, None)
     eos = () if eos_token_id is None else tuple(int(i) for i in np.atleast_1d(eos_token_id))
-    new = gen(model, rows, max_new_tokens, do_sample=do_sample, eos_token_ids=eos, **sampling)
+    new = generate_ids(model, rows, max_new_tokens, do_sample=do_sample, eos_token_ids=eos, **sampling)
     prompt = to_numpy(input_ids).reshape(len(rows), -1).astype(np.int64)
     width = max((len(t) for t in new), default=0)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
@@ -157,3 +163,29 @@ def generate(model, input_ids=None, attention_mask=None, pixel_values=None, imag
     for r, t in enumerate(new):
         tail[r, :len(t)] = t
     return np.concatenate([prompt, tail], axis=1)
+
+
+class MindVLForConditionalGeneration(MindVLModel):
+    """`MindVLModel` with from_pretrained / save_pretrained, `model(**inputs)` and `model.generate(**inputs)`."""
+
+    def __call__(self, *args, **kwargs):
+        """Positional INPUT_NAMES arrays: the compiled graph, returning (logits, aux_loss, expert_load).
+        Keywords only, as a processor returns them (`model(**inputs)`): a MindVLOutput with .logits and,
+        given labels, .loss, computed through that same positional path."""
+        if kwargs and not args:
+            return forward(self, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def generate(self, **inputs) -> np.ndarray:
+        """`model.generate(**processor_outputs, max_new_tokens=..., do_sample=...)` -> token ids [B, L + n]
+        (prompt then new tokens), through mindvl_ms.infer.generate's KV-cache engine."""
+        return generate(self, **inputs)
+
+    @classmethod
+    def from_pretrained(cls, path: str, config: Optional[MindVLConfig] = None) -> "MindVLForConditionalGeneration":
+        """Load a native or Hugging Face Qwen2.5-VL directory (config.json + safetensors, sharded too)."""
+        return load_pretrained(cls, path, config)
+
+    def save_pretrained(self, path: str, format: str = "native", max_shard_bytes: Optional[int] = None) -> None:
+        """Write config.json + safetensors; format 'hf' writes transformers' Qwen2.5-VL layout."""
+        save_pretrained(self, path, format=format, max_shard_bytes=max_shard_bytes)

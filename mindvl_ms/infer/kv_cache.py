@@ -1,6 +1,6 @@
 """Graph cells for cached generation: vision encoder, prefill and decode over a static KV cache.
 
-The cells hold references to the sub-cells of a `MindVLForConditionalGeneration` (its `visual`, `model`
+The cells hold references to the sub-cells of a `MindVLModel` (its `visual`, `model`
 and `lm_head` under the same attribute names), so parameters are the model's own objects with the same
 names; no model file is changed and no weight is copied.
 
@@ -131,8 +131,8 @@ class _CachedDecoder(nn.Cell):
         return self.model.norm(x), ops.cat(new_k, 0), ops.cat(new_v, 0)  # [layers, B, KV, S, hd]
 
     def _logits(self, h):  # [B, D] -> float32 [B, V]
-        # 2-D straight through: a [B, 1, V] result sliced back to [B, V] cost as much as the
-        # 4-layer tiny decoder itself (~19 ms of a 39 ms decode step at B=8, 151,936-token vocabulary)
+        # 2-D straight through: a [B, 1, V] result sliced back to [B, V] cost as much as a tiny
+        # decoder itself over a 151,936-token vocabulary (docs/PERFORMANCE.md, ## infer)
         return lm_logits(h, self.model.embed_tokens.weight, self.lm_head)
 
     def _cache_inputs(self, dtype):

@@ -20,6 +20,14 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+import mindspore as ms
+from mindspore import Tensor
+
+try:  # optional: no Lite wheel installs on every Python version
+    import mindspore_lite as mslite
+except ImportError:
+    mslite = None
+
 from mindvl_ms.infer.engine import Engine, EngineSpec
 from mindvl_ms.infer.export import EXPORT_JSON, FORMAT
 from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META
@@ -27,24 +35,16 @@ from mindvl_ms.infer.sampling import SamplingConfig
 
 
 def lite_available() -> bool:
-    try:
-        import mindspore_lite  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return mslite is not None
 
 
 class GraphCellGraph:
     """One exported graph executed by mindspore.nn.GraphCell; inputs/outputs are numpy or ms Tensors."""
 
     def __init__(self, path: str):
-        import mindspore as ms
-
         self.cell = ms.nn.GraphCell(ms.load(path))
 
     def __call__(self, *arrays):
-        from mindspore import Tensor
-
         out = self.cell(*[a if isinstance(a, Tensor) else Tensor(a) for a in arrays])
         return out if isinstance(out, (tuple, list)) else (out,)
 
@@ -53,8 +53,6 @@ class LiteGraph:
     """One exported graph executed by MindSpore Lite (CPU target)."""
 
     def __init__(self, path: str):
-        import mindspore_lite as mslite
-
         ctx = mslite.Context()
         ctx.target = ["cpu"]
         self.model = mslite.Model()

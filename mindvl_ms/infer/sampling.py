@@ -104,7 +104,8 @@ def sample_scores(scores: np.ndarray, u: np.ndarray, block: int = 1024) -> np.nd
     """int64[B]: one draw per row from softmax(scores [B, V]) by inverse CDF at the row's uniform u[b] in
     [0, 1) (numpy's `Generator.choice(V, p=row)` rule), cheap over a large vocabulary: exp in float32, float64
     sums of blocks of `block` tokens, and a float64 cumulative sum only inside the block holding the uniform
-    (2-4x faster than a float64 softmax and full cumulative sum over 151,936 tokens, batch 8 to 64). The
+    (faster than a float64 softmax and full cumulative sum over a 151,936-token vocabulary: docs/PERFORMANCE.md,
+    ## infer). The
     draws are choice()'s with the same uniforms except where one falls within float32 rounding of a
     cumulative boundary (tests/infer/test_sampling.py counts the agreement)."""
     x = np.asarray(scores, np.float32)

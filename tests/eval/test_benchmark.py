@@ -107,7 +107,7 @@ def test_evaluate_scores_predictions_and_vision_cache(bench):
 
 def test_vision_cache_keys_and_memory_bound():
     calls = []
-    cache = runner.VisionCache(max_bytes=2 * 4000)
+    cache = benchmark.VisionCache(max_bytes=2 * 4000)
     enc = lambda p, h, w: calls.append((p, h, w)) or np.zeros(1000, np.float32)  # noqa: E731  4000 bytes each
     for p, hw in [("a", (28, 56)), ("a", (28, 56)), ("a", (56, 56)), ("b", (28, 56)), ("a", (28, 56))]:
         assert cache.get(p, hw, enc).nbytes == 4000
@@ -237,7 +237,7 @@ def test_resolution_search_table_best_plot_cache_and_save(bench):
 
 def test_cli_eval_and_search(bench, monkeypatch, capsys):
     """Also: both commands load the model in graph mode, whatever mode the process was in (MindSpore's
-    default is PyNative, op by op: `mindvl eval` on the demo checkpoint was ~10x slower that way)."""
+    default is PyNative, op by op, far slower for `mindvl eval`: docs/PERFORMANCE.md, ## infer)."""
     import mindspore as ms
 
     root, ocr, doc = bench
@@ -247,7 +247,7 @@ def test_cli_eval_and_search(bench, monkeypatch, capsys):
         modes.append(ms.get_context("mode"))
         return FakeBackend()
 
-    monkeypatch.setattr(runner, "load_backend", fake_load)
+    monkeypatch.setattr(benchmark, "load_backend", fake_load)
     monkeypatch.setattr(resolution_search, "load_backend", fake_load)
     (root / "ck").mkdir()
     try:
@@ -272,7 +272,7 @@ def test_cli_eval_and_search(bench, monkeypatch, capsys):
 def test_search_on_tiny_model_writes_table_and_plot(tmp_path):
     """The real generation backend (tiny random MindVL): one image, two max_pixels settings."""
     from mindvl_ms.config import load_model_config
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms import MindVLForConditionalGeneration
 
     root = ROOT
     MindVLForConditionalGeneration(load_model_config(os.path.join(root, "configs", "model", "tiny.yaml"))) \

@@ -23,7 +23,7 @@ def only_infer_commands(monkeypatch):
 @pytest.fixture(scope="module")
 def small_ckpt(tmp_path_factory):
     """configs/model/tiny.yaml (real Qwen3 vocabulary) made narrower, with a 64-token context."""
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms import MindVLForConditionalGeneration
 
     d = read_yaml(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
     d["vision"].update(depth=1, fullatt_block_indexes=[0], hidden_size=32, intermediate_size=32, num_heads=2,

@@ -114,7 +114,7 @@ def test_prompt_too_long_and_bad_ids_are_errors(setup):
 
 
 def test_backend_warns_in_pynative_mode(setup, caplog):
-    """Generation outside graph mode runs op by op (~30x slower): the backend says so when it is built."""
+    """Generation outside graph mode runs op by op (far slower): the backend says so when it is built."""
     import mindspore as ms
 
     from mindvl_ms.infer.generate import EagerBackend

@@ -16,7 +16,7 @@ from PIL import Image
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.data.processor import MindVLProcessor, save_processor
 from mindvl_ms.data.collate import build_model_inputs, model_args
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms import MindVLForConditionalGeneration
 
 VOCAB = 151936
 IMAGE, VIDEO, VSTART, VEND = 151655, 151656, 151652, 151653

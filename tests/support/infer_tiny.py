@@ -19,7 +19,7 @@ SIZES = [[], [(28, 56)], [(56, 84), (28, 28)]]  # 0, 1 and 2 images: prompts of 
 @functools.lru_cache(maxsize=None)
 def setup():
     """(checkpoint dir, transformers model, MindSpore model, samples) with float pixel_values samples."""
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms import MindVLForConditionalGeneration
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="mindvl_infer_"))
     atexit.register(shutil.rmtree, tmp, True)
