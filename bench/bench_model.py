@@ -75,7 +75,8 @@ def run(size: str, iters: int, graph_kernel: bool):
     from mindspore import Tensor, nn, ops
 
     from mindvl_ms.data.collate import build_model_inputs, model_args
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.checkpoint.pretrained import load_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
@@ -85,7 +86,7 @@ def run(size: str, iters: int, graph_kernel: bool):
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         t0 = time.perf_counter()
-        model = MindVLForConditionalGeneration.from_pretrained(d).set_dynamic_inputs()
+        model = load_pretrained(MindVLModel, d).set_dynamic_inputs()
         load_s = time.perf_counter() - t0
     sample = make_batch(model.config, np.random.default_rng(0))
     batch = build_model_inputs([[sample]], model.config)

@@ -113,13 +113,14 @@ def ms_engine(path: str, rows: int, report=lambda phase: None):
 
     from mindvl_ms.config.base import load
     from mindvl_ms.config.train import StageConfig
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.checkpoint.pretrained import load_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
     from mindvl_ms.train.optim import select_trainable
     from mindvl_ms.train.train_step import TrainStep
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    model = MindVLForConditionalGeneration.from_pretrained(path)
+    model = load_pretrained(MindVLModel, path)
     report("model loaded")
     data = packed_rows(model.config, rows)
     length = max(sum(len(s["input_ids"]) for s in r) for r in data)

@@ -40,7 +40,8 @@ def build_pair():
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.checkpoint.pretrained import load_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
 
     cfg = Qwen2_5_VLConfig(
         vision_config=VISION,
@@ -53,7 +54,7 @@ def build_pair():
     hf = Qwen2_5_VLForConditionalGeneration(cfg)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        ours = MindVLForConditionalGeneration.from_pretrained(d)
+        ours = load_pretrained(MindVLModel, d)
     return hf.model.visual, ours
 
 

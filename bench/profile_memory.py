@@ -76,7 +76,7 @@ def child(path: str, rows: int, steps: int) -> None:
 
     from bench_train import ms_engine
     from mindvl_ms.data.collate import build_model_inputs
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration  # noqa: F401  (the imports phase)
+    from mindvl_ms.models.mindvl import MindVLModel  # noqa: F401  (the imports phase)
 
     report("imports")
     model, eng, data, length = ms_engine(path, rows, report)

@@ -29,11 +29,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 
-WRAPPERS = ("Default", "Gradients", "forward-ForwardLoss", "model-MindVLForConditionalGeneration")
+WRAPPERS = ("Default", "Gradients", "forward-ForwardLoss", "model-MindVLModel")
 
 
 def part_of(full_name: str) -> str:
-    """Model part of a kernel from its scope: 'Default/forward-ForwardLoss/model-MindVLForConditionalGeneration/
+    """Model part of a kernel from its scope: 'Default/forward-ForwardLoss/model-MindVLModel/
     model-TextModel/layers-CellList/0-DecoderLayer/.../MatMul-op3' -> 'model/layers'; under 'Gradients/'
     -> 'grad: model/layers'; a kernel of the update graphs outside any cell ('Default/AdamWeightDecay-op4')
     -> 'step: AdamWeightDecay'; an expanded composite ('Expand/_SoftmaxBackward/Sub-op1') -> its composite."""

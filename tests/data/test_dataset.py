@@ -160,7 +160,7 @@ def test_packed_loss_equals_one_by_one(packed):
     restarting per sample, labels never crossing samples)."""
     import mindspore as ms
     from mindvl_ms.data.collate import model_args
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.models.mindvl import MindVLModel
 
     _, out, _ = packed
     loader = _loader(_offline_cfg(out, 0, shuffle=False))
@@ -182,7 +182,7 @@ def test_packed_loss_equals_one_by_one(packed):
         image_token_id=remap[151655], vision_start_token_id=remap[151652], vision_end_token_id=remap[151653],
         video_token_id=V - 1)
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg).set_dynamic_inputs()
+    model = MindVLModel(cfg).set_dynamic_inputs()
 
     def per_sample_loss(batch):
         logits = model(*model_args(batch))[0].asnumpy().astype(np.float64)  # [B, L, V]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from mindvl_ms.checkpoint.hf import load_into, model_tensors
+from mindvl_ms.checkpoint.pretrained import load_into, model_tensors
 from mindvl_ms.checkpoint.io import RawTensor
 from mindvl_ms.config.base import load, read_yaml
 from mindvl_ms.config.data import DataConfig
@@ -28,7 +28,8 @@ from mindvl_ms.data.vocab_subset import restrict_model_config, subset_ids, write
 from mindvl_ms.recipes.demo.datasets import write_demo_data
 from mindvl_ms.eval.benchmark import load_benchmark
 from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.checkpoint.pretrained import save_pretrained
+from mindvl_ms.models.mindvl import MindVLModel
 
 from tests.support.paths import ROOT  # noqa: E402
 DATA_CFG = {"system_prompt": "", "image": {"min_pixels": 12544, "max_pixels": 12544}}
@@ -115,8 +116,8 @@ def test_subset_model_logits_equal_full_model_logits_at_subset_ids(demo_data):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
         ms.set_seed(0)
-        full = MindVLForConditionalGeneration(cfg)
-        sub = MindVLForConditionalGeneration(sub_cfg)
+        full = MindVLModel(cfg)
+        sub = MindVLModel(sub_cfg)
         tensors = model_tensors(full)
         emb = [k for k, t in tensors.items() if t.shape[0] == cfg.text.vocab_size]
         assert emb == ["model.embed_tokens.weight"]  # tied head
@@ -138,7 +139,7 @@ def test_init_from_run_builds_batches_for_the_checkpoints_config(demo_data, tmp_
     tiny = read_yaml(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
     sub_cfg = load(MindVLConfig, copy.deepcopy(tiny), "tiny.yaml")
     restrict_model_config(sub_cfg, load_tokenizer(sub_dir))
-    MindVLForConditionalGeneration(sub_cfg).save_pretrained(str(tmp_path / "ck"))
+    save_pretrained(MindVLModel(sub_cfg), str(tmp_path / "ck"))
     run_cfg = load_run_config(data={"model": tiny, "init_from": str(tmp_path / "ck"),
                                     "stages": [{"name": "sft", "max_steps": 1}]})
     got = checkpoint_model_config(run_cfg)
@@ -149,7 +150,8 @@ def test_init_from_run_builds_batches_for_the_checkpoints_config(demo_data, tmp_
 def test_demo_vocab_field(tmp_path):
     """`demo.vocab`: "full" leaves the model and tokenizer alone, "data" restricts both (to what the train
     sources and held-out prompts use), anything else is an error naming the choices."""
-    from mindvl_ms.recipes.demo.run import config_path, load_demo_config, restrict_vocab
+    from mindvl_ms.recipes.demo.config import config_path, load_demo_config
+    from mindvl_ms.recipes.demo.prepare import restrict_vocab
 
     data = tmp_path / "data"
     info = write_demo_data(str(data), seed=0, sizes={"vqa": (6, 3), "ocr": (2, 2), "grounding": (2, 2)},

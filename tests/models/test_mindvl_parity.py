@@ -12,7 +12,8 @@ from mindspore import Tensor
 
 from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.data.collate import build_model_inputs, model_args
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.checkpoint.pretrained import load_pretrained
+from mindvl_ms.models.mindvl import MindVLModel
 
 SIZES = [[], [(28, 56)], [(28, 56), (112, 84), (252, 196)]]
 TOL = 1e-4
@@ -21,7 +22,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     path, hf = hf_tiny.tiny_qwen2_5_vl(tmp_path_factory.mktemp("hf"))
-    model = MindVLForConditionalGeneration.from_pretrained(path).set_dynamic_inputs()
+    model = load_pretrained(MindVLModel, path).set_dynamic_inputs()
     return path, hf, model
 
 
@@ -98,7 +99,8 @@ def test_image_token_count_mismatch_is_an_error(hf_pair):
 def test_qwen3_causal_lm_matches_hf(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from mindvl_ms.checkpoint.hf import load_into, read_config_json
+    from mindvl_ms.checkpoint.hf import read_config_json
+    from mindvl_ms.checkpoint.pretrained import load_into
     from mindvl_ms.checkpoint.io import read_tensors
     from mindvl_ms.config.model import text_from_hf
     from mindvl_ms.models.text import TextForCausalLM
@@ -134,7 +136,7 @@ def test_fp16_forward_close_to_fp32(hf_pair):
     s = _samples()[1]
     batch = build_model_inputs([[s]], model.config)
     ref = model(*model_args(batch))[0].asnumpy()
-    half = cast_params(MindVLForConditionalGeneration.from_pretrained(path), ms.float16)
+    half = cast_params(load_pretrained(MindVLModel, path), ms.float16)
     assert all(p.dtype == ms.float16 for p in half.get_parameters())
     out = half(*model_args(batch))[0].asnumpy()
     assert out.dtype == np.float32

@@ -5,10 +5,11 @@ import pytest
 from mindspore import Tensor, nn
 
 from tests.support import hf_tiny as hf_tiny
-from mindvl_ms.checkpoint.hf import convert, init_from_pretrained
+from mindvl_ms.checkpoint.hf import convert
+from mindvl_ms.checkpoint.pretrained import init_from_pretrained, load_pretrained
 from mindvl_ms.checkpoint.io import read_tensors
 from mindvl_ms.data.collate import build_model_inputs, model_args
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train.loss import token_ce
 from tests.models.test_moe_parity import hf_logits, hf_tiny_deepseek
 
@@ -19,8 +20,8 @@ def moe_vl(tmp_path_factory):
     vit_dir, _ = hf_tiny.tiny_qwen2_5_vl(root)
     ds_dir, ds = hf_tiny_deepseek(root / "ds", seed=2)
     out = str(root / "native")
-    init_from_pretrained(vit_dir, ds_dir, out, seed=0)
-    model = MindVLForConditionalGeneration.from_pretrained(out)
+    init_from_pretrained(MindVLModel, vit_dir, ds_dir, out, seed=0)
+    model = load_pretrained(MindVLModel, out)
     return model, ds, ds_dir, out, root
 
 

@@ -16,7 +16,8 @@ import torch
 from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.data.rope_index import rope_index
 from mindvl_ms.data.collate import build_model_inputs, model_args
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.checkpoint.pretrained import load_pretrained
+from mindvl_ms.models.mindvl import MindVLModel
 
 VIDEO = 253
 TOL = 1e-4
@@ -59,7 +60,7 @@ SAMPLES = [
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     path, hf = hf_tiny.tiny_qwen2_5_vl(tmp_path_factory.mktemp("hfv"))
-    model = MindVLForConditionalGeneration.from_pretrained(path).set_dynamic_inputs()
+    model = load_pretrained(MindVLModel, path).set_dynamic_inputs()
     rng = np.random.default_rng(3)
     return hf, model, [_sample(rng, items) for items in SAMPLES]
 

@@ -9,7 +9,8 @@ from mindspore import Parameter, Tensor, nn
 
 from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.data.collate import build_model_inputs
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.checkpoint.pretrained import load_pretrained
+from mindvl_ms.models.mindvl import MindVLModel
 
 META = ["pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
         "full_segment_ids"]
@@ -20,7 +21,7 @@ SIZES = [(28, 56), (112, 84), (252, 196)]  # several windows per image (HF tiny:
 def pair(tmp_path_factory):
     path, hf = hf_tiny.tiny_qwen2_5_vl(tmp_path_factory.mktemp("hf"))
     ids, pv, grid = hf_tiny.image_sample(np.random.default_rng(3), SIZES)
-    model = MindVLForConditionalGeneration.from_pretrained(path)
+    model = load_pretrained(MindVLModel, path)
     batch = build_model_inputs([[{"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}]], model.config)
     return hf, model, batch, pv, grid
 

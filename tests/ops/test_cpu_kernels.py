@@ -11,7 +11,8 @@ from mindspore import Parameter, Tensor, nn
 
 from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.data.collate import build_model_inputs
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.checkpoint.pretrained import load_pretrained
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.models.vision import QkvBiasRope
 from mindvl_ms.ops import cpu_kernels
 
@@ -124,7 +125,7 @@ def test_vision_tower_with_and_without_kernel_bitwise(tmp_path):
             "full_segment_ids", "window_gather", "full_gather"]
     results = []
     for kernel in (True, False):
-        model = MindVLForConditionalGeneration.from_pretrained(path)
+        model = load_pretrained(MindVLModel, path)
         ops_ = [c for _, c in model.visual.cells_and_names() if isinstance(c, QkvBiasRope)]
         assert len(ops_) == model.config.vision.depth
         for op in ops_:

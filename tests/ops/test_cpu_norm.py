@@ -122,13 +122,14 @@ def test_parallelize_drops_every_norm_kernel(tmp_path):
     """A parallel layout compiles for Ascend: every RMSNorm keeps only the composite primitives, which carry
     its strategy, and no C++ op is left for the audit to count."""
     from tests.support import hf_tiny as hf_tiny
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.checkpoint.pretrained import load_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
     from mindvl_ms.parallel.audit import iter_primitives
     from mindvl_ms.parallel.layout import Layout
     from mindvl_ms.parallel.parallelize import parallelize
 
     path, _ = hf_tiny.tiny_qwen2_5_vl(tmp_path)
-    model = MindVLForConditionalGeneration.from_pretrained(path)
+    model = load_pretrained(MindVLModel, path)
     norms = [c for _, c in model.cells_and_names() if isinstance(c, RMSNorm)]
     assert norms and all(n.kernel for n in norms)
     parallelize(model, Layout(dp=2, tp=2))

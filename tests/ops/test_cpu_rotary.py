@@ -93,13 +93,14 @@ def test_other_dtypes_and_ranks_take_the_composite_ops():
 
 def test_parallelize_drops_every_rotary_kernel(tmp_path):
     from tests.support import hf_tiny as hf_tiny
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.checkpoint.pretrained import load_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
     from mindvl_ms.parallel.audit import iter_primitives
     from mindvl_ms.parallel.layout import Layout
     from mindvl_ms.parallel.parallelize import parallelize
 
     path, _ = hf_tiny.tiny_qwen2_5_vl(tmp_path)
-    model = MindVLForConditionalGeneration.from_pretrained(path)
+    model = load_pretrained(MindVLModel, path)
     ropes = [c for _, c in model.cells_and_names() if isinstance(c, ApplyRotary)]
     assert ropes and all(r.kernel for r in ropes)
     parallelize(model, Layout(dp=2, tp=2))

@@ -51,9 +51,9 @@ def test_mla_core_pads_v_and_bad_heads_raise():
 
 def test_model_cores_are_tnd_everywhere():
     """Every core of the tiny MindVL carries the TND kernel with the mode its role needs."""
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.models.mindvl import MindVLModel
 
-    model = MindVLForConditionalGeneration(load_model_config(TINY))
+    model = MindVLModel(load_model_config(TINY))
     cores = [(n, c) for n, c in model.cells_and_names() if isinstance(c, CoreAttention)]
     assert cores
     for name, c in cores:

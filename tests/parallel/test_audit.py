@@ -15,7 +15,7 @@ from mindspore.ops import Primitive
 
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.train import load_run_config
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.parallel import Layout, parallelize
 from mindvl_ms.parallel.audit import parameter_shards, primitive_census, strategy_of
 
@@ -23,7 +23,7 @@ from mindvl_ms.parallel.audit import parameter_shards, primitive_census, strateg
 def _abstract(path):
     cfg = load_model_config(path)
     with no_init_parameters():
-        return cfg, MindVLForConditionalGeneration(cfg)
+        return cfg, MindVLModel(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_tiny_models_every_primitive_audited():
     """Tiny dense (tied head) and tiny MoE, built with real weights: LLM strategies as the convention."""
     for path in ("configs/model/tiny.yaml", "configs/model/tiny-moe.yaml"):
         cfg = load_model_config(path)
-        m = MindVLForConditionalGeneration(cfg)
+        m = MindVLModel(cfg)
         parallelize(m, Layout(dp=2, tp=2, seq_parallel=True, vocab_emb_dp=False))
         vocab_tp = 2 if cfg.text.vocab_size % 2 == 0 else 1
         assert _audit_llm(m, 2, 2, True, vocab_tp) > 0

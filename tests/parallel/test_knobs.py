@@ -12,7 +12,7 @@ from mindspore.ops import Primitive
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.config.train import load_run_config
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.parallel import Layout, apply_recompute, assign_pipeline_stages, layer_stages, parallelize
 from mindvl_ms.parallel.audit import strategy_of
 from mindvl_ms.parallel import runtime as D
@@ -29,7 +29,7 @@ def run_cfg(model="tiny.yaml", **sections):
 def abstract(model="tiny.yaml"):
     cfg = load_model_config(os.path.join(ROOT, "configs/model", model))
     with no_init_parameters():
-        return MindVLForConditionalGeneration(cfg)
+        return MindVLModel(cfg)
 
 
 def test_use_seq_parallel():

@@ -71,11 +71,11 @@ def _by_component(named_shapes):
 def test_parameter_groups_equal_the_cells(name):
     from mindspore.nn.utils import no_init_parameters
 
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+    from mindvl_ms.models.mindvl import MindVLModel
 
     cfg = load_model_config(os.path.join(ROOT, "configs", "model", name))
     with no_init_parameters():
-        model = MindVLForConditionalGeneration(cfg)
+        model = MindVLModel(cfg)
     real = _by_component((p.name, int(np.prod(p.shape))) for p in model.get_parameters())
     groups = param_groups(cfg, Layout())
     mine = {}

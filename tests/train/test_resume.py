@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mindvl_ms.checkpoint import trainer_state as ts
-from mindvl_ms.checkpoint.hf import load_into
+from mindvl_ms.checkpoint.pretrained import load_into
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from tests.support.train_tiny import TinyVLM, collate, make_rows

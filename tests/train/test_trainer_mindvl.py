@@ -1,6 +1,6 @@
 """The trainer on the real MindVL model (tiny config): warm-up trains only the projector (everything else
 bit-identical), SFT trains all with the vision tower at 0.1x LR, one compiled graph per stage across
-different image sizes, the stage checkpoint loads with `from_pretrained`, and the loss goes down.
+different image sizes, the stage checkpoint loads with `load_pretrained`, and the loss goes down.
 Runs with activation recompute on (decoder layers and vision blocks)."""
 import os
 
@@ -8,7 +8,8 @@ import mindspore as ms
 import numpy as np
 
 from tests.support import hf_tiny as hf_tiny
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.checkpoint.pretrained import load_pretrained
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 
@@ -46,7 +47,7 @@ def test_stages_on_mindvl(tmp_path):
          "global_batch_size": 4, "micro_batch_size": 2, "max_lr": 5e-3, "warmup_ratio": 0.0, "epochs": None,
          "max_steps": 6, "loss": {"type": "balanced"}}]})
     ms.set_seed(0)
-    model = MindVLForConditionalGeneration(cfg.model)
+    model = MindVLModel(cfg.model)
     init = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
     seen = {}
 
@@ -66,7 +67,7 @@ def test_stages_on_mindvl(tmp_path):
     final = {p.name: p.asnumpy() for p in model.get_parameters()}
     assert any(not np.array_equal(final[k], seen[k]) for k in final if k.startswith("model."))
     assert any(not np.array_equal(final[k], seen[k]) for k in final if k.startswith("visual.blocks."))
-    reloaded = MindVLForConditionalGeneration.from_pretrained(summary["stages"][1]["checkpoint"])
+    reloaded = load_pretrained(MindVLModel, summary["stages"][1]["checkpoint"])
     for p in reloaded.get_parameters():
         assert np.array_equal(p.asnumpy(), final[p.name]), p.name
     import json

@@ -8,14 +8,14 @@ from tests.support import post as H
 from mindvl_ms.config.train import load_run_config
 from mindvl_ms.data.preference import encode_response
 from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
-from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train.post.dpo import response_sums
 from mindvl_ms.train.post.step import LogProbs
 
 
 def test_packed_response_logprobs():
     cfg = load_run_config(data={"model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]}).model
-    model = MindVLForConditionalGeneration(cfg)
+    model = MindVLModel(cfg)
     rng = np.random.default_rng(0)
     a = encode_response(H.prompt(rng), [5, 6, 7])
     b = encode_response(H.prompt(rng), [9, 3])
