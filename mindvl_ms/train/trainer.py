@@ -1,10 +1,13 @@
 """The stage runner: `run_training(run_config, out_dir, resume=None) -> summary dict`.
 
 Stages run in order on one model object, so stage k starts from stage k-1's final weights (also
-saved as OUT/<stage>/checkpoint-<last>). Per stage: select trainable parameters by prefix, size
-the stage (token budget / epochs / max_steps), build the compiled step (`train_step.TrainStep`),
-then loop: next global batch -> this rank's rows -> micro-batches (`build_model_inputs`, padded to
-the stage's seq_length) -> one optimizer step.
+saved as OUT/<stage>/checkpoint-<last>). `StageChain` holds what every stage shares (the model and its
+prepared network, the process group, the metrics log, the resume point) and drives one `Trainer` per
+stage. A `Trainer` owns the stage's trainable parameters, its compiled step with the optimizer
+(`train_step.TrainStep`, or a DPO / GRPO step driver's), its data source and its checkpoints; `train_step()`
+is one optimizer step (next global batch -> this rank's rows -> micro-batches (`build_model_inputs`,
+padded to the stage's seq_length) -> forward, backward, update -> step record) and `train()` runs the
+stage to its end.
 
 Faults and resume:
 - a non-finite loss/gradient skips the update (parameters untouched), is counted and logged;
@@ -26,23 +29,41 @@ Python use (the `mindvl demo` command calls this):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import time
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import mindspore as ms
 import numpy as np
+from mindspore import Tensor
 
 from mindvl_ms.checkpoint import trainer_state as ts
-from mindvl_ms.config.base import to_dict
+from mindvl_ms.checkpoint.hf import config_from_dir
+from mindvl_ms.checkpoint.io import write_json
+from mindvl_ms.checkpoint.pretrained import load_into, load_pretrained
+from mindvl_ms.config.base import deep_merge, load, to_dict
+from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.collate import build_model_inputs
+from mindvl_ms.data.dataset import DataLoader, PackedShardSource
+from mindvl_ms.data.processor import ProcessorWriter
+from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
 from mindvl_ms.data.vocab_subset import follow_vocab_subset
-from mindvl_ms.train.callbacks import MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version, summarize
-from mindvl_ms.train.batches import micro_batches, rank_slice
+from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.parallel import apply_recompute, parallelize
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
+from mindvl_ms.train.batches import LoaderSource, micro_batches, rank_slice
+from mindvl_ms.train.callbacks import (MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version,
+                                       summarize)
 from mindvl_ms.train.lr import WarmupCosine
 from mindvl_ms.train.optim import select_trainable
-from mindvl_ms.train.train_step import TrainStep
+from mindvl_ms.train.post.sampler import ResponseSampler
+from mindvl_ms.train.post.sources import post_data_factory
+from mindvl_ms.train.post.stage import make_step_driver, plot_post
+from mindvl_ms.train.train_step import StepResult, TrainStep
 
 log = logging.getLogger(__name__)
 
@@ -52,27 +73,21 @@ class TrainingStopped(RuntimeError):
 
 
 def default_collate(run_cfg):
-    from mindvl_ms.data.collate import build_model_inputs
-
     def collate(rows, stage):
         return build_model_inputs(rows, run_cfg.model, pad_to=stage.seq_length)
     return collate
 
 
+def stage_data_config(run_cfg, stage) -> DataConfig:
+    """The run's `data` section merged with the stage's `data` overrides."""
+    return load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
+
+
 def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     """The data pipeline's per-rank loader for a stage: the run's `data` section merged with the stage's
     `data` overrides, with seq_length / micro batch / data-parallel rank and size taken from the stage."""
-    import dataclasses
-
-    from mindvl_ms.config.base import deep_merge, load
-    from mindvl_ms.config.train import DataConfig
-    from mindvl_ms.data.dataset import DataLoader, PackedShardSource
-    from mindvl_ms.train.batches import LoaderSource
-
-    raw = deep_merge(to_dict(run_cfg.data), stage.data)
-    cfg = load(DataConfig, raw, source=f"stage '{stage.name}' data")
-    cfg = dataclasses.replace(cfg, seq_length=stage.seq_length, micro_batch_size=stage.micro_batch_size,
-                              dp_size=dist.dp, dp_rank=dist.dp_rank)
+    cfg = dataclasses.replace(stage_data_config(run_cfg, stage), seq_length=stage.seq_length,
+                              micro_batch_size=stage.micro_batch_size, dp_size=dist.dp, dp_rank=dist.dp_rank)
     loader = DataLoader.from_config(cfg, model_config=run_cfg.model)
     rows = None
     if isinstance(loader.source, PackedShardSource):
@@ -85,35 +100,23 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
 def _processor_writer(run_cfg, stage, model):
     """Writes the stage's processor (tokenizer, pixel limits, system prompt) into each checkpoint
     (data/processor_files.py); None for a model without a config (nothing to serve it with)."""
-    from mindvl_ms.data.processor import ProcessorWriter
-    from mindvl_ms.config.base import deep_merge, load
-    from mindvl_ms.config.data import DataConfig
-
     if getattr(model, "config", None) is None:
         return None
-    return ProcessorWriter(load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data),
-                                source=f"stage '{stage.name}' data"))
+    return ProcessorWriter(stage_data_config(run_cfg, stage))
 
 
 def build_model(run_cfg):
-    import mindspore as ms
-
-    from mindvl_ms.models.mindvl import MindVLForConditionalGeneration
-
+    """The plain MindVL model: init_from's weights (checkpoint/pretrained.py), else new from run_cfg.model."""
     ms.set_seed(run_cfg.seed)
     if run_cfg.init_from:
-        return MindVLForConditionalGeneration.from_pretrained(run_cfg.init_from)
-    return MindVLForConditionalGeneration(run_cfg.model)
+        return load_pretrained(MindVLModel, run_cfg.init_from)
+    return MindVLModel(run_cfg.model)
 
 
 def checkpoint_model_config(run_cfg):
     """A copy of run_cfg whose `model` is init_from's config.json: the model is built from the checkpoint,
     and batches (token ids, vocabulary, M-RoPE layout) must be built for that model, not for a YAML
     `model:` section that differs from it (which is logged)."""
-    import dataclasses
-
-    from mindvl_ms.checkpoint.hf import config_from_dir
-
     ck = config_from_dir(run_cfg.init_from)
     if ck != run_cfg.model:
         diff = {k: v for k, v in to_dict(ck).items() if to_dict(run_cfg.model).get(k) != v}
@@ -128,10 +131,6 @@ def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
 
     float16/bfloat16 use MindSpore AMP O2 (matmuls in low precision, norms and the loss in fp32,
     fp32 master weights, which stay the model's parameters and names)."""
-    import mindspore as ms
-
-    from mindvl_ms.parallel import apply_recompute, parallelize
-
     if dist is not None and dist.semi_auto:
         rep = parallelize(model, run_cfg)
         log.info("parallelize: %d linear layers sharded, %d other cells, stages %s", len(rep.linear),
@@ -154,9 +153,8 @@ def pipeline_config(run_cfg):
     return None
 
 
-def _restore(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
-    from mindspore import Tensor
-
+def restore_optimizer(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
+    """Load a checkpoint's optimizer / loss-scale state into the step's Parameters."""
     params = engine.state_parameters()
     missing = sorted(set(params) - set(optim))
     if missing:
@@ -165,203 +163,298 @@ def _restore(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
         p.set_data(Tensor(np.asarray(optim[k]).reshape(p.shape)))  # 0-d state is stored as [1]
 
 
+@dataclass
+class ResumePoint:
+    """A checkpoint inside a stage: its trainer state (step, data position, counters) and optimizer tensors."""
+    state: Dict[str, Any]
+    optim: Dict[str, np.ndarray]
+
+
+class Trainer:
+    """One stage: its trainable parameters, compiled step and optimizer, data source and checkpoints.
+
+    `train_step()` takes one optimizer step, `train()` runs the stage to its end and returns its report.
+    `resume` continues the stage from a checkpoint taken inside it."""
+
+    def __init__(self, chain: "StageChain", stage_index: int, resume: Optional[ResumePoint] = None):
+        self.chain, self.si = chain, stage_index
+        self.run_cfg, self.dist = chain.run_cfg, chain.dist
+        self.stage = stage = self.run_cfg.stages[stage_index]
+        self.stage_dir = os.path.join(chain.out_dir, stage.name)
+        ts.clean_partial(self.stage_dir)
+        self.source = self._make_source()
+        self.total = stage.total_steps(getattr(self.source, "rows_per_epoch", None))
+        self.accum = stage.accumulation(self.dist.dp)
+        self.sched = WarmupCosine(stage.max_lr, stage.min_lr, self.total, stage.warmup_ratio)
+        self.params = select_trainable(chain.model, stage.trainable_prefixes())
+        self.driver, self.engine = self._build_step(resuming=resume is not None)
+        self.step, self.nonfinite_run, self.skipped, self.compile_time = 0, 0, 0, 0.0
+        if resume is not None:
+            self._restore(resume)
+        self.guard = self._skip_guard()
+        self.fingerprint = stage_fingerprint(self.run_cfg, stage)
+        log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
+                 stage.name, self.total, self.accum, stage.micro_batch_size, len(self.params))
+        self.write_processor = _processor_writer(self.run_cfg, stage, chain.model)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _make_source(self):
+        """The stage's row source; preference / prompt files for DPO / GRPO under the default factory."""
+        factory = self.chain.data_factory
+        if self.stage.type != "sft" and factory is default_data_factory:
+            return post_data_factory(self.run_cfg, self.stage, self.si, self.dist, self.chain.sampler)
+        return factory(self.run_cfg, self.stage, self.si, self.dist)
+
+    def _build_step(self, resuming: bool):
+        """(driver, engine): the SFT step, or a DPO / GRPO step driver with its own step (train/post/stage.py)."""
+        c, stage = self.chain, self.stage
+        if stage.type != "sft":
+            driver = make_step_driver(dict(run_cfg=self.run_cfg, stage=stage, dist=self.dist, model=c.model,
+                                           net=c.net, params=self.params, names=c.names, source=self.source,
+                                           allreduce=c.allreduce, collate=c.collate, stage_dir=self.stage_dir,
+                                           resuming=resuming, sampler=c.sampler))
+            return driver, driver.engine
+        ctx = self.run_cfg.context
+        return None, TrainStep(c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce,
+                               ctx.precision, ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
+                               gradients_mean=self.run_cfg.parallel.gradients_mean,
+                               compiler_reduces=self.dist.compiler_reduces, pipeline=pipeline_config(self.run_cfg))
+
+    def _restore(self, resume: ResumePoint) -> None:
+        """Optimizer state, this rank's data position and the step counters of the checkpoint."""
+        restore_optimizer(self.engine, resume.optim)
+        state = resume.state
+        data_state = state["data"]
+        if isinstance(data_state, dict) and f"rank{self.dist.rank}" in data_state:
+            data_state = data_state[f"rank{self.dist.rank}"]
+        self.source.load_state_dict(data_state)
+        self.step, self.skipped = state["step"], state.get("skipped", 0)
+        self.nonfinite_run = state.get("nonfinite_run", 0)
+
+    def _skip_guard(self) -> SkipGuard:
+        loader = getattr(self.source, "loader", None)
+        data_cfg = getattr(loader, "config", self.run_cfg.data)
+        gather = (lambda o: gather_json(o, self.dist.world)) if self.dist.world > 1 else None
+        return SkipGuard(self.stage.name, data_cfg.max_skip_fraction, self.chain.allreduce,
+                         getattr(self.source, "rows_per_epoch", None), self.stage.global_batch_size, gather)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _data_states(self):
+        """Every rank's loader state (gathered to rank 0) for per-rank loaders; one state otherwise."""
+        own = self.source.state_dict()
+        if not hasattr(self.source, "next_micro_batches") or self.dist.world == 1:
+            return own
+        return gather_json(own, self.dist.world)
+
+    def save(self, step_now: int, done: bool) -> str:
+        """Checkpoint at `step_now` (rank 0 writes; every rank takes part in gathering the data state)."""
+        st = {"stage_index": self.si, "stage": self.stage.name, "step": step_now, "total_steps": self.total,
+              "stage_done": done, "data": self._data_states(), "skipped": self.skipped,
+              "nonfinite_run": self.nonfinite_run, "seed": self.run_cfg.seed, "data_fingerprint": self.fingerprint,
+              "data_changes": self.chain.data_changes}
+        path = os.path.join(self.stage_dir, f"checkpoint-{step_now:06d}")
+        if self.dist.is_main:
+            ts.save_checkpoint(path, self.chain.model, self.engine.state_parameters(), st, self.chain.out_dir,
+                               extra=self.write_processor)
+            ts.prune(self.stage_dir, self.stage.keep_last, protect=path)
+        return path
+
+    # -- steps -----------------------------------------------------------------------------------
+    def _draw(self) -> Optional[List[Dict[str, np.ndarray]]]:
+        """This rank's micro-batches of the next global batch; None for DPO / GRPO (they draw their own)."""
+        source = self.source
+        if self.driver is not None:
+            return None
+        if hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
+            try:
+                return source.next_micro_batches(self.accum)
+            except RuntimeError as e:  # no batch in a whole epoch: say why, no traceback
+                raise TrainingStopped(self.guard.no_data_message(getattr(source, "loader", source), e)) from None
+        local = rank_slice(source.next_global_batch(self.stage.global_batch_size), self.dist.dp_rank, self.dist.dp)
+        return [self.chain.collate(rows, self.stage) for rows in micro_batches(local, self.stage.micro_batch_size)]
+
+    def _supervised(self, mbs: List[Dict[str, np.ndarray]]) -> bool:
+        """False when the global batch has no supervised token (never stepped: weight decay alone would
+        move the weights); stops the stage when its loader skips too much."""
+        g_sup, stop = self.guard.check(mbs, getattr(self.source, "loader", self.source))
+        if stop:
+            raise TrainingStopped(stop)
+        if g_sup == 0:
+            log.warning("stage %s step %d: the global batch has no supervised token (its samples "
+                        "were skipped): not stepped", self.stage.name, self.step)
+        return g_sup != 0
+
+    def _record(self, res: StepResult, extra: Dict[str, Any], lr: float, dt: float) -> Dict[str, Any]:
+        """The step's metrics record (OUT/metrics.jsonl, progress bar)."""
+        rec = {"stage_index": self.si, "stage": self.stage.name, "step": self.step, "loss": res.loss, "lr": lr,
+               "grad_norm": res.grad_norm, "loss_scale": res.loss_scale, "applied": res.applied,
+               "tokens": res.tokens, "patches": res.patches, "supervised": res.supervised,
+               "step_time": dt, "tokens_per_s": res.tokens * self.dist.dp / max(dt, 1e-9),
+               "skipped_total": self.skipped, **extra}
+        if res.expert_load is not None:  # MoE: balance of routed tokens (max/mean per layer)
+            ld = res.expert_load
+            rec["expert_max_over_mean"] = float((ld.max(-1) / np.maximum(ld.mean(-1), 1e-9)).max())
+        return rec
+
+    def train_step(self) -> Optional[Dict[str, Any]]:
+        """One optimizer step at `self.step` (not advanced here); returns its record, or None when the
+        global batch was not stepped (no supervised token)."""
+        t0 = time.perf_counter()
+        mbs = self._draw()
+        if mbs is not None and not self._supervised(mbs):
+            return None
+        lr = self.sched(self.step)
+        n_compiled = self.engine.compiles
+        res, extra = self.driver.step(self.step, lr) if self.driver is not None else (self.engine.run(mbs, lr), {})
+        dt = time.perf_counter() - t0
+        if self.engine.compiles != n_compiled:
+            self.compile_time += dt
+        if res.applied:
+            self.nonfinite_run = 0
+        else:
+            self.nonfinite_run += 1
+            self.skipped += 1
+            log.warning("stage %s step %d: non-finite loss/gradient (loss %s, grad norm %s): update skipped "
+                        "(%d in a row)", self.stage.name, self.step, res.loss, res.grad_norm, self.nonfinite_run)
+        rec = self._record(res, extra, lr, dt)
+        if self.step % self.stage.log_every == 0 or self.step == self.total - 1:
+            self.chain.metrics.write(rec)
+        return rec
+
+    def _check_nonfinite_run(self) -> None:
+        stage = self.stage
+        if self.nonfinite_run >= stage.max_nonfinite:
+            raise TrainingStopped(
+                f"stage '{stage.name}': {self.nonfinite_run} steps in a row had a non-finite loss or gradient "
+                f"(limit max_nonfinite={stage.max_nonfinite}); stopped at step {self.step}. The last good "
+                f"checkpoint is in {self.chain.out_dir} (latest.json); lower max_lr, check the data, or use "
+                f"float32, then --resume {self.chain.out_dir}")
+
+    def train(self) -> Dict[str, Any]:
+        """Run the stage's remaining steps, checkpoint its end; returns the stage report."""
+        bar = ProgressBar(self.total, self.step, self.stage.name, enabled=self.chain.progress and self.dist.is_main)
+        try:
+            while self.step < self.total:
+                rec = self.train_step()
+                if rec is None:
+                    continue
+                bar.update(rec)
+                self.step += 1
+                self._check_nonfinite_run()
+                if self.step < self.total and self.stage.save_every and self.step % self.stage.save_every == 0:
+                    self.save(self.step, False)
+        finally:
+            bar.close()
+        return self._report(self.save(self.total, True))
+
+    def _report(self, final: str) -> Dict[str, Any]:
+        """Plots and the stage report (steps, final checkpoint and loss, skipped steps and samples)."""
+        stage, plot = self.stage, self.run_cfg.plot and self.dist.is_main
+        recs = self.chain.metrics.read(stage.name)
+        png = plot_stage(recs, os.path.join(self.stage_dir, "loss_lr.png"), stage.name) if plot else None
+        n_skip, by_reason = self.guard.skipped(getattr(self.source, "loader", self.source))
+        if self.driver is not None and plot:  # reward / margin panels
+            plot_post(recs, os.path.join(self.stage_dir, "post_metrics.png"), stage.type, stage.name)
+        log.info("stage %s done: %d steps, %d samples skipped%s", stage.name, self.total, n_skip,
+                 f" ({', '.join(f'{k}: {v}' for k, v in by_reason.items())})" if n_skip else "")
+        return {"stage": stage.name, "steps": self.total, "checkpoint": final, "plot": png,
+                "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": self.skipped,
+                "skipped_samples": n_skip, "skipped_by_reason": by_reason, "compiled_graphs": self.engine.compiles}
+
+
+class StageChain:
+    """What every stage shares (model, prepared network, process group, metrics log, data-change log);
+    `run()` drives one `Trainer` per stage, from the resume point if any, and writes the summary."""
+
+    def __init__(self, run_cfg, out_dir: str, model=None, data_factory: Optional[Callable] = None,
+                 collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None):
+        self.run_cfg, self.out_dir, self.progress, self.sampler = run_cfg, out_dir, progress, sampler
+        self.dist = setup(run_cfg)
+        os.makedirs(out_dir, exist_ok=True)
+        np.random.seed(run_cfg.seed % 2**32)
+        random.seed(run_cfg.seed)
+        self.model = model if model is not None else build_model(run_cfg)
+        self.net = prepare_model(self.model, run_cfg, self.dist)
+        self.collate = collate or default_collate(run_cfg)
+        self.data_factory = data_factory or default_data_factory
+        self.names = list(getattr(self.model, "INPUT_NAMES"))
+        self.metrics = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), enabled=self.dist.is_main)
+        self.allreduce = HostAllReduce(self.dist.world, self.dist.dp)
+        self.data_changes: List[Dict[str, Any]] = []
+
+    def _check_data(self, state: Dict[str, Any], ck: str, resume: str, allow_data_change: bool) -> None:
+        """Stop (before anything is changed) when the stage's data differ from the checkpoint's, unless
+        allowed; an allowed change is logged and recorded in later checkpoints."""
+        diff = fingerprint_diff(state["data_fingerprint"],
+                                stage_fingerprint(self.run_cfg, self.run_cfg.stages[state["stage_index"]]))
+        if diff and not allow_data_change:
+            raise TrainingStopped(f"--resume {resume}: the data of stage '{state['stage']}' is not the data "
+                                  f"of {ck} ({diff}); resuming would continue its saved position on other "
+                                  f"data. Restore the original data, or pass --resume-allow-data-change")
+        if diff:
+            log.warning("resuming stage %s on changed data (%s)", state["stage"], diff)
+            self.data_changes.append({"stage": state["stage"], "step": state["step"], "change": diff})
+
+    def resume(self, resume: str, allow_data_change: bool) -> Tuple[int, Optional[ResumePoint]]:
+        """Load the latest checkpoint under `resume`: weights, RNG, metrics log cut back to it.
+        Returns (first stage to run, the point inside it or None when the checkpoint ended a stage)."""
+        ck = ts.find_latest(resume)
+        state, tensors, optim = ts.load_checkpoint(ck)
+        self.data_changes = list(state.get("data_changes", []))
+        if "data_fingerprint" in state and not state["stage_done"]:  # checked before anything is changed
+            self._check_data(state, ck, resume, allow_data_change)
+        load_into(self.model, tensors)
+        start_stage, start_step = state["stage_index"], state["step"]
+        self.metrics.truncate_after(start_stage, start_step - 1 if not state["stage_done"] else start_step)
+        ts.set_rng_state(state["rng"])
+        point = ResumePoint(state, optim)
+        if state["stage_done"]:
+            start_stage, start_step, point = start_stage + 1, 0, None
+        log.info("resumed from %s (stage %d, step %d)", ck, start_stage, start_step)
+        return start_stage, point
+
+    def run(self, t_start: float, resume: Optional[str] = None, allow_data_change: bool = False) -> Dict[str, Any]:
+        """Every stage from the resume point (or the first); returns the summary (also OUT/summary.json)."""
+        start_stage, point = 0, None
+        metrics_path = os.path.join(self.out_dir, "metrics.jsonl")
+        if resume:
+            start_stage, point = self.resume(resume, allow_data_change)
+        elif self.dist.is_main and os.path.isfile(metrics_path):
+            os.remove(metrics_path)  # a fresh run in a reused directory
+        ts.clean_partial(self.out_dir)
+        peak, peak_source = device_peak(self.run_cfg.context.device_target, soc_version(),
+                                        self.run_cfg.context.precision)
+        log.info("MFU peak: %.2f TFLOP/s per device (%s)", peak / 1e12, peak_source)
+        counts = param_counts(self.model)
+        reports, compile_time = [], 0.0
+        for si in range(start_stage, len(self.run_cfg.stages)):
+            trainer = Trainer(self, si, point if si == start_stage else None)
+            reports.append(trainer.train())
+            compile_time += trainer.compile_time
+        summary = summarize(self.metrics.read(), counts, peak, self.dist.world, time.perf_counter() - t_start,
+                            compile_time, peak_source)
+        summary.update({"stages": reports, "out_dir": self.out_dir, "ranks": self.dist.world,
+                        "peak_gflops_per_device": peak / 1e9})
+        if self.dist.is_main:
+            write_json(os.path.join(self.out_dir, "summary.json"), summary)
+        return summary
+
+
 def run_training(run_cfg, out_dir: str, resume: Optional[str] = None, model=None,
                  data_factory: Optional[Callable] = None, collate: Optional[Callable] = None,
-                 progress: bool = True, allow_data_change: bool = False) -> Dict[str, Any]:
+                 progress: bool = True, allow_data_change: bool = False,
+                 sampler: Optional[ResponseSampler] = None) -> Dict[str, Any]:
     """Run every stage of `run_cfg`; returns the run summary (also written to OUT/summary.json).
 
     model: a Cell taking INPUT_NAMES arrays (default: MindVL from run_cfg.model / init_from);
     data_factory(run_cfg, stage, stage_index, dist) -> a row source (see train/batches.py);
-    collate(rows, stage) -> arrays dict (default: data.collate.build_model_inputs).
+    collate(rows, stage) -> arrays dict (default: data.collate.build_model_inputs);
+    sampler: what GRPO stages sample responses with (train/post/sampler.py; e.g.
+    `mindvl_ms.infer.rollout.EngineSampler()`), unused by other stages.
     """
-    from mindvl_ms.checkpoint.hf import load_into
-    from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
-
     t_start = time.perf_counter()
     follow_vocab_subset(run_cfg)  # a data.tokenizer with vocab_subset.json sets the model's vocabulary
     if model is None and run_cfg.init_from:  # the checkpoint is the model: batches follow its config
         run_cfg = checkpoint_model_config(run_cfg)
-    dist = setup(run_cfg)
-    os.makedirs(out_dir, exist_ok=True)
-    np.random.seed(run_cfg.seed % 2**32)
-    random.seed(run_cfg.seed)
-    model = model if model is not None else build_model(run_cfg)
-    net = prepare_model(model, run_cfg, dist)
-    collate = collate or default_collate(run_cfg)
-    data_factory = data_factory or default_data_factory
-    names = list(getattr(model, "INPUT_NAMES"))
-    metrics = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), enabled=dist.is_main)
-    allreduce = HostAllReduce(dist.world, dist.dp)
-    start_stage, start_step, state, optim, data_changes = 0, 0, None, None, []
-    if resume:
-        ck = ts.find_latest(resume)
-        state, tensors, optim = ts.load_checkpoint(ck)
-        data_changes = list(state.get("data_changes", []))
-        if "data_fingerprint" in state and not state["stage_done"]:  # checked before anything is changed
-            diff = fingerprint_diff(state["data_fingerprint"],
-                                    stage_fingerprint(run_cfg, run_cfg.stages[state["stage_index"]]))
-            if diff and not allow_data_change:
-                raise TrainingStopped(f"--resume {resume}: the data of stage '{state['stage']}' is not the data "
-                                      f"of {ck} ({diff}); resuming would continue its saved position on other "
-                                      f"data. Restore the original data, or pass --resume-allow-data-change")
-            if diff:
-                log.warning("resuming stage %s on changed data (%s)", state["stage"], diff)
-                data_changes.append({"stage": state["stage"], "step": state["step"], "change": diff})
-        load_into(model, tensors)
-        start_stage, start_step = state["stage_index"], state["step"]
-        metrics.truncate_after(start_stage, start_step - 1 if not state["stage_done"] else start_step)
-        ts.set_rng_state(state["rng"])
-        if state["stage_done"]:
-            start_stage, start_step, state = start_stage + 1, 0, None
-        log.info("resumed from %s (stage %d, step %d)", ck, start_stage, start_step)
-    elif dist.is_main and os.path.isfile(os.path.join(out_dir, "metrics.jsonl")):
-        os.remove(os.path.join(out_dir, "metrics.jsonl"))  # a fresh run in a reused directory
-    ts.clean_partial(out_dir)
-    peak, peak_source = device_peak(run_cfg.context.device_target, soc_version(), run_cfg.context.precision)
-    log.info("MFU peak: %.2f TFLOP/s per device (%s)", peak / 1e12, peak_source)
-    counts = param_counts(model)
-    stage_reports, compile_time = [], 0.0
-    for si in range(start_stage, len(run_cfg.stages)):
-        stage = run_cfg.stages[si]
-        stage_dir = os.path.join(out_dir, stage.name)
-        ts.clean_partial(stage_dir)
-        factory = data_factory
-        if stage.type != "sft" and data_factory is default_data_factory:  # preference / prompt files
-            from mindvl_ms.train.post.stage import post_data_factory as factory
-        source = factory(run_cfg, stage, si, dist)
-        total = stage.total_steps(getattr(source, "rows_per_epoch", None))
-        accum = stage.accumulation(dist.dp)
-        sched = WarmupCosine(stage.max_lr, stage.min_lr, total, stage.warmup_ratio)
-        params = select_trainable(model, stage.trainable_prefixes())
-        ctx = run_cfg.context
-        runner = None
-        if stage.type != "sft":  # DPO / GRPO: a runner with its own step (post_stage.py)
-            from mindvl_ms.train.post.stage import make_runner
-
-            runner = make_runner(dict(run_cfg=run_cfg, stage=stage, dist=dist, model=model, net=net, params=params,
-                                      names=names, source=source, allreduce=allreduce, collate=collate,
-                                      stage_dir=stage_dir, resuming=state is not None and si == state["stage_index"]))
-            engine = runner.engine
-        else:
-            engine = TrainStep(net, params, names, stage.loss, stage, dist.dp, allreduce, ctx.precision,
-                               ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
-                               gradients_mean=run_cfg.parallel.gradients_mean,
-                               compiler_reduces=dist.compiler_reduces,
-                               pipeline=pipeline_config(run_cfg))
-        step, nonfinite_run, skipped = 0, 0, 0
-        if state is not None and si == state["stage_index"]:
-            _restore(engine, optim)
-            data_state = state["data"]
-            if isinstance(data_state, dict) and f"rank{dist.rank}" in data_state:
-                data_state = data_state[f"rank{dist.rank}"]
-            source.load_state_dict(data_state)
-            step, skipped = start_step, state.get("skipped", 0)
-            nonfinite_run = state.get("nonfinite_run", 0)
-        data_cfg = getattr(getattr(source, "loader", None), "config", run_cfg.data)
-        guard = SkipGuard(stage.name, data_cfg.max_skip_fraction, allreduce, getattr(source, "rows_per_epoch", None),
-                          stage.global_batch_size, (lambda o: gather_json(o, dist.world)) if dist.world > 1 else None)
-        fingerprint = stage_fingerprint(run_cfg, stage)
-        log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
-                 stage.name, total, accum, stage.micro_batch_size, len(params))
-        bar = ProgressBar(total, step, f"{stage.name}", enabled=progress and dist.is_main)
-        write_processor = _processor_writer(run_cfg, stage, model)
-
-        def data_states(src):
-            """Every rank's loader state (gathered to rank 0) for per-rank loaders; one state otherwise."""
-            own = src.state_dict()
-            if not hasattr(src, "next_micro_batches") or dist.world == 1:
-                return own
-            return gather_json(own, dist.world)
-
-        def save(step_now: int, done: bool) -> str:
-            st = {"stage_index": si, "stage": stage.name, "step": step_now, "total_steps": total,
-                  "stage_done": done, "data": data_states(source), "skipped": skipped,
-                  "nonfinite_run": nonfinite_run, "seed": run_cfg.seed, "data_fingerprint": fingerprint,
-                  "data_changes": data_changes}
-            path = os.path.join(stage_dir, f"checkpoint-{step_now:06d}")
-            if dist.is_main:
-                ts.save_checkpoint(path, model, engine.state_parameters(), st, out_dir, extra=write_processor)
-                ts.prune(stage_dir, stage.keep_last, protect=path)
-            return path
-
-        try:
-            while step < total:
-                t0 = time.perf_counter()
-                if runner is not None:  # DPO / GRPO draw and collate their own data
-                    mbs = None
-                elif hasattr(source, "next_micro_batches"):  # a per-rank loader that collates itself
-                    try:
-                        mbs = source.next_micro_batches(accum)
-                    except RuntimeError as e:  # no batch in a whole epoch: say why, no traceback
-                        raise TrainingStopped(guard.no_data_message(getattr(source, "loader", source), e)) from None
-                else:
-                    local = rank_slice(source.next_global_batch(stage.global_batch_size), dist.dp_rank, dist.dp)
-                    mbs = [collate(rows, stage) for rows in micro_batches(local, stage.micro_batch_size)]
-                if mbs is not None:
-                    g_sup, stop = guard.check(mbs, getattr(source, "loader", source))
-                    if stop:
-                        raise TrainingStopped(stop)
-                    if g_sup == 0:  # never step on nothing (weight decay alone would move the weights)
-                        log.warning("stage %s step %d: the global batch has no supervised token (its samples "
-                                    "were skipped): not stepped", stage.name, step)
-                        continue
-                lr = sched(step)
-                n_compiled = engine.compiles
-                res, extra = runner.step(step, lr) if runner is not None else (engine.run(mbs, lr), {})
-                dt = time.perf_counter() - t0
-                if engine.compiles != n_compiled:
-                    compile_time += dt
-                if res.applied:
-                    nonfinite_run = 0
-                else:
-                    nonfinite_run += 1
-                    skipped += 1
-                    log.warning("stage %s step %d: non-finite loss/gradient (loss %s, grad norm %s): update skipped "
-                                "(%d in a row)", stage.name, step, res.loss, res.grad_norm, nonfinite_run)
-                rec = {"stage_index": si, "stage": stage.name, "step": step, "loss": res.loss, "lr": lr,
-                       "grad_norm": res.grad_norm, "loss_scale": res.loss_scale, "applied": res.applied,
-                       "tokens": res.tokens, "patches": res.patches, "supervised": res.supervised,
-                       "step_time": dt, "tokens_per_s": res.tokens * dist.dp / max(dt, 1e-9),
-                       "skipped_total": skipped, **extra}
-                if res.expert_load is not None:  # MoE: balance of routed tokens (max/mean per layer)
-                    ld = res.expert_load
-                    rec["expert_max_over_mean"] = float((ld.max(-1) / np.maximum(ld.mean(-1), 1e-9)).max())
-                if step % stage.log_every == 0 or step == total - 1:
-                    metrics.write(rec)
-                bar.update(rec)
-                step += 1
-                if nonfinite_run >= stage.max_nonfinite:
-                    raise TrainingStopped(
-                        f"stage '{stage.name}': {nonfinite_run} steps in a row had a non-finite loss or gradient "
-                        f"(limit max_nonfinite={stage.max_nonfinite}); stopped at step {step}. The last good "
-                        f"checkpoint is in {out_dir} (latest.json); lower max_lr, check the data, or use float32, "
-                        f"then --resume {out_dir}")
-                if step < total and stage.save_every and step % stage.save_every == 0:
-                    save(step, False)
-        finally:
-            bar.close()
-        final = save(total, True)
-        recs = metrics.read(stage.name)
-        png = plot_stage(recs, os.path.join(stage_dir, "loss_lr.png"), f"{stage.name}") if (
-            run_cfg.plot and dist.is_main) else None
-        n_skip, by_reason = guard.skipped(getattr(source, "loader", source))
-        if runner is not None and run_cfg.plot and dist.is_main:  # reward / margin panels
-            from mindvl_ms.train.post.stage import plot_post
-
-            plot_post(recs, os.path.join(stage_dir, "post_metrics.png"), stage.type, stage.name)
-        stage_reports.append({"stage": stage.name, "steps": total, "checkpoint": final, "plot": png,
-                              "final_loss": recs[-1]["loss"] if recs else None, "skipped_steps": skipped,
-                              "skipped_samples": n_skip, "skipped_by_reason": by_reason,
-                              "compiled_graphs": engine.compiles})
-        log.info("stage %s done: %d steps, %d samples skipped%s", stage.name, total, n_skip,
-                 f" ({', '.join(f'{k}: {v}' for k, v in by_reason.items())})" if n_skip else "")
-        state = None
-    summary = summarize(metrics.read(), counts, peak, dist.world, time.perf_counter() - t_start, compile_time,
-                        peak_source)
-    summary.update({"stages": stage_reports, "out_dir": out_dir, "ranks": dist.world,
-                    "peak_gflops_per_device": peak / 1e9})
-    if dist.is_main:
-        from mindvl_ms.checkpoint.io import write_json
-
-        write_json(os.path.join(out_dir, "summary.json"), summary)
-    return summary
+    chain = StageChain(run_cfg, out_dir, model, data_factory, collate, progress, sampler)
+    return chain.run(t_start, resume, allow_data_change)
