@@ -1,4 +1,4 @@
-"""`mindvl data validate` and `mindvl data pack`.
+"""`mindvl data validate`, `mindvl data pack` and `mindvl data convert`.
 
 Flags override the YAML given with --config (its `data:` section, or top-level DataConfig keys).
 Both commands are host-side work only.
@@ -11,9 +11,10 @@ import sys
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="validate and pack JSONL training data",
+    p = subparsers.add_parser("data", help="validate, pack and convert training data",
                               description="Data tools: `validate` checks a JSONL file; `pack` packs it offline "
-                                          "into per-rank shards with a manifest.")
+                                          "into per-rank shards with a manifest; `convert` turns LLaVA, ShareGPT "
+                                          "or parquet data into this project's JSONL.")
     sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda _args: p.print_help() or 0)  # `mindvl data` alone: its help
 
@@ -53,6 +54,26 @@ def register(subparsers) -> None:
     k.add_argument("--quiet", action="store_true", help="no progress bars")
     k.set_defaults(func=_run_data_pack)
 
+    c = sub.add_parser("convert", help="LLaVA / ShareGPT JSON(L) or Hugging Face parquet -> this project's JSONL",
+                       description="Convert every record to a line of this project's JSONL with image_sizes from the "
+                                   "image headers; images stored as bytes (parquet) are written to images/ beside "
+                                   "OUT. Every record that cannot be converted is listed with its line, element or "
+                                   "row and the reason; converted + skipped = records. The same input gives the "
+                                   "same output. Formats: docs/DATA.md.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("input", help="LLaVA / ShareGPT JSON array or JSONL, or a parquet file")
+    c.add_argument("output", metavar="OUT.jsonl", help="converted file (image paths relative to it)")
+    c.add_argument("--from", dest="source_format", default="auto",
+                   choices=("auto", "llava", "sharegpt", "parquet", "jsonl"),
+                   help="input format (auto: told from the file name and its first record)")
+    c.add_argument("--image-root", metavar="DIR", help="folder relative image paths resolve against (none: the "
+                                                      "input's folder)")
+    c.add_argument("--config", help="YAML with a data: section (quality filters: data.image.min_side, "
+                                    "max_aspect_ratio)")
+    c.add_argument("--report", metavar="FILE.json", help="write the full report (every skipped record) as JSON")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=_run_data_convert)
+
 
 def _run_data_validate(args) -> int:
     from mindvl_ms.data.validate import format_report, validate_file
@@ -91,6 +112,19 @@ def _run_data_pack(args) -> int:
         counts = ", ".join(f"{k}: {v}" for k, v in man["dropped_counts"].items())
         print(f"dropped {len(man['dropped'])} lines ({counts}); see {args.out_dir}/manifest.json", file=sys.stderr)
     print(f"wrote {args.out_dir}/manifest.json and {len(man['shards'])} shard(s)")
+    return 0
+
+
+def _run_data_convert(args) -> int:
+    from mindvl_ms.data.formats import convert_file, format_convert_report
+
+    cfg = _load_data_config(args.config)
+    report = convert_file(args.input, args.output, args.source_format, image_root=args.image_root, image=cfg.image,
+                          progress=not args.quiet)
+    print(format_convert_report(report))
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
     return 0
 
 

@@ -25,17 +25,32 @@ from mindvl_ms.config.base import ConfigError, F, sub
 from mindvl_ms.config.video import VideoConfig
 
 
+SOURCE_FORMATS = ("jsonl", "llava", "sharegpt", "parquet", "auto")  # what `format:` of a data source names
+
+
 @dataclass
 class DataSource:
-    """One JSONL file in the mix."""
+    """One data file in the mix: this project's JSONL, or LLaVA / ShareGPT JSON(L) or Hugging Face parquet
+    converted record by record as the loader reads it (`format`, docs/DATA.md)."""
 
-    path: str = F("", "JSONL file (one sample a line; image paths relative to the file)")
+    path: str = F("", "data file (JSONL: one sample a line; image paths relative to the file)")
     weight: float = F(1.0, "mix weight: samples are drawn in proportion to weight * file size")
     name: str = F("", "label used in reports (default: the file name)")
+    format: str = F("jsonl", "jsonl (this project's), llava, sharegpt, parquet or auto (told from the file): "
+                             "the other formats go through `mindvl data convert`'s converter as they are read "
+                             "(online packing)")
+    image_root: str = F("", "llava/sharegpt/parquet: folder relative image paths resolve against (default: the "
+                            "file's folder)")
 
     def validate(self) -> None:
         if not self.path:
             raise ConfigError("data source needs a 'path'")
+        if self.format not in SOURCE_FORMATS:
+            raise ConfigError(f"source {self.path}: format '{self.format}': expected one of "
+                              f"{', '.join(SOURCE_FORMATS)}")
+        if self.image_root and self.format == "jsonl":
+            raise ConfigError(f"source {self.path}: image_root is for llava, sharegpt, parquet or auto sources (a "
+                              f"jsonl file's image paths are relative to the file)")
         if self.weight <= 0:
             raise ConfigError(f"source {self.path}: weight {self.weight} must be > 0")
 
@@ -75,7 +90,7 @@ class ImageConfig:
 class DataConfig:
     """Everything the data pipeline needs for one training stage."""
 
-    sources: List[DataSource] = F([], "JSONL files with mix weights (offline mode reads packed shards instead)")
+    sources: List[DataSource] = F([], "data files with mix weights (offline mode reads packed shards instead)")
     packed_dir: str = F("", "directory written by `mindvl data pack` (offline mode); empty: pack on the fly")
     tokenizer: str = F("", "tokenizer dir (tokenizer.json, vocab.json+merges.txt or *.model); empty: Qwen3; "
                           "with vocab_subset.json the model's vocab size and special ids follow it")

@@ -7,7 +7,8 @@ Two sources of packs, one loader:
   permutation of shard positions drawn from (seed, epoch) only, identical on all ranks; the rank
   enters through its shard.
 - `OnlinePackSource` (online mode): rank r reads only its stride of each JSONL source (lines
-  r, r+dp, ...), shuffles it with (seed, epoch, rank, source), repeats/subsamples by mix weight, computes
+  r, r+dp, ...; a source with a `format:` is converted as it is read, `data/formats/source.py`), shuffles it
+  with (seed, epoch, rank, source), repeats/subsamples by mix weight, computes
   token counts from metadata and packs with `OnlinePacker`. Resuming replays the epoch's metadata
   stream (no image decoding) up to the saved pack, which reproduces the packer's state exactly.
 
@@ -38,7 +39,8 @@ import numpy as np
 
 from mindvl_ms.config.data import DataConfig
 from mindvl_ms.data.collate import build_model_inputs
-from mindvl_ms.data.jsonl import line_offsets, read_at, read_raw_at
+from mindvl_ms.data.formats import SourceRecords
+from mindvl_ms.data.jsonl import line_offsets, read_at
 from mindvl_ms.data.offline import sample_meta
 from mindvl_ms.data.packing import Item, OnlinePacker
 from mindvl_ms.data.processor import MindVLProcessor
@@ -95,11 +97,12 @@ class OnlinePackSource:
             raise ValueError("data.sources is empty: online packing needs at least one JSONL file")
         self.config, self.proc = config, processor
         r, dp = config.dp_rank, config.dp_size
-        self.lines = []
+        self.lines, self.records = [], []  # per source: [(line, offset)] of this rank, the lines' reader
         for s in config.sources:
             if not os.path.isfile(s.path):
                 raise FileNotFoundError(f"data source not found: {s.path}")
-            self.lines.append(line_offsets(s.path, lambda n: (n - 1) % dp == r))
+            self.records.append(SourceRecords(s, lambda n: (n - 1) % dp == r))  # converts `format:` sources
+            self.lines.append(self.records[-1].offsets)
         self.dropped: Counter = Counter()
         self.epoch_total: Optional[int] = None
         self.on_skip: Optional[Callable[[SampleError], None]] = None  # set by the DataLoader
@@ -124,7 +127,7 @@ class OnlinePackSource:
         for k, line, off in order:
             path = self.config.sources[k].path
             try:
-                s = parse_raw(read_raw_at(path, off), path, line)
+                s = parse_raw(self.records[k].raw(line, off), path, line)
                 if isinstance(s, SampleError):
                     raise s
                 tokens, img = sample_meta(self.proc, s)
@@ -150,7 +153,7 @@ class OnlinePackSource:
                 self._muted = n < packs - 1
                 continue
             self._muted = False
-            yield [(json.loads(read_at(self.config.sources[k].path, off)), self.config.sources[k].path, line)
+            yield [(json.loads(self.records[k].raw(line, off)), self.config.sources[k].path, line)
                    for (k, line, off) in (it.key for it in pack.items)]
         self._muted = False
         for it, reason in packer.dropped:
