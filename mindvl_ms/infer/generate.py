@@ -38,6 +38,8 @@ from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, b
 from mindvl_ms.infer.preprocess import uint8_patches
 from mindvl_ms.infer.sampling import SamplingConfig, choose, stop_reason
 from mindvl_ms.models.mindvl import MindVLModel, cast_params
+from mindvl_ms.ops.dispatch import is_ascend
+from mindvl_ms.parallel.moe import bind_mindformers_moe
 
 log = logging.getLogger(__name__)
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -217,6 +219,8 @@ def load_model(ckpt: str, fp16: bool = False):
     if not os.path.isfile(os.path.join(ckpt, "config.json")):
         raise FileNotFoundError(f"{ckpt}: no config.json (expected a checkpoint directory)")
     model = load_pretrained(MindVLModel, ckpt)
+    if is_ascend():
+        bind_mindformers_moe(model)  # MindFormers' router and dispatcher: the MoE default on Ascend
     return cast_params(model, ms.float16) if fp16 else model
 
 

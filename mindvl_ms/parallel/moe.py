@@ -31,6 +31,7 @@ from mindspore import nn
 from mindspore.ops.operations import Morph
 from mindspore.parallel import Layout as DeviceLayout
 
+from mindvl_ms.models.moe import DeepseekV3Model, DeepseekV3MoE
 from mindvl_ms.ops import SwiGLU
 from mindvl_ms.ops.moe import GroupedMatmul
 from mindvl_ms.parallel.layout import Layout
@@ -129,6 +130,24 @@ def use_mindformers(moe_cell, moe_config, layout: Layout = None):
     moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
     moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)
     return moe_cell
+
+
+def bind_mindformers_moe(model: nn.Cell, layout: Layout = None) -> List[str]:
+    """`use_mindformers` on every DeepSeek-V3 MoE layer of `model` (any depth); returns their names.
+
+    MindFormers' router and dispatcher are this project's default MoE path on Ascend, also without a
+    parallel layout (single device, data parallel, inference): the trainer and `infer.generate.load_model`
+    call this there, and `apply_ep` binds them itself under semi-auto parallel."""
+    cells = list(model.cells_and_names())
+    lms = [cell for _, cell in cells if isinstance(cell, DeepseekV3Model)]
+    if not lms:
+        return []
+    names = []
+    for name, cell in cells:
+        if isinstance(cell, DeepseekV3MoE):
+            use_mindformers(cell, lms[0].config.moe, layout)
+            names.append(name)
+    return names
 
 
 def split_counts(prim) -> List[Tuple[int, ...]]:

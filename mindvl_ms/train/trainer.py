@@ -53,7 +53,9 @@ from mindvl_ms.data.processor import ProcessorWriter
 from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
 from mindvl_ms.data.vocab_subset import follow_vocab_subset
 from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.ops.dispatch import is_ascend
 from mindvl_ms.parallel import apply_recompute, parallelize
+from mindvl_ms.parallel.moe import bind_mindformers_moe
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
 from mindvl_ms.train.batches import LoaderSource, micro_batches, rank_slice
 from mindvl_ms.train.callbacks import (MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version,
@@ -135,6 +137,8 @@ def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
         rep = parallelize(model, run_cfg)
         log.info("parallelize: %d linear layers sharded, %d other cells, stages %s", len(rep.linear),
                  len(rep.cells), sorted(set(rep.stages.values())))
+    elif is_ascend():
+        bind_mindformers_moe(model)  # MindFormers' router and dispatcher: the MoE default on Ascend
     counts = apply_recompute(model, run_cfg.recompute_config)
     if any(counts.values()):
         log.info("recompute: %d layers/blocks fully, %d primitives selectively", counts["full_cells"],

@@ -8,17 +8,24 @@ GroupedMatmul, Swiglu, MoveTo); inside this test only, monkeypatch replaces them
 same call signatures and semantics (`mindspore.ops` built-ins; the grouped matmul is the one-hot masked
 dense product of `mindvl_ms.ops.moe.GroupedMatmul`'s CPU branch).
 """
+import os
+
 import numpy as np
 import pytest
 
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from mindvl_ms.config import load_model_config
 from mindvl_ms.config.model import MoEConfig, TextConfig
+from mindvl_ms.config.train import RunConfig
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.parallel import mindformers_moe  # noqa: F401  (sets MindFormers' log dir before its import)
 from mindvl_ms.models.moe import DeepseekV3MoE
 from mindvl_ms.parallel.mindformers_moe import routing_rules_agree, transformer_config
 from mindvl_ms.parallel.moe import use_mindformers
+from mindvl_ms.train import trainer
+from tests.support.paths import ROOT
 
 
 # ---- CPU stand-ins with the Ascend primitives' call signatures (jit_class: usable inside graphs) ----
@@ -285,3 +292,19 @@ def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_min
         res.append([v.asnumpy(), gx.asnumpy()] + [a.asnumpy() for a in gw])
     for a, c in zip(res[0], res[1]):
         np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-5)
+
+
+def test_ascend_default_binds_mindformers_moe_without_a_layout(monkeypatch):
+    """On Ascend, MindFormers' router and dispatcher are the MoE default also without semi-auto parallel:
+    the trainer's prepare_model binds them on every MoE layer (as `apply_ep` does under a layout); on CPU
+    nothing is bound."""
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny-moe.yaml"))
+    run = RunConfig()
+    model = MindVLModel(cfg)
+    moes = [c for _, c in model.cells_and_names() if isinstance(c, DeepseekV3MoE)]
+    assert moes
+    trainer.prepare_model(model, run)
+    assert all(m.gate.mindformers_select is None and m.experts.parallel_experts is None for m in moes)
+    monkeypatch.setattr(trainer, "is_ascend", lambda: True)
+    trainer.prepare_model(model, run)
+    assert all(m.gate.mindformers_select is not None and m.experts.parallel_experts is not None for m in moes)
