@@ -145,8 +145,18 @@ def data_fingerprint(config) -> Dict[str, Any]:
     if getattr(config, "packing", "online") == "offline" and getattr(config, "packed_dir", ""):
         man = os.path.join(config.packed_dir, "manifest.json")
         return {"packed": _file_id(man) if os.path.isfile(man) else {"path": os.path.abspath(man)}}
-    return {"sources": [dict(_file_id(s.path) if os.path.isfile(s.path) else {"path": os.path.abspath(s.path)},
-                             weight=s.weight) for s in getattr(config, "sources", [])]}
+    return {"sources": [_source_id(s) for s in getattr(config, "sources", [])]}
+
+
+def _source_id(source) -> Dict[str, Any]:
+    """A source's file identity and weight, plus how it is read when that is not the default (a `format:`
+    other than jsonl, an `image_root`), so changing only those is a data change too."""
+    ident = _file_id(source.path) if os.path.isfile(source.path) else {"path": os.path.abspath(source.path)}
+    ident["weight"] = source.weight
+    for key, default in (("format", "jsonl"), ("image_root", "")):
+        if getattr(source, key, default) != default:
+            ident[key] = getattr(source, key)
+    return ident
 
 
 def stage_fingerprint(run_cfg, stage) -> Dict[str, Any]:
@@ -165,6 +175,7 @@ def fingerprint_diff(old: Dict[str, Any], new: Dict[str, Any]) -> str:
     a = {d.get("path"): d for d in old.get("sources", [])} or {old.get("packed", {}).get("path"): old.get("packed")}
     b = {d.get("path"): d for d in new.get("sources", [])} or {new.get("packed", {}).get("path"): new.get("packed")}
     parts = [f"removed {p}" for p in a if p not in b] + [f"added {p}" for p in b if p not in a]
-    parts += [f"{p} changed ({', '.join(k for k in ('size', 'sha256_ends', 'weight') if a[p].get(k) != b[p].get(k))})"
+    keys = ("size", "sha256_ends", "weight", "format", "image_root")
+    parts += [f"{p} changed ({', '.join(k for k in keys if a[p].get(k) != b[p].get(k))})"
               for p in a if p in b and a[p] != b[p]]
     return "; ".join(parts) or "data sources changed"

@@ -64,7 +64,7 @@ from mindvl_ms.train.lr import WarmupCosine
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.post.sampler import ResponseSampler
 from mindvl_ms.train.post.sources import post_data_factory
-from mindvl_ms.train.post.stage import make_step_driver, plot_post
+from mindvl_ms.train.post.stage import check_post_stages, make_step_driver, plot_post
 from mindvl_ms.train.train_step import StepResult, TrainStep
 
 log = logging.getLogger(__name__)
@@ -373,6 +373,7 @@ class StageChain:
     def __init__(self, run_cfg, out_dir: str, model=None, data_factory: Optional[Callable] = None,
                  collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None):
         self.run_cfg, self.out_dir, self.progress, self.sampler = run_cfg, out_dir, progress, sampler
+        check_post_stages(run_cfg.stages, sampler)
         self.dist = setup(run_cfg)
         os.makedirs(out_dir, exist_ok=True)
         np.random.seed(run_cfg.seed % 2**32)

@@ -16,6 +16,7 @@ from mindvl_ms.config.data import DataConfig, DataSource
 from mindvl_ms.config.base import ConfigError, load
 from mindvl_ms.data.dataset import DataLoader
 from mindvl_ms.data.formats import convert_file, detect_format, loader_image_dir
+from mindvl_ms.data.skiplog import data_fingerprint, fingerprint_diff
 from mindvl_ms.data.validate import validate_file
 
 SEQ = 600
@@ -261,3 +262,17 @@ def test_config_format_field():
         load(DataConfig, {"sources": [{"path": "x.json", "format": "alpaca"}]})
     with pytest.raises(ConfigError, match="image_root is for llava"):
         load(DataConfig, {"sources": [{"path": "x.jsonl", "image_root": "imgs"}]})
+
+
+def test_how_a_source_is_read_is_part_of_its_fingerprint(tmp_path):
+    """Changing only a source's `format:` or `image_root:` is a data change on resume (the default jsonl
+    reading leaves the fingerprint as it was, so older checkpoints still match)."""
+    path = tmp_path / "d.json"
+    path.write_text("[]")
+    plain = data_fingerprint(load(DataConfig, {"sources": [{"path": str(path)}]}))
+    assert not {"format", "image_root"} & set(plain["sources"][0])
+    llava = data_fingerprint(load(DataConfig, {"sources": [{"path": str(path), "format": "llava"}]}))
+    rooted = data_fingerprint(load(DataConfig, {"sources": [{"path": str(path), "format": "llava",
+                                                             "image_root": str(tmp_path)}]}))
+    assert fingerprint_diff(plain, llava) == f"{path} changed (format)"
+    assert fingerprint_diff(llava, rooted) == f"{path} changed (image_root)"

@@ -67,6 +67,10 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist, sampler: Optional[
     cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
     if not cfg.sources:
         raise ValueError(f"stage '{stage.name}' ({stage.type}): data.sources is empty")
+    for src in cfg.sources:
+        if src.format != "jsonl":
+            raise ValueError(f"stage '{stage.name}' ({stage.type}): source {src.path}: format '{src.format}': "
+                             f"preference and prompt lines are read in this project's JSONL only (format: jsonl)")
     proc = MindVLProcessor(config=cfg)
     kind = "preference" if stage.type == "dpo" else "prompt"
     lines = [s for src in cfg.sources for s in read_post_file(src.path, kind)]

@@ -30,7 +30,7 @@ from mindvl_ms.train.loss import IGNORE
 from mindvl_ms.train.post.dpo import DPOObjective, RunningMean, dpo_arrays, response_sums, segment_of_rows
 from mindvl_ms.train.post.grpo import GRPOObjective, group_advantages
 from mindvl_ms.train.post.rewards import Verifier
-from mindvl_ms.train.post.sampler import require_sampler, rollout_seed
+from mindvl_ms.train.post.sampler import ResponseSampler, require_sampler, rollout_seed
 from mindvl_ms.train.post.step import PostTrainStep
 
 
@@ -153,6 +153,15 @@ def verifier_of(stage) -> Verifier:
         return Verifier(g.reward, g.accuracy_weight, g.format_weight, g.numeric_rel_tol)
     except ValueError as e:
         raise ConfigError(f"stage '{stage.name}': grpo.reward: {e}") from None
+
+
+def check_post_stages(stages, sampler: Optional[ResponseSampler]) -> None:
+    """Before any stage runs: every grpo stage's reward names a verifier and a sampler was given, so a
+    run never trains its first stages and then stops at a later one's typo."""
+    for stage in stages:
+        if stage.type == "grpo":
+            verifier_of(stage)
+            require_sampler(stage, sampler)
 
 
 class GRPOStepDriver(StepDriver):

@@ -4,6 +4,10 @@ import os
 import shutil
 
 import numpy as np
+import pytest
+
+from mindvl_ms.train import load_run_config
+from mindvl_ms.train.post.sources import post_data_factory
 
 from tests.support import post as H
 
@@ -34,3 +38,13 @@ def test_dpo_margin_grows_and_resume_is_exact(tmp_path):
     assert [r["margin"] for r in recs_b] == m
 
 
+
+
+def test_a_post_training_source_in_another_format_is_refused(tmp_path):
+    """Preference and prompt lines are read as this project's JSONL only: a `format: llava` source is named."""
+    src = tmp_path / "pairs.json"
+    src.write_text("[]")
+    stage = dict(DPO_STAGE, data={"sources": [{"path": str(src), "format": "llava"}]})
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "plot": False, "stages": [stage]})
+    with pytest.raises(ValueError, match=r"stage 'dpo' \(dpo\): source .*pairs.json: format 'llava'"):
+        post_data_factory(cfg, cfg.stages[0], 0, None)

@@ -8,6 +8,8 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from mindvl_ms.config.base import ConfigError
+from mindvl_ms.infer.rollout import EngineSampler
 from tests.support import post as H
 from mindvl_ms.infer.generate import generate
 from mindvl_ms.infer.rollout import sample_group, sample_groups
@@ -102,3 +104,22 @@ def test_grpo_stage_without_a_sampler_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"stage 'grpo' \(grpo\) samples responses but no sampler was given"):
         run_training(cfg, str(tmp_path / "x"), model=MindVLModel(cfg.model),
                      data_factory=lambda *a: H.prompt_source(), progress=False)
+
+
+def test_a_later_grpo_stage_is_checked_before_the_first_stage_trains(tmp_path):
+    """A reward name that resolves to no verifier, or a missing sampler, in the chain's last stage stops the
+    run before its first stage takes a step (nothing is written)."""
+    sft = dict(GRPO_STAGE, name="sft", type="sft")
+    sft.pop("grpo")
+    bad = dict(GRPO_STAGE, grpo=dict(GRPO_STAGE["grpo"], reward="exactmatch"))
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "plot": False, "stages": [sft, bad]})
+    out = tmp_path / "x"
+    with pytest.raises(ConfigError, match="stage 'grpo': grpo.reward: unknown reward 'exactmatch'"):
+        run_training(cfg, str(out), model=MindVLModel(cfg.model), data_factory=lambda *a: H.prompt_source(),
+                     progress=False, sampler=EngineSampler())
+    assert not out.exists() or not any(out.iterdir())
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "plot": False, "stages": [sft, GRPO_STAGE]})
+    with pytest.raises(ValueError, match="no sampler was given"):
+        run_training(cfg, str(out), model=MindVLModel(cfg.model), data_factory=lambda *a: H.prompt_source(),
+                     progress=False)
+    assert not out.exists() or not any(out.iterdir())
