@@ -1,4 +1,4 @@
-"""One tiny random Qwen2.5-VL checkpoint + its MindSpore model for all tests/test_infer_*.py modules.
+"""One tiny random Qwen2.5-VL checkpoint + its MindSpore model for all tests/infer/test_*.py modules.
 
 Built once per pytest process (the compiled generation cells are cached on the model, so every inference
 test module reuses the same graphs instead of compiling its own).

@@ -24,7 +24,7 @@ gradient is the plain policy gradient -sum A grad(logp) / N.
 A token counts as clipped when the clipped term is the active one and its gradient is zero:
 A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low.
 
-`GRPOObjective` is the graph cell (see post_step.py); `group_advantages` and `grpo_loss_numpy` are the
+`GRPOObjective` is the graph cell (see train/post/step.py); `group_advantages` and `grpo_loss_numpy` are the
 host-side reference used by the stage and by the tests.
 """
 from __future__ import annotations
