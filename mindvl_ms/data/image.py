@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 import os
+import struct
+from fractions import Fraction
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -67,27 +69,46 @@ def quality_errors(width: int, height: int, cfg: ImageConfig, what: str = "") ->
     if min(width, height) < cfg.min_side:
         out.append(("below minimum resolution", f"{what}{width}x{height}, shortest side must be >= "
                                                 f"{cfg.min_side} (data.image.min_side)"))
-    if max(width, height) / max(min(width, height), 1) > cfg.max_aspect_ratio:
+    # exact ratio: the sides may be a line's own numbers (trusted image_sizes), too large for a float
+    if Fraction(max(width, height), max(min(width, height), 1)) > cfg.max_aspect_ratio:
         out.append(("extreme aspect ratio", f"{what}{width}x{height}, ratio above {cfg.max_aspect_ratio:g} "
                                             f"(data.image.max_aspect_ratio)"))
     return out
 
 
+# what PIL raises for a file it cannot read: besides OSError (unknown format, truncated data), its decoders
+# raise ValueError, SyntaxError, EOFError or struct.error on broken streams, and a header declaring more than
+# twice Image.MAX_IMAGE_PIXELS raises DecompressionBombError before any pixel is read
+_PIL_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
+
+
+def _unreadable(path: str, e: Exception) -> OSError:
+    msg = str(e) if path in str(e) else f"{path}: {e}"
+    return OSError(msg if isinstance(e, OSError) else f"{msg} ({type(e).__name__})")
+
+
 def load_image(path: str) -> Image.Image:
-    """Decode an image file fully (errors name the file)."""
+    """Decode an image file fully; any failure is an OSError naming the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"image not found: {path}")
-    with Image.open(path) as im:
-        im.load()
-        return im.copy()
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy()
+    except _PIL_ERRORS as e:
+        raise _unreadable(path, e) from None
 
 
 def image_size(path: str) -> Tuple[int, int]:
-    """(width, height) from the file header only (PIL opens lazily; no pixel decoding)."""
+    """(width, height) from the file header only (PIL opens lazily; no pixel decoding); any failure is an
+    OSError naming the file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"image not found: {path}")
-    with Image.open(path) as im:
-        return im.size
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except _PIL_ERRORS as e:
+        raise _unreadable(path, e) from None
 
 
 def normalise_frames(image: Image.Image, cfg: ImageConfig) -> np.ndarray:

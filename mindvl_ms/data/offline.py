@@ -28,7 +28,7 @@ from tqdm import tqdm
 from mindvl_ms.config.data import DataConfig
 from mindvl_ms.data.image import image_size, image_tokens, quality_errors
 from mindvl_ms.data.jsonl import line_offsets
-from mindvl_ms.data.processor import MindVLProcessor
+from mindvl_ms.data.processor import MindVLProcessor, check_text
 from mindvl_ms.data.packing import Item, assign_ranks, efficiency, pack_bfd, split_oversized
 from mindvl_ms.data.schema import Sample, SampleError, count_placeholders, parse_raw, read_raw_lines
 
@@ -44,17 +44,21 @@ def _init_worker(config: DataConfig, check_sizes: bool = True) -> None:
 
 def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, int]:
     """(tokens, image_tokens) of a parsed sample from metadata (sizes or image headers); with
-    `check_sizes`, given image_sizes must match the headers."""
+    `check_sizes`, given image_sizes must match the headers. Text holding a raw vision token is a
+    SampleError here as in the loader (`check_text`)."""
     n_ph = count_placeholders(sample)
     if n_ph != len(sample.images):
         raise SampleError(sample.source, sample.line, "image count mismatch",
                           f"{n_ph} <image> placeholders for {len(sample.images)} images")
+    check_text(sample)
     sizes = sample.image_sizes
     if sizes is None or check_sizes:
-        try:
-            real = [image_size(p) for p in sample.images]
-        except (OSError, FileNotFoundError) as e:
-            raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+        real = []
+        for k, p in enumerate(sample.images):
+            try:
+                real.append(image_size(p))
+            except OSError as e:
+                raise SampleError(sample.source, sample.line, "unreadable image", f"field images[{k}]: {e}") from None
         for k, (given, got) in enumerate(zip(sizes or real, real)):
             if tuple(given) != tuple(got):
                 raise SampleError(sample.source, sample.line, "image size mismatch",
@@ -67,7 +71,7 @@ def sample_meta(proc, sample: Sample, check_sizes: bool = True) -> Tuple[int, in
             raise SampleError(sample.source, sample.line, bad[0][0], f"field {field}[{k}]: {bad[0][1]}")
     try:
         counts = [image_tokens(w, h, proc.image_config) for w, h in sizes]
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # OverflowError: trusted image_sizes too large for a float
         raise SampleError(sample.source, sample.line, "bad image size", f"field {field}: {e}") from None
     vcounts = proc.video_token_counts(sample, proc.video_metas(sample, check=check_sizes))
     return proc.count_tokens(sample.messages, counts, vcounts), sum(counts) + sum(vcounts)

@@ -14,7 +14,9 @@ packer (`count_tokens`), so packer and loader always agree on lengths.
 A training sample whose image breaks the `data.image` quality filters (data/image.py) is skipped with a
 SampleError naming file:line; `process_sample` also checks each decoded image against the line's
 `image_sizes` (the packer counted tokens from them), so a wrong size costs that line, named by file:line
-and field, instead of the run.
+and field, instead of the run. So does an image that cannot be decoded (`load_images`: field and file
+named) and text that already holds a vision token (`check_text`, which the offline packer's metadata
+pass runs too, so packer and loader reject the same lines).
 
 A checkpoint carries its processor as files (data/processor_files.py): `MindVLProcessor.from_pretrained`
 reads them, `save_processor`, `carry_processor` and `ProcessorWriter` write them, `processor_of` builds
@@ -41,7 +43,8 @@ from mindvl_ms.data.processor_files import (copy_processor_files, has_tokenizer,
 from mindvl_ms.data.schema import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleError, count_placeholders,
                                    normalise_messages)
 from mindvl_ms.data.tokenizer import TextTokenizer, load_tokenizer
-from mindvl_ms.data.tokens import CHAT_TOKENS, IGNORE_INDEX, IM_END, IM_START, IMAGE_PAD, IMAGE_TAG, VIDEO_PAD, VIDEO_TAG
+from mindvl_ms.data.tokens import (CHAT_TOKENS, IGNORE_INDEX, IM_END, IM_START, IMAGE_PAD, IMAGE_TAG, VIDEO_PAD,
+                                   VIDEO_TAG, VISION_TOKENS)
 from mindvl_ms.data.video import VideoMeta, load_video, probe_video, video_rng, video_tokens
 
 
@@ -98,6 +101,28 @@ def expand_image_pads(ids: np.ndarray, labels: np.ndarray, pad_id: int, counts: 
     return np.repeat(ids, reps), np.repeat(out_labels, reps)
 
 
+def check_text(sample: Sample) -> None:
+    """SampleError for text that already holds a vision token: the template would take a raw <|image_pad|>
+    for an image's pad and expand the wrong one (or find more pads than images), and the packer's count
+    would disagree with the loader's."""
+    for i, m in enumerate(sample.messages):
+        raw = [t for t in VISION_TOKENS if t in m["content"]]
+        if raw:
+            raise SampleError(sample.source, sample.line, "raw vision token",
+                              f"field messages[{i}].content contains {raw[0]}; use <image> / <video> placeholders")
+
+
+def load_images(sample: Sample) -> list:
+    """Decoded images of a sample; an unreadable one is a SampleError naming its field and file."""
+    images = []
+    for k, p in enumerate(sample.images):
+        try:
+            images.append(load_image(p))
+        except OSError as e:
+            raise SampleError(sample.source, sample.line, "unreadable image", f"field images[{k}]: {e}") from None
+    return images
+
+
 # ----------------------------------------------------------------------------------------------
 # videos of a sample (metadata only; decoding is data/video.py's load_video)
 
@@ -131,7 +156,7 @@ def video_token_counts(sample: Sample, metas, image: ImageConfig, video, seed: i
     """Merged tokens per video from metadata (the fps draw is seeded by (data seed, line, index))."""
     try:
         return [video_tokens(m, image, video, video_rng(seed, sample.line, k)) for k, m in enumerate(metas)]
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # OverflowError: trusted metadata too large for a float
         raise SampleError(sample.source, sample.line, "bad video", f"field videos: {e}") from None
 
 
@@ -215,11 +240,9 @@ class MindVLProcessor:
             raise SampleError(sample.source, sample.line, "image count mismatch",
                               f"{count_placeholders(sample)} <image> placeholders for "
                               f"{len(sample.images if images is None else images)} images")
+        check_text(sample)
         if images is None:
-            try:
-                images = [load_image(p) for p in sample.images]
-            except (OSError, FileNotFoundError) as e:
-                raise SampleError(sample.source, sample.line, "unreadable image", str(e)) from None
+            images = load_images(sample)
         for k, im in enumerate(images):
             name = sample.images[k] if k < len(sample.images) else f"images[{k}]"
             if sample.image_sizes is not None and tuple(sample.image_sizes[k]) != tuple(im.size):

@@ -15,7 +15,10 @@ validation count tokens without opening the file (mindvl_ms/data/video.py).
 Errors are `SampleError`s naming file, line and field; `iter_jsonl` never skips a line silently:
 blank, undecodable (not UTF-8) and unparsable lines come out as errors for the caller to count.
 Lines are read as bytes and decoded one at a time (`parse_raw`), so a bad byte costs one line, and
-the error names the byte, its column and the JSON field it sits in.
+the error names the byte, its column and the JSON field it sits in. JSON the parser refuses past its
+limits (an integer of more than `sys.get_int_max_str_digits()` digits, nesting past the recursion limit)
+is "invalid json" too, and a string holding a lone UTF-16 surrogate escape (`"\\ud800"`: valid JSON, not
+text) is a schema error naming its field, since it can be neither tokenized nor written back as UTF-8.
 
 Top-level fields other than the schema's (e.g. a benchmark's `task` and `metric`) are kept in
 `Sample.extra` as metadata; one warning per file names them (`warn_unknown`).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -107,6 +111,9 @@ def parse_sample(obj: Any, source: str, line: int) -> Sample:
     try:
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+        bad_text = _first_string(obj, _not_text)
+        if bad_text is not None:
+            raise ValueError(_surrogate_detail(bad_text))
         unknown = sorted(set(obj) - set(FIELDS))
         if unknown:
             warn_unknown(source, unknown, FIELDS)
@@ -157,18 +164,47 @@ def warn_unknown(source: str, names: List[str], known) -> None:
                       f"(the schema reads {', '.join(known)})", stacklevel=3)
 
 
-def _surrogate_path(obj: Any, path: str = "") -> Optional[str]:
-    """Dotted path of the first string in `obj` holding an undecodable byte (a lone surrogate)."""
-    if isinstance(obj, str):
-        return path if any("\udc80" <= ch <= "\udcff" for ch in obj) else None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for k, v in items:
-        if isinstance(k, str) and _surrogate_path(k) is not None:
-            return f"{path}.{k}".lstrip(".") + " (the key)"
-        sub = _surrogate_path(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}".lstrip("."))
-        if sub is not None:
-            return sub
+def _not_text(s: str) -> bool:
+    """True when `s` holds a surrogate (a lone JSON escape, or an undecodable byte kept by surrogateescape)."""
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _shown(key: str) -> str:
+    """A key as it can be printed: an undecodable byte as \\xNN, a lone surrogate escape as \\udNNN."""
+    try:
+        return key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _first_string(obj: Any, bad) -> Optional[Tuple[str, str]]:
+    """(dotted path, string) of the first key or string value of a decoded JSON value for which `bad(string)`
+    holds; keys come back as "path (the key)". Iterative, so any nesting depth the parser accepted is walked."""
+    stack = [("", obj)]
+    while stack:
+        path, o = stack.pop()
+        if isinstance(o, str):
+            if bad(o):
+                return path, o
+            continue
+        items = list(o.items()) if isinstance(o, dict) else list(enumerate(o)) if isinstance(o, list) else []
+        for k, _ in items:
+            if isinstance(k, str) and bad(k):
+                return f"{path}.{_shown(k)}".lstrip(".") + " (the key)", k
+        stack += [(f"{path}[{k}]" if isinstance(k, int) else f"{path}.{_shown(k)}".lstrip("."), v)
+                  for k, v in reversed(items)]
     return None
+
+
+def _surrogate_detail(found: Tuple[str, str]) -> str:
+    path, text = found
+    cp = next(ord(c) for c in text if "\ud800" <= c <= "\udfff")
+    return (f"field '{path}' holds \\u{cp:04x}, half of a UTF-16 surrogate pair, which is not a character: "
+            f"expected text (write the character itself, or both escapes of its pair)")
 
 
 def decode_line(raw: bytes, source: str, line: int):
@@ -179,9 +215,9 @@ def decode_line(raw: bytes, source: str, line: int):
     except UnicodeDecodeError as e:
         where = ""
         try:
-            f = _surrogate_path(json.loads(raw.decode("utf-8", errors="surrogateescape")))
-            where = f" in field '{f}'" if f else ""
-        except ValueError:
+            found = _first_string(json.loads(raw.decode("utf-8", errors="surrogateescape")), _not_text)
+            where = f" in field '{found[0]}'" if found else ""
+        except (ValueError, RecursionError):  # not JSON either: the byte and column say enough
             pass
         return SampleError(source, line, "undecodable bytes",
                            f"byte 0x{raw[e.start]:02x} at column {e.start + 1}{where} is not UTF-8 "
@@ -215,14 +251,27 @@ def iter_jsonl(path: str) -> Iterator[Tuple[int, Any]]:
             yield n, parse_raw(raw, path, n)
 
 
+def load_json(text: str, source: str, line: int):
+    """The decoded JSON value of one line, or a SampleError (reason 'invalid json', returned): syntax errors,
+    and values the parser refuses past its limits (see the module doc)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return SampleError(source, line, "invalid json", str(e))
+    except RecursionError:
+        return SampleError(source, line, "invalid json", f"arrays/objects nested deeper than the parser's limit "
+                                                         f"(the recursion limit, {sys.getrecursionlimit()})")
+    except ValueError as e:  # int() refuses a literal of more than sys.get_int_max_str_digits() digits
+        return SampleError(source, line, "invalid json", f"a number the parser refuses: {e}")
+
+
 def parse_line(text: str, source: str, line: int):
     """One raw line -> Sample, or a SampleError (returned, not raised) for blank/invalid lines."""
     if not text.strip():
         return SampleError(source, line, "blank line", "empty line")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return SampleError(source, line, "invalid json", str(e))
+    obj = load_json(text, source, line)
+    if isinstance(obj, SampleError):
+        return obj
     try:
         return parse_sample(obj, source, line)
     except SampleError as e:

@@ -42,7 +42,8 @@ from mindvl_ms.data.grounding import grounding_errors
 from mindvl_ms.data.image import quality_errors
 from mindvl_ms.data.preference import parse_line_any
 from mindvl_ms.data.processor import video_metas, video_token_counts
-from mindvl_ms.data.schema import VIDEO_PLACEHOLDER, FIELDS, SampleError, count_placeholders, decode_line, read_raw_lines
+from mindvl_ms.data.schema import (VIDEO_PLACEHOLDER, FIELDS, SampleError, count_placeholders, decode_line, load_json,
+                                   read_raw_lines)
 from mindvl_ms.data.tokens import VISION_TOKENS
 from mindvl_ms.data.video import load_video, video_rng
 
@@ -80,6 +81,9 @@ def check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: boo
 def _check_line(raw: bytes, source: str, line: int, cfg: ImageConfig, decode: bool,
                 cache: Dict) -> List[Tuple[str, str]]:
     text = decode_line(raw, source, line)
+    if not isinstance(text, SampleError) and text.strip():
+        obj = load_json(text, source, line)  # JSON the parser refuses past its limits, before any reader sees it
+        text = obj if isinstance(obj, SampleError) else text
     # SFT, preference (chosen/rejected) and RL prompt (answer) lines
     s = text if isinstance(text, SampleError) else parse_line_any(text, source, line)
     if isinstance(s, SampleError):
@@ -133,9 +137,9 @@ def check_videos(s, image: ImageConfig, video: VideoConfig, decode: bool) -> Lis
 
 def unknown_fields(raw: bytes) -> List[str]:
     """Top-level fields of a line outside the schema (kept as metadata; reported, not errors)."""
-    try:
-        obj = json.loads(raw)
-    except ValueError:
+    try:  # strict UTF-8 (json.loads of bytes would let encoded surrogates through): the line's error says why
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
         return []
     return sorted(set(obj) - set(FIELDS)) if isinstance(obj, dict) else []
 
