@@ -1,21 +1,29 @@
-"""Malformed data lines through `mindvl data validate`, `mindvl data pack` and the online loader
-(tests/data/fuzz_lines.py builds the files they point at).
+"""Fuzzed data input: generated malformed lines mixed with good ones through `mindvl data validate`,
+`mindvl data pack` and the online loader (tests/data/fuzz_lines.py builds and labels the lines).
 
-Each line that crashed a reader (or passed one that must reject it) is named by every reader, by file, line,
-reason and field, and the good line next to it still trains.
+For every generated file: no reader raises (no traceback, no catch-all "error" reason: each bad line is
+named by file and line with a specific reason); every bad line is named by each reader that must see it;
+every good line comes out of the online loader in a batch (`build_model_inputs`), exactly once; the counts
+add up (validate: ok + bad == lines; pack: packed + dropped == lines; loader: trained + skipped == lines).
+Hypothesis draws EXAMPLES files of LINES_PER_FILE line specs (template, mutation or none, seed), derandomized;
+the readers run as in use: the CLI commands with one worker, the online loader with `build_model_inputs`.
+The crashes the fuzz found are kept below as plain one-line cases (`test_fuzz_finding_is_named_by_every_reader`).
 
     python -m pytest -q tests/data/test_fuzz.py
 """
 import io
 import json
 import os
+import re
 import shutil
+import time
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
-from typing import Dict, List
+from typing import Dict, List, Set
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from mindvl_ms.cli import main
 from mindvl_ms.config.base import load
@@ -26,7 +34,12 @@ from mindvl_ms.data.dataset import DataLoader
 from mindvl_ms.data.offline import sample_meta
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import SampleError, parse_sample
-from tests.data.fuzz_lines import DATA_SECTION, SEQ, Line, build_world, write_lines
+from tests.data.fuzz_lines import (DATA_SECTION, MUTATION_NAMES, SEQ, TEMPLATES, Line, build_line, build_world,
+                                   write_lines)
+
+LINES_PER_FILE = 230
+EXAMPLES = 10
+MIN_LINES = 2000
 
 
 def _cli(argv: List[str]):
@@ -73,6 +86,60 @@ def run_loader(src: str, proc: MindVLProcessor, model: MindVLConfig):
     return lines, loader
 
 
+def _same_lines(reader: str, named: Dict[int, str], want: Set[int], where: Dict[int, str]) -> None:
+    """`named` (line -> reason) holds exactly the lines `want`, none with the catch-all reason "error"."""
+    crashed = [(where[k], r) for k, r in sorted(named.items()) if r == "error"]
+    assert not crashed, f"{reader}: a line failed with no named reason (a traceback caught): {crashed[:5]}"
+    missing, extra = sorted(want - set(named)), sorted(set(named) - want)
+    assert not missing and not extra, (f"{reader}: bad lines not named: {[where[k] for k in missing][:5]}; "
+                                       f"good lines named: {[(where[k], named[k]) for k in extra][:5]}")
+
+
+def check_validate(src: str, config: str, n: int, bad: Set[int], where: Dict[int, str]) -> None:
+    rep = run_validate(src, config)
+    _same_lines("validate", {e["line"]: e["reason"] for e in rep["errors"]}, bad, where)
+    assert rep["num_lines"] == n and rep["num_ok"] + rep["num_bad"] == n and rep["num_bad"] == len(bad)
+    printed = {int(m.group(1)) for m in re.finditer(rf"^{re.escape(src)}:(\d+): ", rep["stdout"], re.M)}
+    assert printed == bad  # every bad line on stdout as file:line: reason: detail
+
+
+def check_pack(src: str, config: str, n: int, bad: Set[int], where: Dict[int, str]) -> None:
+    man = run_pack(src, config, src + ".packed")
+    _same_lines("pack", {d["line"]: d["reason"] for d in man["dropped"]}, bad, where)
+    assert sorted(k for p in man["packs"] for k in p["lines"]) == sorted(set(range(1, n + 1)) - bad)
+    assert man["num_lines"] == n and man["num_samples"] + len(man["dropped"]) == n
+
+
+def check_loader(src: str, proc, model, n: int, bad: Set[int], where: Dict[int, str]) -> int:
+    """The online loader's epoch: the good lines come out in batches once each, the bad ones are skipped
+    as file:line; returns the number trained."""
+    trained, loader = run_loader(src, proc, model)
+    skipped = {}
+    for s in loader.skipped:  # "file:line: reason: detail"
+        assert s.startswith(src + ":"), s
+        k, reason, _ = s[len(src) + 1:].split(": ", 2)
+        skipped[int(k)] = reason
+    _same_lines("load", skipped, bad, where)
+    assert sorted(trained) == sorted(set(range(1, n + 1)) - bad)
+    stats = loader.skip_stats()
+    assert (stats["epoch_seen"], stats["epoch_skipped"], stats["epoch_total"]) == (n, len(bad), n)
+    return len(trained)
+
+
+def check_file(src: str, lines: List[Line], config: str, proc, model) -> Dict[str, int]:
+    """Run the three readers over `src` and check the properties (module doc); returns counts."""
+    n = len(lines)
+    where = {k: f"line {k}: {x.kind}: {x.raw[:160]!r}" for k, x in enumerate(lines, 1)}
+    bad = {r: {k for k, x in enumerate(lines, 1) if r in x.bad} for r in ("validate", "pack", "load")}
+    check_validate(src, config, n, bad["validate"], where)
+    try:
+        check_pack(src, config, n, bad["pack"], where)
+    finally:
+        shutil.rmtree(src + ".packed", ignore_errors=True)
+    trained = check_loader(src, proc, model, n, bad["load"], where)
+    return {"lines": n, "bad_named": len(bad["validate"] | bad["pack"] | bad["load"]), "trained": trained}
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fuzz"))
@@ -84,7 +151,34 @@ def world(tmp_path_factory):
     return w, config, MindVLProcessor(config=cfg), MindVLConfig()
 
 
-# the crashes found, one line each: (line, {reader: (reason, fragments of the detail) or None})
+SPEC = st.tuples(st.integers(0, len(TEMPLATES) - 1), st.one_of(st.none(), st.sampled_from(MUTATION_NAMES)),
+                 st.integers(0, 2 ** 32 - 1))
+
+
+def test_fuzzed_lines_are_named_good_lines_train_counts_add_up(world):
+    w, config, proc, model = world
+    totals = {"files": 0, "lines": 0, "bad_named": 0, "trained": 0}
+    t0 = time.perf_counter()
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              phases=(Phase.explicit, Phase.generate),  # no shrinking: the failure message names the lines
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @given(specs=st.lists(SPEC, min_size=LINES_PER_FILE, max_size=LINES_PER_FILE))
+    def fuzz(specs):
+        lines = [build_line(w, n, *spec) for n, spec in enumerate(specs, 1)]
+        src = write_lines(os.path.join(w.root, f"fuzz{totals['files']}.jsonl"), lines)
+        totals["files"] += 1
+        for k, v in check_file(src, lines, config, proc, model).items():
+            totals[k] += v
+
+    fuzz()
+    assert totals["files"] == EXAMPLES and totals["lines"] >= MIN_LINES, totals
+    assert 0 < totals["trained"] < totals["lines"] and totals["bad_named"] > 0, totals
+    print(f"fuzz: {totals} in {time.perf_counter() - t0:.1f}s")
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the crashes the fuzz found, one line each: (line, {reader: (reason, fragments of the detail) or None})
 
 def _text(answer="a cat", **kw):
     return {"messages": [{"role": "user", "content": "What is it?"}, {"role": "assistant", "content": answer}], **kw}
