@@ -31,7 +31,7 @@ from mindvl_ms.data.tokens import CHAT_TOKENS, IMAGE_PAD, VIDEO_PAD, VISION_END,
 def subset_ids(processor, samples: Iterable, prompts: Iterable = ()) -> List[int]:
     """Sorted base-tokenizer ids of `samples` (data.schema.Sample) as `processor` renders them (chat
     template, generation prompt, vision tags), of `prompts` (message lists ending with the user turn, as an
-    evaluation feeds them: `eval.benchmark.EvalItem.messages`, never their answers) as generation renders
+    evaluation feeds them: `eval.items.EvalItem.messages`, never their answers) as generation renders
     them, plus the processor's special tokens."""
     tok = processor.tokenizer
     if isinstance(tok, SubsetTokenizer):

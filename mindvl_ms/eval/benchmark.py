@@ -1,6 +1,10 @@
-"""`mindvl eval`: run a checkpoint over a JSONL benchmark, write predictions.jsonl and scores.json.
+"""`mindvl eval`: run a checkpoint over a benchmark file, write predictions.jsonl and scores.json.
 
     mindvl eval --ckpt ckpt/merged --data bench/docvqa_val.jsonl [--min-pixels N --max-pixels N] [--out DIR]
+    mindvl eval --ckpt ckpt/merged --data MMBench_DEV_EN.tsv [--metric NAME]
+
+A `.tsv` file is a VLMEvalKit benchmark (eval/tsv.py: base64 images, VLMEvalKit's prompts, answer
+extraction and circular grouping); any other file is this project's JSONL, described here.
 
 Benchmark lines use the training format (docs/DATA.md) plus optional evaluation fields:
     {"id": "q1", "images": ["img/1.png"], "messages": [{"role": "user", "content": "<image>\\nTitle?"},
@@ -10,6 +14,7 @@ Benchmark lines use the training format (docs/DATA.md) plus optional evaluation 
      "options": {"A": "cat", "B": "dog"},                  # multiple choice: appended to the question
      "group": "img1", "category": "HME100k",               # MME/circular grouping, OCRBench category
      "answer_after": "Answer: "}                           # score only the text after its last occurrence
+`--metric` (`metric=`) is the metric of lines that name none (before the task's default).
 The prompt is every turn before the last assistant turn. `answer_after` is for answers that follow a
 generated description or reasoning: the metric sees the prediction's text after the last occurrence of
 that string (all of it when the string does not occur); predictions.jsonl keeps the whole prediction.
@@ -25,6 +30,8 @@ Design:
   backend is the real model (`mindvl_ms.infer.generate`); tests inject a fake.
 - Pixel limits: the flags, else the checkpoint's inference_config.json (written by
   `mindvl search-resolution --save`), else its preprocessor_config.json, else Qwen2-VL's defaults.
+- scores.json has per task the metric's aggregate, and per `category` (and a TSV's `l2-category`,
+  `split`) the same aggregate as by_category / by_l2-category / by_split.
 - Bad lines are collected and reported together (file:line: problem); nothing is skipped silently.
   Lines are decoded one at a time, so a non-UTF-8 byte is named with its line, column and field.
   Unknown top-level fields are kept (one warning names them), so training files evaluate as they are.
@@ -36,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from tqdm import tqdm
@@ -45,30 +51,14 @@ from mindvl_ms.config.data import ImageConfig
 from mindvl_ms.data.image import image_size, smart_resize
 from mindvl_ms.data.schema import IMAGE_PLACEHOLDER, SampleError, decode_line, normalise_messages, warn_unknown
 from mindvl_ms.eval import metrics as M
+from mindvl_ms.eval.items import EvalItem
+from mindvl_ms.eval.tsv import BREAKDOWN_COLUMNS, load_tsv
 from mindvl_ms.infer.generate import load_eval_backend
 
 INFERENCE_CONFIG = "inference_config.json"
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 EVAL_FIELDS = {"id", "images", "image_sizes", "messages", "source", "meta", "answers", "task", "metric",
                "options", "group", "category", "answer_after"}
-
-
-@dataclass
-class EvalItem:
-    """One generation request: a benchmark line (or one circular pass of it) and its reference."""
-
-    uid: str                               # unique key: id, plus "#k" for circular pass k
-    id: str
-    line: int
-    task: str
-    metric: str
-    messages: List[Dict[str, str]]          # prompt turns, the last one is the user's
-    images: List[str]                       # absolute paths
-    ref: dict                               # answers (+ options, category)
-    group: str
-    sizes: Optional[List[Tuple[int, int]]] = None   # (width, height) per image when given
-    extra: dict = field(default_factory=dict)
-    source: str = ""                        # the benchmark file (for file:line in errors)
 
 
 def _options_block(options: Dict[str, str]) -> str:
@@ -81,7 +71,7 @@ def _with_options(messages, options):
     return msgs
 
 
-def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
+def _parse_line(obj, path: str, line: int, default_task: str, default_metric: Optional[str] = None) -> List[EvalItem]:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - EVAL_FIELDS)
@@ -116,7 +106,8 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
             raise ValueError(f"image_sizes: expected {len(images)} [width, height] pairs of positive integers")
         sizes = [(s[0], s[1]) for s in sizes]
     task = str(obj.get("task") or default_task)
-    metric = M.metric_for(task, obj.get("metric"))
+    named = obj.get("metric") or default_metric
+    metric = M.metric_for(task, named)
     options = obj.get("options")
     if isinstance(options, list):
         options = {chr(ord("A") + i): str(v) for i, v in enumerate(options)}
@@ -138,7 +129,7 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
         return [EvalItem(uid, uid, line, task, metric, prompt, images, ref, group, sizes, source=path)]
     options = {str(k).strip().upper(): str(v) for k, v in options.items()}
     if metric not in ("multiple_choice", "circular"):
-        if obj.get("metric"):
+        if named:
             raise ValueError(f"options given but metric is {metric!r} (use multiple_choice or circular)")
         metric = "multiple_choice"
     want = M.answer_letter(answers[0], options)
@@ -156,8 +147,9 @@ def _parse_line(obj, path: str, line: int, default_task: str) -> List[EvalItem]:
     return items
 
 
-def load_benchmark(path: str, limit: Optional[int] = None) -> List[EvalItem]:
-    """All generation requests of a benchmark JSONL; raises ValueError listing every bad line."""
+def load_benchmark(path: str, limit: Optional[int] = None, metric: Optional[str] = None) -> List[EvalItem]:
+    """All generation requests of a benchmark JSONL; raises ValueError listing every bad line. `metric`:
+    the metric of lines that name none."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"benchmark file not found: {path}")
     default_task = os.path.splitext(os.path.basename(path))[0]
@@ -174,7 +166,7 @@ def load_benchmark(path: str, limit: Optional[int] = None) -> List[EvalItem]:
                 errors.append(f"{path}:{n}: blank line")
                 continue
             try:
-                new = _parse_line(json.loads(text), path, n, default_task)
+                new = _parse_line(json.loads(text), path, n, default_task, metric)
             except (ValueError, json.JSONDecodeError) as e:
                 errors.append(f"{path}:{n}: {e}")
                 continue
@@ -190,6 +182,15 @@ def load_benchmark(path: str, limit: Optional[int] = None) -> List[EvalItem]:
     if not items:
         raise ValueError(f"{path}: no samples")
     return items
+
+
+def load_items(path: str, limit: Optional[int] = None, metric: Optional[str] = None,
+               image_dir: Optional[str] = None) -> List[EvalItem]:
+    """The generation requests of a benchmark file: a VLMEvalKit `.tsv` (eval/tsv.py; its images decoded
+    into `image_dir`), else this project's JSONL (`image_dir` unused)."""
+    if path.lower().endswith(".tsv"):
+        return load_tsv(path, limit, metric, image_dir)
+    return load_benchmark(path, limit, metric)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,13 +312,21 @@ def predict(items: Sequence[EvalItem], backend, min_pixels: int, max_pixels: int
 
 
 def score(items: Sequence[EvalItem], preds: Sequence[str]) -> Tuple[List[float], Dict[str, dict]]:
-    """Per-item scores and per-task aggregates ({task: {..., 'metric', 'primary', 'n'}})."""
+    """Per-item scores and per-task aggregates ({task: {..., 'metric', 'primary', 'n'}}), with the
+    aggregate per value of each breakdown column the items give (`by_category`, ...)."""
     per, by_task = [], {}
     for it, p in zip(items, preds):
         s = M.score_sample(it.metric, p, it.ref)
         per.append(s)
-        by_task.setdefault(it.task, (it.metric, []))[1].append({"score": s, "group": it.group})
-    tasks = {t: dict(M.aggregate(m, recs), metric=m) for t, (m, recs) in sorted(by_task.items())}
+        rec = {"score": s, "group": it.group, **{k: it.ref.get(k) or "" for k in BREAKDOWN_COLUMNS}}
+        by_task.setdefault(it.task, (it.metric, []))[1].append(rec)
+    tasks = {}
+    for t, (m, recs) in sorted(by_task.items()):
+        tasks[t] = dict(M.aggregate(m, recs), metric=m)
+        for key in BREAKDOWN_COLUMNS:
+            values = sorted({r[key] for r in recs if r[key]})
+            if values:
+                tasks[t][f"by_{key}"] = {v: M.aggregate(m, [r for r in recs if r[key] == v]) for v in values}
     return per, tasks
 
 
@@ -328,9 +337,12 @@ def load_backend(ckpt: str, max_new_tokens: int = 128):
 
 def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pixels: Optional[int] = None,
              max_pixels: Optional[int] = None, batch_size: int = 8, max_new_tokens: int = 128,
-             limit: Optional[int] = None, progress: bool = True) -> dict:
-    """Run one benchmark file; writes out_dir/predictions.jsonl and out_dir/scores.json; returns the scores."""
-    items = load_benchmark(data, limit)
+             limit: Optional[int] = None, progress: bool = True, metric: Optional[str] = None,
+             image_dir: Optional[str] = None) -> dict:
+    """Run one benchmark file (JSONL or VLMEvalKit TSV); writes out_dir/predictions.jsonl and
+    out_dir/scores.json; returns the scores. A TSV's images are decoded into `image_dir` (default
+    out_dir/images)."""
+    items = load_items(data, limit, metric, image_dir or os.path.join(out_dir, "images"))
     lo, hi, src = resolve_pixels(ckpt, min_pixels, max_pixels)
     os.makedirs(out_dir, exist_ok=True)  # an unwritable output fails before any generation
     backend = backend if backend is not None else load_backend(ckpt, max_new_tokens)
@@ -340,6 +352,9 @@ def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pix
         for it, p, s, hw in zip(items, preds, per, hws):
             rec = {"id": it.uid, "line": it.line, "task": it.task, "metric": it.metric, "prediction": p,
                    "answers": it.ref["answers"], "score": s, "group": it.group, "image_hw": [list(x) for x in hw]}
+            if it.metric in ("multiple_choice", "circular"):
+                rec["choice"] = M.chosen_letter(p, it.ref)  # the option the prediction was read as
+            rec.update({k: it.ref[k] for k in BREAKDOWN_COLUMNS if it.ref.get(k)})
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     result = {"checkpoint": ckpt, "data": os.path.abspath(data), "min_pixels": lo, "max_pixels": hi,
               "pixels_from": src, "tasks": tasks,

@@ -12,9 +12,12 @@ Definitions (each has a hand-computed test in tests/eval/test_metrics.py):
 - vqa_accuracy (VQAv2, TextVQA): min(#humans that gave the answer / 3, 1) after the official answer
   normalisation (punctuation, number words, articles, contractions), applied to prediction and answers.
   With 10 answers it is averaged over the 10 leave-one-annotator-out subsets as the official code does.
-- ocrbench: 1 if any answer is a substring of the prediction (lower-cased; for the HME100k category spaces
-  and newlines are removed instead); the benchmark score is the sum of hits (out of 1000 on OCRBench).
-- multiple_choice: the option letter extracted from the prediction equals the answer letter.
+- ocrbench: 1 if any answer is a substring of the prediction (lower-cased; for the HME100k category, named
+  "Handwritten Mathematical Expression Recognition" in VLMEvalKit's TSV, spaces and newlines are removed
+  instead); the benchmark score is the sum of hits (out of 1000 on OCRBench).
+- multiple_choice: the option letter extracted from the prediction equals the answer letter. Extraction is
+  `extract_option`, or VLMEvalKit's rule-based `can_infer` for a reference with `matcher: "vlmevalkit"`
+  (TSV benchmarks; VLMEvalKit's LLM-judge fallback is not run: an answer the rules cannot place is wrong).
 - circular (MMBench CircularEval): a question counts only if every circular shift of its options is right.
 - grounding (RefCOCO): Acc@IoU0.5 of the first predicted box (openPangu-VL box syntax, 0..999) vs the box.
 - mme: yes/no answers; acc over questions, acc+ over images (both questions right), score = 100*(acc+acc+).
@@ -150,8 +153,11 @@ def vqa_accuracy(pred: str, answers: Sequence[str]) -> float:
 
 # ----------------------------------------------------------------------------------------- OCRBench
 
+HME_CATEGORIES = ("hme100k", "handwritten mathematical expression recognition")
+
+
 def ocrbench_hit(pred: str, answers: Sequence[str], category: str = "") -> float:
-    if category.lower().startswith("hme100k"):
+    if category.lower().startswith(HME_CATEGORIES):
         norm = lambda s: str(s).strip().replace("\n", " ").replace(" ", "")  # noqa: E731
     else:
         norm = lambda s: str(s).lower().strip().replace("\n", " ")  # noqa: E731
@@ -201,6 +207,54 @@ def multiple_choice(pred: str, answer: str, options: Optional[Dict[str, str]] = 
     if want is None:
         raise ValueError(f"multiple-choice answer {answer!r} names no option letter")
     return float(extract_option(pred, options) == want)
+
+
+# VLMEvalKit's rule-based extraction (vlmeval/utils/matching_util.py: can_infer_option, can_infer_text)
+_REFUSALS = ("Sorry, I can't help with images of people yet.", "I can't process this file.",
+             "I'm sorry, but without the image provided", "Cannot determine the answer")
+_SEPARATORS = re.compile(r"[.()\[\],:;!*#{}]")
+_VERBOSE_ANSWER = re.compile(r"(?:correct\s+)?answer\s+is\s+\**([ABCD])\**", re.I)
+
+
+def _infer_option(pred: str, options: Dict[str, str]) -> Optional[str]:
+    """The letter named by the answer: exactly one option letter among its words (punctuation
+    `.()[],:;!*#{}` splits words), and that one among the last four words; else "answer is X"."""
+    if any(r in pred for r in _REFUSALS):
+        return "Z"
+    words = _SEPARATORS.sub(" ", pred).split()
+    named = [c for c in options if c in words]
+    if len(named) == 1:
+        if words.index(named[0]) > len(words) - 5:
+            return named[0]
+    elif not named and "Z" in words:
+        return "Z"
+    m = _VERBOSE_ANSWER.search(pred)
+    return m.group(1).upper() if m and m.group(1).upper() in options else None
+
+
+def _infer_text(pred: str, options: Dict[str, str]) -> Optional[str]:
+    """The option whose text the answer contains, when exactly one does and the answer is at most twice
+    as long as all option texts together."""
+    text = pred.lower()
+    if len(text) > 2 * sum(len(str(v)) for v in options.values()):
+        return None
+    hits = [k for k, v in options.items() if str(v).lower() in text]
+    return hits[0] if len(hits) == 1 else None
+
+
+def can_infer(pred: str, options: Dict[str, str]) -> Optional[str]:
+    """VLMEvalKit's rule-based choice extraction: an option letter, "Z" for a refusal or a lone "Z", or None
+    when the rules cannot place the answer (VLMEvalKit then asks an LLM judge; here it scores as wrong)."""
+    pred = str(pred)
+    return _infer_option(pred, options) or _infer_text(pred, options)
+
+
+def chosen_letter(pred: str, ref: dict) -> Optional[str]:
+    """The option a multiple-choice prediction picks, by the reference's matcher (see score_sample)."""
+    pred = answer_part(pred, ref.get("answer_after"))
+    if ref.get("matcher") == "vlmevalkit":
+        return can_infer(pred, ref["options"])
+    return extract_option(pred, ref.get("options"))
 
 
 def circular_accuracy(records: Iterable[dict]) -> float:
@@ -275,7 +329,8 @@ def answer_part(pred: str, after: Optional[str]) -> str:
 
 def score_sample(metric: str, pred: str, ref: dict) -> float:
     """Score of one prediction; `ref` holds answers (list of str), and options/category/box when needed;
-    with `answer_after` only the text after its last occurrence in `pred` is scored (`answer_part`)."""
+    with `answer_after` only the text after its last occurrence in `pred` is scored (`answer_part`);
+    `matcher: "vlmevalkit"` extracts a choice with `can_infer` instead of `extract_option`."""
     answers = ref["answers"]
     pred = answer_part(pred, ref.get("answer_after"))
     if metric == "anls":
@@ -287,6 +342,8 @@ def score_sample(metric: str, pred: str, ref: dict) -> float:
     if metric == "ocrbench":
         return ocrbench_hit(pred, answers, ref.get("category", ""))
     if metric in ("multiple_choice", "circular"):
+        if ref.get("matcher") == "vlmevalkit":  # the answer is the letter itself, as VLMEvalKit compares it
+            return float(can_infer(pred, ref["options"]) == answers[0])
         return multiple_choice(pred, answers[0], ref.get("options"))
     if metric == "grounding":
         gt = parse_box(answers[0])

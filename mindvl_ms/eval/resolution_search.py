@@ -13,9 +13,12 @@ its model inputs are identical. Small images are often unchanged by max_pixels, 
 free. The report counts generated vs reused answers and encoded vs reused images.
 
 Outputs in --out: resolution_search.json (every setting's scores, the best setting per checkpoint and
-benchmark, and the best average), resolution_table.md, resolution_boxplot.png (per benchmark, one box per
-checkpoint of the scores across settings, like the paper's Figure 4). `--save` writes the best-average
-setting into each checkpoint's inference_config.json, which `mindvl eval` (and generation) use by default.
+benchmark, and the best average), resolution_table.md, resolution_grid.png (one heatmap per checkpoint and
+benchmark, and of the average: the score at every min_pixels x max_pixels setting, the best one framed;
+a spread over a few settings, as the paper's Figure 4 box plots show it, hides which setting is best).
+`--save` writes the best-average setting into each checkpoint's inference_config.json, which `mindvl eval`
+(and generation) use by default. Benchmark files are JSONL or VLMEvalKit TSV (benchmark.load_items; a
+TSV's images are decoded into --out/images).
 """
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence
 
+import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from tqdm import tqdm
 
-from mindvl_ms.eval.benchmark import INFERENCE_CONFIG, Sizes, VisionCache, load_backend, load_benchmark, predict, score
+from mindvl_ms.eval.benchmark import INFERENCE_CONFIG, Sizes, VisionCache, load_backend, load_items, predict, score
 
 UNIT = 28 * 28
 MIN_GRID = (4, 16, 32, 64)
@@ -49,10 +54,13 @@ def _name(ckpt: str) -> str:
 def search(ckpts: Sequence[str], data: Sequence[str], out_dir: str,
            backend_factory: Optional[Callable[[str], object]] = None, min_grid: Sequence[int] = MIN_GRID,
            max_grid: Sequence[int] = MAX_GRID, batch_size: int = 8, max_new_tokens: int = 128,
-           limit: Optional[int] = None, save: bool = False, plot: bool = True, progress: bool = True) -> dict:
-    """Evaluate every checkpoint at every grid setting; write the table, plot and JSON; returns the JSON."""
+           limit: Optional[int] = None, save: bool = False, plot: bool = True, progress: bool = True,
+           metric: Optional[str] = None, image_dir: Optional[str] = None) -> dict:
+    """Evaluate every checkpoint at every grid setting; write the table, plot and JSON; returns the JSON.
+    `metric`: of questions that name none; `image_dir`: where TSV images go (default out_dir/images)."""
     settings = grid(min_grid, max_grid)
-    items = [it for path in data for it in load_benchmark(path, limit)]
+    image_dir = image_dir or os.path.join(out_dir, "images")
+    items = [it for path in data for it in load_items(path, limit, metric, image_dir)]
     factory = backend_factory or (lambda c: load_backend(c, max_new_tokens))
     rows, best, caching = [], {}, {}
     for ckpt in ckpts:
@@ -89,7 +97,7 @@ def search(ckpts: Sequence[str], data: Sequence[str], out_dir: str,
     with open(os.path.join(out_dir, "resolution_table.md"), "w") as f:
         f.write(table + "\n")
     if plot:
-        result["plot"] = box_plot(result, os.path.join(out_dir, "resolution_boxplot.png"))
+        result["plot"] = grid_plot(result, os.path.join(out_dir, "resolution_grid.png"))
     return result
 
 
@@ -131,23 +139,55 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def box_plot(result: dict, path: str) -> str:
-    """Figure-4 style PNG: one panel per benchmark, one box per checkpoint over the grid settings."""
+def _grid_scores(result: dict, ckpt: str, key: Optional[str]) -> np.ndarray:
+    """Scores in % as [min_grid, max_grid] (NaN where min > max) of one checkpoint; key None: the average."""
+    mins, maxs = result["min_grid"], result["max_grid"]
+    out = np.full((len(mins), len(maxs)), np.nan)
+    for r in result["rows"]:
+        if r["checkpoint"] == ckpt:
+            v = r["average"] if key is None else r["scores"][key]
+            out[mins.index(r["min_pixels"] // UNIT), maxs.index(r["max_pixels"] // UNIT)] = 100 * v
+    return out
+
+
+def grid_plot(result: dict, path: str) -> str:
+    """PNG of the score over the grid: a heatmap (rows min_pixels, columns max_pixels, units of 28x28) per
+    checkpoint (row of panels) and benchmark (column; plus the average with several benchmarks), each cell
+    annotated, the best setting framed. The grid's shape is in the PNG's Description text."""
     tasks = sorted({t for r in result["rows"] for t in r["scores"]})
     ckpts = list(dict.fromkeys(r["checkpoint"] for r in result["rows"]))
-    fig = Figure(figsize=(max(3.2 * len(tasks), 4), 3.6))  # no pyplot: no global backend, nothing to close
-    axes = fig.subplots(1, len(tasks), squeeze=False)
-    for ax, t in zip(axes[0], tasks):
-        vals = [[100 * r["scores"][t] for r in result["rows"] if r["checkpoint"] == c] for c in ckpts]
-        ax.boxplot(vals, whis=(0, 100))  # whiskers at min and max, as in the paper's Figure 4
-        ax.set_xticks(range(1, len(ckpts) + 1), [_name(c) for c in ckpts], rotation=30, ha="right", fontsize=8)
-        ax.set_title(t, fontsize=10)
-        ax.set_ylabel("score (%)")
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("accuracy across test-time resolutions (min/max pixels grid)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    keys = tasks + ([None] if len(tasks) > 1 else [])
+    mins, maxs = result["min_grid"], result["max_grid"]
+    cell_w, cell_h = 0.62, 0.42
+    fig = Figure(figsize=(max(len(keys) * (1.5 + cell_w * len(maxs)) + 1.2, 5.5),
+                      max(len(ckpts) * (1.3 + cell_h * len(mins)) + 0.7, 2.8)), layout="constrained")
+    axes = fig.subplots(len(ckpts), len(keys), squeeze=False)  # no pyplot: no global backend, nothing to close
+    image = None
+    for i, ckpt in enumerate(ckpts):
+        for j, key in enumerate(keys):
+            ax, vals = axes[i][j], _grid_scores(result, ckpt, key)
+            image = ax.imshow(vals, cmap="viridis", vmin=0, vmax=100, aspect="auto")
+            best = np.unravel_index(np.nanargmax(vals), vals.shape)  # first (smallest) setting wins ties
+            for (a, b), v in np.ndenumerate(vals):
+                label, color = ("min>max", "grey") if np.isnan(v) else (f"{v:.1f}", "black" if v > 60 else "white")
+                ax.text(b, a, label, ha="center", va="center", fontsize=7, color=color)
+            ax.add_patch(_frame(best))
+            ax.set_xticks(range(len(maxs)), [str(m) for m in maxs], fontsize=7)
+            ax.set_yticks(range(len(mins)), [str(m) for m in mins], fontsize=7)
+            ax.set_title(f"{_name(ckpt)}: {key or 'average'}", fontsize=9)
+            if i == len(ckpts) - 1:
+                ax.set_xlabel("max_pixels (x28x28)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("min_pixels (x28x28)", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.8, label="score (%)")
+    fig.suptitle("score over the test-time resolution grid (best framed)", fontsize=10)
+    shape = {"min_grid": mins, "max_grid": maxs, "checkpoints": [_name(c) for c in ckpts], "panels": len(keys)}
+    fig.savefig(path, dpi=120, metadata={"Title": "resolution search", "Description": json.dumps(shape)})
     return path
+
+
+def _frame(cell) -> Rectangle:
+    return Rectangle((cell[1] - 0.5, cell[0] - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2)
 
 
 def summary(result: dict) -> str:

@@ -1,4 +1,4 @@
-"""(b) Test-time resolution search with a Figure-4 style box plot (MindVL section 5.4 and 6.3, Figure 4).
+"""(b) Test-time resolution search (MindVL section 5.4 and 6.3, Figure 4).
 
     python research/resolution_search/run.py
 
@@ -7,7 +7,7 @@ Takes the three checkpoints of the seed-0 run of experiment (a) (`mindvl demo --
 what `mindvl search-resolution` runs) over a min_pixels x max_pixels grid on all three held-out splits. The
 generation backend is the demo's (`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with,
 no system turn), as `mindvl demo` itself does for its search. Writes results.json, results.md,
-resolution_boxplot.png (the project's plot: one panel per benchmark, one box per checkpoint over the grid)
+resolution_grid.png (the project's plot: per checkpoint and benchmark, a heatmap of the score over the grid)
 and resolution_table.md here.
 """
 import os
@@ -55,7 +55,7 @@ def main():
     res = search(ckpts, data, out, backend_factory=lambda c: eval_backend(c, run_cfg.data, mnt), min_grid=MIN_GRID,
                  max_grid=MAX_GRID, batch_size=int(demo["eval_batch_size"]), max_new_tokens=mnt, progress=False)
     wall = time.perf_counter() - t0
-    for f in ("resolution_boxplot.png", "resolution_table.md"):
+    for f in ("resolution_grid.png", "resolution_table.md"):
         shutil.copy(os.path.join(out, f), os.path.join(here, f))
     tasks = sorted(res["rows"][0]["scores"])
     rows = []

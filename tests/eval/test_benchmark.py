@@ -228,7 +228,7 @@ def test_resolution_search_table_best_plot_cache_and_save(bench):
     assert res["best"][str(ck_a)]["average"]["score"] == 1.0           # min >= 16 and max <= 2560
     table = open(root / "search" / "resolution_table.md").read()
     assert table.count("\n| merged |") == len(settings) and "docvqa" in table.splitlines()[0]
-    png = Image.open(root / "search" / "resolution_boxplot.png")
+    png = Image.open(root / "search" / "resolution_grid.png")
     assert png.size[0] > 300 and png.size[1] > 200
     # eval now uses the saved setting by default
     res_eval = evaluate(str(ck_a), ocr, str(root / "e"), backend=FakeBackend())
@@ -263,7 +263,7 @@ def test_cli_eval_and_search(bench, monkeypatch, capsys):
     assert json.load(open(root / "ev" / "doc" / "scores.json"))["tasks"]["docvqa"]["anls"] == 1.0
     out = capsys.readouterr().out
     assert "ocr_demo: best 100.0 at min 16, max 1280" in out
-    assert not os.path.exists(root / "s" / "resolution_boxplot.png")
+    assert not os.path.exists(root / "s" / "resolution_grid.png")
     _jsonl(root / "broken.jsonl", ["{"])
     assert cli.main(["eval", "--ckpt", str(root / "ck"), "--data", str(root / "broken.jsonl")]) == 2
     assert "broken.jsonl:1:" in capsys.readouterr().err
@@ -287,7 +287,7 @@ def test_search_on_tiny_model_writes_table_and_plot(tmp_path):
     # 200x150 resizes to 84x112 under 16 units and to 140x196 above: the 2048 setting reuses 1280's answer
     assert res["caching"][str(tmp_path / "tiny")] == {"generated": 2, "reused": 1, "vision_encoded": 2,
                                                       "vision_reused": 0}
-    assert os.path.getsize(tmp_path / "s" / "resolution_boxplot.png") > 0
+    assert os.path.getsize(tmp_path / "s" / "resolution_grid.png") > 0
     assert len(open(tmp_path / "s" / "resolution_table.md").read().splitlines()) == 5
 
 

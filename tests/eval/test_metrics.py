@@ -108,3 +108,27 @@ def test_metric_dispatch():
         M.metric_for(None, "bleu")
     assert M.aggregate("anls", [{"score": 1.0, "group": 0}, {"score": 0.5, "group": 1}]) == {
         "anls": 0.75, "primary": 0.75, "n": 2}
+
+
+def test_can_infer_vlmevalkit_rules():
+    """VLMEvalKit's rule-based extraction (vlmeval/utils/matching_util.py), each case derived by hand from it."""
+    o = {"A": "cat", "B": "dog", "C": "bird"}
+    assert M.can_infer("B", o) == "B"
+    assert M.can_infer("The answer is (C).", o) == "C"              # "( ) ." split words; C among the last four
+    assert M.can_infer("A cat", o) == "A"                            # "A" counts as a letter, even as an article
+    assert M.can_infer("B is the right one because the cat sits on the mat", o) is None  # B not in the last 4
+    assert M.can_infer("The answer is B, not A", o) == "B"           # two letters, then "answer is B"
+    assert M.can_infer("A and B are both wrong", o) is None          # two letters; 22 chars > 2 * 10: no text
+    assert M.can_infer("dog", o) == "B" and M.can_infer("cat or dog", o) is None   # option text, only if unique
+    assert M.can_infer("b", o) is None                               # lower-case is no letter
+    assert M.can_infer("Cannot determine the answer", o) == "Z" and M.can_infer("Z", o) == "Z"
+    ref = {"answers": ["B"], "options": o, "matcher": "vlmevalkit"}
+    assert M.score_sample("circular", "dog", ref) == 1.0 and M.score_sample("multiple_choice", "A", ref) == 0.0
+    assert M.chosen_letter("The answer is (C).", ref) == "C"
+
+
+def test_ocrbench_hme_category_names():
+    # spaces removed for the handwritten-math category under both names, case kept
+    for cat in ("HME100k", "Handwritten Mathematical Expression Recognition"):
+        assert M.ocrbench_hit("x ^ 2 + 1", ["x^2 + 1"], cat) == 1.0
+    assert M.ocrbench_hit("x ^ 2 + 1", ["x^2 + 1"], "Regular Text Recognition") == 0.0

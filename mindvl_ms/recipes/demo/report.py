@@ -40,7 +40,7 @@ def format_report(r: Dict[str, Any]) -> str:
     out = r["out_dir"]
     lines.append(f"artefacts in {out}: data/ (JSONL + images), train/ and sft_*/ (checkpoints, metrics.jsonl, "
                  f"loss_lr.png), merged/ (averaged SFT checkpoint), eval/ (predictions, scores), "
-                 f"resolution_search/ (table, box plot), report.json")
+                 f"resolution_search/ (table, grid plot), report.json")
     return "\n".join(lines)
 
 
