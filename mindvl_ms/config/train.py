@@ -29,6 +29,7 @@ from mindvl_ms.config.data import DataConfig
 
 
 PROJECTOR_PREFIX = "visual.merger."
+REPORT_TARGETS = ("tensorboard",)  # accepted values of `report_to`
 MODULE_PREFIXES = {  # names usable in `trainable` / `lr_coefficients`
     "projector": ["visual.merger."],
     "vision": ["visual."],
@@ -264,6 +265,10 @@ class RunConfig:
     parallel_config: ParallelConfig = sub(ParallelConfig, "parallel sizes (data/tensor/pipeline/expert)")
     recompute_config: RecomputeConfig = sub(RecomputeConfig, "activation checkpointing")
     plot: bool = F(True, "write loss/LR PNG plots per stage")
+    report_to: List[str] = F([], "where the step metrics and the run summary also go, besides OUT/metrics.jsonl "
+                                 "and OUT/summary.json: [tensorboard] writes TensorBoard event files to "
+                                 "OUT/tensorboard/ (tags: the metrics.jsonl names, summary/<name>; step: the "
+                                 "optimizer step counted over all stages); [] none")
 
     def validate(self) -> None:
         if not self.stages:
@@ -272,6 +277,9 @@ class RunConfig:
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ConfigError(f"stage names must be unique, repeated: {sorted(dup)}")
+        unknown = [t for t in self.report_to if t not in REPORT_TARGETS]
+        if unknown:
+            raise ConfigError(f"report_to: unknown {unknown}; accepted values: {list(REPORT_TARGETS)} (or [] for none)")
         if self.context.precision == "bfloat16" and self.context.device_target == "CPU":
             raise ConfigError("context.precision bfloat16 needs Ascend (no bf16 matmul on CPU); use float16 or float32")
 

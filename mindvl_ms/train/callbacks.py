@@ -4,7 +4,9 @@
 - `MetricsLog`: one JSON object per logged step in OUT/metrics.jsonl (stage, step, loss, lr,
   grad_norm, loss_scale, applied, tokens, tokens_per_s, step_time). On resume the file is cut back
   to the checkpoint's position, so an interrupted + resumed run logs exactly the lines of an
-  uninterrupted one.
+  uninterrupted one. With `report_to: [tensorboard]` the same records and the run summary also go to
+  OUT/tensorboard/ through `TensorBoardLog`.
+- `TensorBoardLog`: TensorBoard event files (tensorboardX) for the step records and the run summary.
 - `plot_stage`: OUT/<stage>/loss_lr.png (matplotlib Agg; loss left axis, LR right axis).
 - `summarize`: throughput and model FLOPs utilisation. FLOPs per step = 6 x parameters x tokens
   (forward 2 + backward 4, the PaLM convention; attention score FLOPs left out), counted for the LLM
@@ -17,9 +19,10 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -44,11 +47,88 @@ class ProgressBar:
         self.bar.close()
 
 
-class MetricsLog:
-    """Append-only JSONL of step records (rank 0 writes)."""
+class TensorBoardLog:
+    """Step records and the run summary as TensorBoard scalars in one directory (tensorboardX).
 
-    def __init__(self, path: str, enabled: bool = True):
+    Tags are the records' numeric fields under their metrics.jsonl names (loss, lr, grad_norm,
+    tokens_per_s, step_time, ...; DPO's margin and pref_accuracy, GRPO's reward_mean, ...), and
+    `stage_index`, which shows where each stage begins. The step is the optimizer step counted over the
+    whole run: stage k's step s is s plus the steps of stages 0..k-1 (one past the last step each of them
+    logged; a stage always logs its last step), so the curves of a chain continue across stages. The run
+    summary's figures (mfu, tokens_per_s, model_tflops_per_s, ...) are tagged summary/<name> at the last
+    step. The step records' purge point mirrors metrics.jsonl: the first event file of a fresh run
+    starts with a TensorBoard restart marker (SessionLog START) at step 0, hiding an earlier run's events
+    in the directory, a resumed run's at the step after its checkpoint, hiding what the interrupted run
+    logged past it. Training runs no evaluation: held-out scores are in `mindvl eval`'s scores.json and
+    the demo's report.json.
+
+    One writer at a time: it opens on the first value, `close()` flushes and closes it (the trainer calls
+    it at every stage end, also when the stage fails), and the next value opens a new event file. File
+    names end in .<pid>.<n> so two files opened in the same second do not overwrite each other.
+
+    tensorboardX is imported when the first file opens, not with this module: its package imports torch
+    when torch is installed (as in the test environment), which costs every training process seconds and
+    ~180 MB of resident memory (docs/PERFORMANCE.md, "## train") whether or not it reports to TensorBoard."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self.writer: Any = None  # a tensorboardX SummaryWriter while a file is open
+        self.purge_step: Optional[int] = 0  # cleared once the first file carries it
+        self.last_step: Dict[int, int] = {}  # stage index -> its last logged step
+        self.global_step, self.files = -1, 0
+
+    def _open(self):
+        if self.writer is None:
+            from tensorboardX import SummaryWriter  # on first use: see the class docstring
+            self.writer = SummaryWriter(self.logdir, purge_step=self.purge_step,
+                                        filename_suffix=f".{os.getpid()}.{self.files:03d}")
+            self.purge_step, self.files = None, self.files + 1
+        return self.writer
+
+    def _advance(self, rec: Dict[str, Any]) -> int:
+        """The record's step counted over the run (see the class docstring)."""
+        si = rec["stage_index"]
+        self.last_step[si] = rec["step"]
+        self.global_step = sum(s + 1 for i, s in self.last_step.items() if i < si) + rec["step"]
+        return self.global_step
+
+    def resume_after(self, kept: List[Dict[str, Any]]) -> None:
+        """Continue after the records metrics.jsonl kept on resume: their steps count, and the next event
+        file hides every step past the last of them."""
+        for rec in kept:
+            self._advance(rec)
+        self.purge_step = self.global_step + 1
+
+    def write(self, rec: Dict[str, Any]) -> None:
+        step, writer = self._advance(rec), self._open()
+        for key, value in rec.items():
+            if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+                writer.add_scalar(key, float(value), step)
+
+    def write_summary(self, summary: Dict[str, Any]) -> None:
+        """The summary's numeric figures as summary/<name> at the run's last step, then closed."""
+        writer = self._open()
+        try:
+            for key, value in summary.items():
+                if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                    writer.add_scalar(f"summary/{key}", float(value), max(self.global_step, 0))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # flushes
+            self.writer = None
+
+
+class MetricsLog:
+    """Append-only JSONL of step records (rank 0 writes), and the `report_to` targets beside it
+    (tensorboard: `TensorBoardLog` in tensorboard/ next to the JSONL)."""
+
+    def __init__(self, path: str, enabled: bool = True, report_to: Sequence[str] = ()):
         self.path, self.enabled = path, enabled
+        tb_dir = os.path.join(os.path.dirname(path), "tensorboard")
+        self.tensorboard = TensorBoardLog(tb_dir) if enabled and "tensorboard" in report_to else None
 
     def truncate_after(self, stage_index: int, step: int) -> None:
         """Drop records past (stage_index, step): what an interrupted run logged after its checkpoint."""
@@ -60,11 +140,25 @@ class MetricsLog:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(keep)
         os.replace(tmp, self.path)
+        if self.tensorboard is not None:
+            self.tensorboard.resume_after([json.loads(line) for line in keep])
 
     def write(self, rec: Dict[str, Any]) -> None:
         if self.enabled:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(rec) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(rec)
+
+    def write_summary(self, summary: Dict[str, Any]) -> None:
+        """The run summary to the `report_to` targets (summary.json is the trainer's)."""
+        if self.tensorboard is not None:
+            self.tensorboard.write_summary(summary)
+
+    def close(self) -> None:
+        """Flush and close the `report_to` writers (stage end); a later record opens new ones."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def read(self, stage: Optional[str] = None) -> List[Dict[str, Any]]:
         if not os.path.isfile(self.path):

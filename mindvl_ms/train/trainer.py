@@ -349,6 +349,7 @@ class Trainer:
                     self.save(self.step, False)
         finally:
             bar.close()
+            self.chain.metrics.close()  # report_to writers: flushed and closed at stage end, also on an error
         return self._report(self.save(self.total, True))
 
     def _report(self, final: str) -> Dict[str, Any]:
@@ -383,7 +384,8 @@ class StageChain:
         self.collate = collate or default_collate(run_cfg)
         self.data_factory = data_factory or default_data_factory
         self.names = list(getattr(self.model, "INPUT_NAMES"))
-        self.metrics = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), enabled=self.dist.is_main)
+        self.metrics = MetricsLog(os.path.join(out_dir, "metrics.jsonl"), enabled=self.dist.is_main,
+                                  report_to=run_cfg.report_to)
         self.allreduce = HostAllReduce(self.dist.world, self.dist.dp)
         self.data_changes: List[Dict[str, Any]] = []
 
@@ -440,6 +442,7 @@ class StageChain:
                             compile_time, peak_source)
         summary.update({"stages": reports, "out_dir": self.out_dir, "ranks": self.dist.world,
                         "peak_gflops_per_device": peak / 1e9})
+        self.metrics.write_summary(summary)
         if self.dist.is_main:
             write_json(os.path.join(self.out_dir, "summary.json"), summary)
         return summary
