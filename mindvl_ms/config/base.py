@@ -4,7 +4,8 @@ Design:
 - Every config is a dataclass; every field is declared with `F(default, "doc")` so the YAML
   reference (`config/reference.py` -> docs/CONFIG.md) comes from the code.
 - `load(cls, data, source)` converts a nested dict into the dataclass tree. An unknown key is an
-  error naming the file, the dotted key and the closest valid key; a value of the wrong type is
+  error naming the file, the dotted key and the closest valid key (a key the dataclass lists in its
+  `RENAMED_KEYS` is named with its replacement instead); a value of the wrong type is
   an error naming the expected type. After loading, each dataclass's `validate()` (if defined)
   rejects shapes that cannot work.
 - A YAML file may start from other files: `_include_: [../model/tiny.yaml]` (paths relative to the
@@ -114,6 +115,8 @@ def load(cls: type, data: Dict[str, Any], source: Optional[str] = None, prefix: 
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
+            if key in getattr(cls, "RENAMED_KEYS", {}):  # a key older configs use: name its replacement
+                raise ConfigError(f"{_where(source, full)} {cls.RENAMED_KEYS[key]}")
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"{_where(source, full)} is not a field of {cls.__name__}{hint}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List
+from typing import ClassVar, Dict, List
 
 from mindvl_ms.config.base import ConfigError, F
 
@@ -18,14 +18,24 @@ REWARD_NAME = re.compile(r"[A-Za-z_]\w*|[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # a veri
 
 @dataclass
 class DPOConfig:
-    """DPO with the Mixed Preference Optimization losses and the NTP mix (train/post/dpo.py)."""
+    """DPO with the Mixed Preference Optimization losses and the NTP mix (train/post/dpo.py).
+
+    The NTP mix is a ratio, as the openPangu-VL report has it (section 4.2: "we also proportionally mix in
+    the remaining SFT data and train it with the standard next-token prediction (NTP) loss")."""
 
     beta: float = F(0.1, "DPO temperature beta (log-ratio scale)")
     preference_weight: float = F(1.0, "weight of the sigmoid DPO loss")
     quality_weight: float = F(0.0, "weight of the BCO-style quality loss (MPO; 0: off)")
     sft_weight: float = F(0.0, "weight of the SFT (generation) loss on the chosen responses (MPO; 0: off)")
-    ntp_sources: List[str] = F([], "SFT JSONL files mixed in with the next-token-prediction loss")
-    ntp_batch_size: int = F(0, "NTP rows per step over all ranks, next to global_batch_size pairs (0: no mix)")
+    ntp_sources: List[str] = F([], "SFT JSONL files mixed in with the next-token-prediction loss (the rest of "
+                                   "the SFT data); read when ntp_ratio > 0, which then needs at least one")
+    ntp_ratio: float = F(0.0, "NTP rows per preference pair: each step draws round(ntp_ratio x pairs) rows of "
+                              "ntp_sources on every rank next to its pairs (at least one), so the mix stays "
+                              "proportional to the pairs whatever global_batch_size is (0: no mix)")
+
+    RENAMED_KEYS: ClassVar[Dict[str, str]] = {  # load() names the replacement of a key older configs use
+        "ntp_batch_size": "was replaced by dpo.ntp_ratio, NTP rows per preference pair "
+                          "(ntp_batch_size / global_batch_size: 2 rows next to 4 pairs is ntp_ratio 0.5)"}
 
     def check(self, name: str) -> None:
         if self.beta <= 0:
@@ -33,9 +43,19 @@ class DPOConfig:
         ws = (self.preference_weight, self.quality_weight, self.sft_weight)
         if min(ws) < 0 or sum(ws) <= 0:
             raise ConfigError(f"stage '{name}': dpo loss weights must be >= 0 and not all 0, got {ws}")
-        if self.ntp_batch_size < 0 or bool(self.ntp_batch_size) != bool(self.ntp_sources):
-            raise ConfigError(f"stage '{name}': dpo.ntp_batch_size > 0 and dpo.ntp_sources go together "
-                              f"(got {self.ntp_batch_size} and {self.ntp_sources})")
+        if self.ntp_ratio < 0:
+            raise ConfigError(f"stage '{name}': dpo.ntp_ratio must be >= 0, got {self.ntp_ratio}")
+        if self.ntp_sources and not self.ntp_ratio:
+            raise ConfigError(f"stage '{name}': dpo.ntp_sources {self.ntp_sources} are mixed in only with "
+                              f"dpo.ntp_ratio > 0 (NTP rows per preference pair); set both, or neither")
+
+    def ntp_rows(self, global_batch: int, dp: int = 1) -> int:
+        """NTP rows of one step over all `dp` ranks next to `global_batch` pairs: round(ntp_ratio x pairs) per
+        rank (at least one when ntp_ratio > 0), times dp, so every rank draws the same share; 0 without a mix.
+        The stage's data is checked for ntp_sources when it is read (train/post/sources.py)."""
+        if not self.ntp_ratio:
+            return 0
+        return max(1, round(self.ntp_ratio * global_batch / dp)) * dp
 
 
 @dataclass

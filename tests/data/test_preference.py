@@ -86,7 +86,7 @@ def test_post_data_factory_reads_files(tmp_path):
     (tmp_path / "sft.jsonl").write_text(json.dumps(sft) + "\n")
     stage = {"name": "d", "type": "dpo", "epochs": None, "max_steps": 1, "global_batch_size": 1,
              "data": {"sources": [{"path": str(tmp_path / "pairs.jsonl")}]},
-             "dpo": {"ntp_sources": [str(tmp_path / "sft.jsonl")], "ntp_batch_size": 1}}
+             "dpo": {"ntp_sources": [str(tmp_path / "sft.jsonl")], "ntp_ratio": 1.0}}
     cfg = load_run_config(data={"stages": [stage, dict(stage, name="g", type="grpo", dpo={},
                                                        data={"sources": [{"path": str(tmp_path / "prompts.jsonl")}]})]})
     proc = MindVLProcessor()

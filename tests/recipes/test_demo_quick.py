@@ -205,7 +205,7 @@ def test_post_train_on_the_quick_model(run):
     out, _, _ = run  # the post-training run reads the demo's files and writes OUT/post only
     sets = ["demo.prompts=6", "demo.rollout.high=-1", "demo.rollout.low=1.01", "demo.rollout.k=3"] + [
         f"stages.{i}.{k}" for i in (0, 1) for k in ("max_steps=2", "global_batch_size=2", "micro_batch_size=2")] + [
-        "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.0.dpo.ntp_batch_size=1",
+        "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.0.dpo.ntp_ratio=0.5",
         "stages.0.epochs=null"]
     env = dict(os.environ, GLOG_v="3")
     proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "demo", "--post-train", "--out", out, "--no-progress"]

@@ -62,7 +62,8 @@ class PromptSource:
 
 
 def post_data_factory(run_cfg, stage, stage_index: int, dist, sampler: Optional[ResponseSampler] = None):
-    """The stage's `data.sources` read as preference (dpo) or prompt (grpo) files; dpo.ntp_sources as SFT.
+    """The stage's `data.sources` read as preference (dpo) or prompt (grpo) files; dpo.ntp_sources as SFT
+    (`ntp_rows`; each step draws `DPOConfig.ntp_rows` of them next to its pairs).
     A grpo stage reads its responses' stop ids and text through `sampler`."""
     cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
     if not cfg.sources:
@@ -83,10 +84,25 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist, sampler: Optional[
     for s in lines:
         p = encode_prompt(proc, s)
         pairs.append((encode_text_response(proc, p, s.chosen), encode_text_response(proc, p, s.rejected)))
-    ntp = []
-    for path in stage.dpo.ntp_sources:
+    return PairSource(pairs, ntp_rows(stage, proc) or None, cfg.seed)
+
+
+def ntp_rows(stage, proc: MindVLProcessor) -> list:
+    """The SFT rows of a dpo stage's NTP mix (one sample per row), read from dpo.ntp_sources when
+    dpo.ntp_ratio > 0; a ratio without sources (the shipped openPangu-VL stage, whose SFT files the user
+    names) is an error naming both keys."""
+    d = stage.dpo
+    if not d.ntp_ratio:
+        return []
+    if not d.ntp_sources:
+        raise ValueError(f"stage '{stage.name}' (dpo): dpo.ntp_ratio {d.ntp_ratio} mixes in SFT rows, but "
+                         f"dpo.ntp_sources is empty: name the SFT files (e.g. [sft.jsonl]), or set ntp_ratio 0")
+    rows = []
+    for path in d.ntp_sources:
         for _, smp in iter_jsonl(path):
             if isinstance(smp, SampleError):
                 raise smp
-            ntp.append([proc.process_sample(smp)])
-    return PairSource(pairs, ntp or None, cfg.seed)
+            rows.append([proc.process_sample(smp)])
+    if not rows:
+        raise ValueError(f"stage '{stage.name}' (dpo): dpo.ntp_sources {d.ntp_sources} hold no samples")
+    return rows

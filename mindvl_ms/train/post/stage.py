@@ -117,7 +117,8 @@ class DPOStepDriver(StepDriver):
     def step(self, step: int, lr: float):
         st, d, dist = self.stage, self.stage.dpo, self.dist
         idx = rank_slice(self.source.main.next_global_batch(st.global_batch_size), dist.rank, dist.dp)
-        ntp = (rank_slice(self.source.ntp.next_global_batch(d.ntp_batch_size), dist.rank, dist.dp)
+        n_ntp = d.ntp_rows(st.global_batch_size, dist.dp)  # dpo.ntp_ratio rows per pair on every rank
+        ntp = (rank_slice(self.source.ntp.next_global_batch(n_ntp), dist.rank, dist.dp)
                if self.source.ntp is not None else [])
         rows = [list(self.source.pairs[i]) for i in idx] + [list(r) for r in ntp]
         kinds = list(idx) + [-1] * len(ntp)

@@ -15,7 +15,7 @@ DPO_STAGE = {"name": "dpo", "type": "dpo", "seq_length": 64, "global_batch_size"
              "max_lr": 5e-3, "warmup_ratio": 0.0, "epochs": None, "max_steps": 3, "save_every": 1,
              "weight_decay": 0.0,
              "dpo": {"beta": 0.5, "sft_weight": 0.5, "quality_weight": 0.2, "ntp_sources": ["unused.jsonl"],
-                     "ntp_batch_size": 2}}
+                     "ntp_ratio": 1.0}}
 
 
 def test_dpo_margin_grows_and_resume_is_exact(tmp_path):

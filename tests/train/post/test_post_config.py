@@ -22,6 +22,7 @@ def test_openpangu_post_training_stages():
     assert g.grpo.format_weight > 0 and g.grpo.accuracy_weight > 0  # format + accuracy rewards
     d = s["dpo"]
     assert d.dpo.preference_weight > 0 and d.dpo.sft_weight > 0 and d.dpo.quality_weight == 0
+    assert d.dpo.ntp_ratio == 1.0 and d.dpo.ntp_rows(d.global_batch_size, 8) == 128  # the NTP mix is on
 
 
 def _stage(**kw):
@@ -39,7 +40,9 @@ def _stage(**kw):
     ({"type": "grpo", "grpo": {"top_p": 0.0}}, "0 < top_p <= 1"),
     ({"type": "dpo", "dpo": {"beta": 0.0}}, "dpo.beta must be > 0"),
     ({"type": "dpo", "dpo": {"preference_weight": 0.0}}, "not all 0"),
-    ({"type": "dpo", "dpo": {"ntp_sources": ["sft.jsonl"]}}, "go together"),
+    ({"type": "dpo", "dpo": {"ntp_sources": ["sft.jsonl"]}}, "mixed in only with dpo.ntp_ratio > 0"),
+    ({"type": "dpo", "dpo": {"ntp_ratio": -0.5}}, "dpo.ntp_ratio must be >= 0"),
+    ({"type": "dpo", "dpo": {"ntp_batch_size": 2}}, "dpo.ntp_batch_size' was replaced by dpo.ntp_ratio"),
     ({"type": "dpo", "dpo": {"bta": 0.1}}, "did you mean 'beta'"),
 ])
 def test_errors(stage, msg):
