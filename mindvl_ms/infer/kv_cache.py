@@ -123,8 +123,8 @@ class _CachedDecoder(nn.Cell):
             layer = self.model.layers[i]
             h, ck, cv = self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, cache_k[i],
                                         cache_v[i], write_pos, bias)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h, x = layer.post_attention_layernorm(h, x)  # x + h, then the norm (fused on Ascend)
+            x = x + layer.mlp(h)
             new_k.append(ck[None])
             new_v.append(cv[None])
         # concat, not stack: a loaded MindIR (GraphCell) keeps Stack's first output shape across calls

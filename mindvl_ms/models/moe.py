@@ -41,7 +41,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from mindvl_ms.ops import RMSNorm, SwiGLU, is_ascend, segment_bias
+from mindvl_ms.ops import AddRMSNorm, RMSNorm, SwiGLU, is_ascend, segment_bias
 from mindvl_ms.ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, capacity_layout,
                        expert_block_size, expert_capacity, expert_ranks, tokens_per_expert)
 from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
@@ -209,13 +209,12 @@ class DeepseekV3DecoderLayer(nn.Cell):
         else:
             self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = AddRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # + the attention residual
         self.num_experts = cfg.moe.n_routed_experts
-        self.add = ops.Add()  # the two residual adds
+        self.add = ops.Add()  # the MLP residual add
 
     def construct(self, x, cos, sin, bias, valid, actual_seq_len=None):
-        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len))
-        h = self.post_attention_layernorm(x)
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len), x)
         if self.is_moe:
             h, load, aux = self.mlp(h, valid)
         else:

@@ -20,7 +20,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from mindvl_ms.config import TextConfig
-from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from mindvl_ms.ops import AddRMSNorm, ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
 from mindvl_ms.ops.activation import GatedAct
 from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
 
@@ -86,13 +86,13 @@ class DecoderLayer(nn.Cell):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = TextAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = AddRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # + the attention residual
         self.mlp = TextMLP(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, cfg.hidden_act)
-        self.add = ops.Add()  # the two residual adds (a primitive so it can carry a shard strategy)
+        self.add = ops.Add()  # the MLP residual add (a primitive so it can carry a shard strategy)
 
     def construct(self, x, cos, sin, bias, actual_seq_len=None):
-        x = self.add(x, self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len))
-        return self.add(x, self.mlp(self.post_attention_layernorm(x)))
+        h, x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, bias, actual_seq_len), x)
+        return self.add(x, self.mlp(h))
 
 
 class TextModel(nn.Cell):

@@ -6,10 +6,11 @@ what the test-suite proves against numpy / transformers; the Ascend branches cal
 the same inputs and layouts and are exercised only on Ascend hardware (noted in each docstring).
 """
 from mindvl_ms.ops.dispatch import is_ascend
-from mindvl_ms.ops.norm import RMSNorm
+from mindvl_ms.ops.norm import AddRMSNorm, RMSNorm
 from mindvl_ms.ops.rotary import ApplyRotary, rotate_half
 from mindvl_ms.ops.activation import SwiGLU
 from mindvl_ms.ops.attention import CoreAttention, segment_bias
 from mindvl_ms.ops.linear import Linear
 
-__all__ = ["is_ascend", "RMSNorm", "ApplyRotary", "rotate_half", "SwiGLU", "CoreAttention", "segment_bias", "Linear"]
+__all__ = ["is_ascend", "RMSNorm", "AddRMSNorm", "ApplyRotary", "rotate_half", "SwiGLU", "CoreAttention",
+           "segment_bias", "Linear"]

@@ -15,11 +15,14 @@ Three paths, chosen at construction:
   weight are broadcast to x's shape before the two multiplies: MindSpore's CPU arithmetic kernels keep two
   8-byte index tables per output element for a broadcasting operation, and run it far slower
   (`ops/broadcast.py`).
+
+`AddRMSNorm` is the residual add of a pre-norm block followed by this norm, both results returned: the
+fused `AddRmsNorm` kernel on Ascend, the add then the RMSNorm above elsewhere (the unfused pair itself).
 """
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import initializer
-from mindspore.ops.auto_generate import RmsNorm as _RmsNormPrim
+from mindspore.ops.auto_generate import AddRmsNorm as _AddRmsNormPrim, RmsNorm as _RmsNormPrim
 
 from mindvl_ms.ops.broadcast import expand_as
 from mindvl_ms.ops.cpu_kernels import custom_op
@@ -71,6 +74,9 @@ class RMSNorm(nn.Cell):
         self.cpu_kernel = None
 
     def construct(self, x):  # [..., D]
+        return self.normalize(x)
+
+    def normalize(self, x):  # [..., D]
         if self.fused:
             return self.rms_norm(x, self.weight.astype(x.dtype))[0]
         dtype = x.dtype
@@ -80,3 +86,47 @@ class RMSNorm(nn.Cell):
         var = self.mean(self.square(x32, x32), -1)  # [..., 1]
         x32 = self.mul(x32, expand_as(self.rsqrt(self.add_eps(var, self.eps)), x32))
         return self.mul_weight(expand_as(self.weight.astype(dtype), x32), x32.astype(dtype))
+
+
+class _AddRmsNormKernel(nn.Cell):
+    """The fused Ascend kernel, held as a cell so `AddRMSNorm.unfuse_add` can drop it."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = _AddRmsNormPrim()
+
+    def construct(self, x1, x2, gamma, eps):  # -> (y, rstd, x1 + x2)
+        return self.kernel(x1, x2, gamma, eps)
+
+
+class AddRMSNorm(RMSNorm):
+    """Residual add, then RMSNorm: construct(x, residual) -> (norm(residual + x), residual + x).
+
+    The `h = residual + attn_out; normed = post_attention_layernorm(h)` step of a pre-norm decoder layer,
+    the sum returned for the layer's next residual add. The weight is this cell's `weight`, as in RMSNorm,
+    so checkpoint names do not change.
+    - Ascend: the fused `AddRmsNorm` kernel, (residual, x, weight, eps) -> (y, rstd, residual + x): one pass
+      over both inputs instead of an Add kernel and an RmsNorm kernel.
+    - Elsewhere: `self.add`, then `RMSNorm.normalize` of the sum (C++ kernel or composite ops): the unfused
+      pair itself, so results equal an Add followed by an RMSNorm bit for bit (tests/ops/test_add_rms_norm.py).
+    - `unfuse_add()` (`parallelize`): MindSpore's semi-auto parallel has no sharding rule for AddRmsNorm, so a
+      parallel layout runs the add and the norm as two primitives, each with its strategy.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps)
+        self.fused_add = self.fused                 # read by the graph; only unfuse_add changes it
+        self.add_rms_norm = _AddRmsNormKernel()     # Ascend: (x1, x2, gamma, eps) -> (y, rstd, x1 + x2)
+        self.add = ops.Add()                        # residual + x
+
+    def unfuse_add(self):
+        """The add and the norm as separate primitives from now on, and no AddRmsNorm held (see above)."""
+        self.fused_add = False
+        self.add_rms_norm = None
+
+    def construct(self, x, residual):  # [..., D] x2 -> ([..., D], [..., D])
+        if self.fused_add:
+            y, _, total = self.add_rms_norm(residual, x, self.weight.astype(x.dtype), self.eps)
+            return y, total
+        total = self.add(residual, x)
+        return self.normalize(total), total

@@ -90,6 +90,11 @@ def norm_strategies(s: Tuple[int, ...]) -> Dict[str, tuple]:
             "mul": (s, s), "mul_weight": ((1,), s)}
 
 
+def add_norm_strategies(s: Tuple[int, ...]) -> Dict[str, tuple]:
+    """AddRMSNorm primitive -> in_strategy: the residual add, then the RMSNorm's (see ops/norm.py)."""
+    return {**norm_strategies(s), "add": (s, s)}
+
+
 def rotary_strategies(q: Tuple[int, ...], cos: Tuple[int, ...]) -> Dict[str, tuple]:
     """ApplyRotary primitive -> in_strategy (see ops/rotary.py)."""
     return {"rope": (q, cos, cos), "split": (q,), "neg": (q,), "concat": (q, q), "mul_cos": (q, cos),

@@ -11,7 +11,9 @@ primitive instances with `Primitive.shard`, and records what it did in a `Parall
   output onto the tokens under sequence parallel (`row_sp`).
 - `Norm(template)`, `Rotary(q, cos)`: RMSNorm and RoPE primitives; both drop their CPU C++ kernels
   (`ops/cpu_kernels.py`) so that the composite primitives, which carry the strategies, are what runs: a
-  parallel layout compiles for Ascend, where the fused kernels run instead.
+  parallel layout compiles for Ascend, where the fused kernels run instead. An `AddRMSNorm` (a decoder
+  layer's residual add + post-attention norm) runs its add as its own primitive (`unfuse_add`): MindSpore's
+  semi-auto parallel has a sharding rule for RmsNorm but none for the fused AddRmsNorm.
 - `Glu(template)`: SwiGLU / GatedAct on the FFN activations. A SwiGLU whose FFN dim is split runs unfused
   (`fused = False`, same values): the fused Ascend kernel takes concat([gate, up]) on the split dim, which
   semi-auto parallel cannot shard (Concat's axis must be whole).
@@ -34,7 +36,7 @@ from mindspore import nn
 from mindvl_ms.models.moe import DeepseekV3DecoderLayer, DeepseekV3MoE
 from mindvl_ms.models.text import DecoderLayer, TiedHead as TiedHeadCell
 from mindvl_ms.models.vision import QkvBiasRope, VisionBlock, VisionMLP
-from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU
+from mindvl_ms.ops import AddRMSNorm, ApplyRotary, CoreAttention, RMSNorm, SwiGLU
 from mindvl_ms.ops.activation import GatedAct
 from mindvl_ms.ops.layers import Embedding as EmbeddingCell
 from mindvl_ms.parallel import strategies as S
@@ -127,7 +129,11 @@ class Norm(Style):
     def apply(self, name, cell, ctx):
         s = S.resolve(self.template, ctx.axes)
         cell.drop_kernel()  # the CPU C++ norm: the composite primitives carry the strategy
-        _shard_prims(cell, S.norm_strategies(s))
+        if isinstance(cell, AddRMSNorm):
+            cell.unfuse_add()  # no sharding rule for AddRmsNorm: see the module docstring
+            _shard_prims(cell, S.add_norm_strategies(s))
+        else:
+            _shard_prims(cell, S.norm_strategies(s))
         ctx.report.cells[name] = f"norm{s}"
 
 
