@@ -16,38 +16,17 @@ Each implementation runs in its own child process (so peak memory is its own), l
 Qwen2.5-VL weights. Both stay alive and the parent alternates them: `--warmup` steps each (compile),
 then `--rounds` rounds of `--steps` steps of each (which one goes first alternates), so machine load
 hits both alike. Reported per config: median step time of each (over rounds x steps steps) -> tokens/s;
-the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of each round's ratio (the two
-implementations' medians within one round, seconds apart, so load that drifts over a run cancels; the
-ratio of whole-run medians mixes quiet and busy minutes and three runs of it spread 8-9%; three runs of
-this one, 24 x 2 steps: tiny 2.32 / 2.43 / 2.50, small 1.90 / 1.89 / 1.95; later, tiny 2.55 / 2.67 / 2.58;
-after train/memory.py, tiny 2.58 / 2.59 / 2.64, small 2.01 / 2.04 / 1.88; after train/row_grads.py and
-ops/broadcast.py, tiny 2.48 / 2.49 / 2.52, small 1.97 / 2.03 / 1.92; after the C++ RMSNorm and RoPE kernels,
-one run on an AVX-512 CPU: tiny 2.43, small 2.06, small peak RSS 4.54 against 3.83 GB), with the rounds'
-min-max; peak
-RSS of each process, and achieved GFLOP/s against the machine's fp32 matmul peak (the best of a 1024^3
-matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same for both: 6 x (non-embedding LLM
-parameters x tokens + LM head parameters x supervised positions + vision parameters x patches);
-attention score FLOPs are left out.
+the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of each round's ratio, with the
+rounds' min-max (the two implementations' medians within one round are seconds apart, so load that drifts
+over a run cancels; the ratio of whole-run medians mixes quiet and busy minutes and spread more from run
+to run); peak RSS of each process; and achieved GFLOP/s against the machine's fp32 matmul peak (the best
+of a 1024^3 matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same for both:
+6 x (non-embedding LLM parameters x tokens + LM head parameters x supervised positions + vision parameters
+x patches); attention score FLOPs are left out.
 
-Peak memory on `small`: 4.44-4.47 GB against torch's 3.83-3.84 GB (1.16x, three runs), measured by phase with
-`bench/profile_memory.py` (RSS from /proc/self/status and /proc/self/smaps, the pool from
-`MS_DEV_RUNTIME_CONF=memory_statistics:True`, live C++ allocations by call site with an LD_PRELOAD shim).
-Parameters and AdamW moments cost the same in both; the fp32 gradient accumulators (0.64 GB) stand where
-torch keeps `.grad` (0.65 GB). RSS after two steps of profile_memory, step by step:
-- 5,187 MB before;
-- ~4,950 MB: the embedding and head gradients go row-wise into their accumulators from their bprops
-  (train/row_grads.py), so the micro-step makes no dense 151,936 x 512 gradient (297 MB each), and the
-  gradient norm sums those tables in row blocks (train/optim.py) instead of squaring them whole;
-- 4,919 MB: the ViT's RoPE rotation uses the MatMul primitive, whose backward needs no Transpose kernel
-  (MindSpore's CPU Transpose keeps an 8-byte index per element per kernel);
-- 4,413 MB: elementwise operations under dynamic shapes get equal-shape operands (ops/broadcast.py).
-  MindSpore's CPU arithmetic kernels keep two 8-byte index tables per output element for a broadcasting
-  operation; the shim found ~0.5 GB of them (the attention bias add and softmax backward over [B, H, L, S]
-  scores, the norms, RoPE). The same change made the step faster (2.0 s against 2.1-2.2 s).
-What remains above torch: the compiler's heap (~0.5 GB after `malloc_trim`, train/memory.py) and MindSpore's
-1 GB pool block, of which ~0.66 GB is touched (the AdamW update graph allocates an output copy of var, m
-and v per parameter, the fused `AdamWeightDecay` CPU kernel's behaviour).
-On `tiny` mindvl-ms peaks 1-2% below torch (1.43-1.44 against 1.46 GB).
+Where the step's memory goes is measured phase by phase on the same step by `bench/profile_memory.py`.
+The ratios and peak memory measured so far, change by change, and the account of `small`'s memory against
+torch's are in docs/PERFORMANCE.md, ## bench.
 """
 import argparse
 import json

@@ -7,16 +7,16 @@ The tower: a 4-block Qwen2.5-ViT (hidden 256, 4 heads, MLP 512, 112 px windows, 
 as one in four of Qwen2.5-VL's blocks), patch 14, 2x2 merge. One image per call, resized as the
 processor does (1280x720 -> 1288x728 = 4,784 patches, 84 windows; 448x448 -> 1,024 patches, 16 windows).
 mindvl-ms runs its per-window / per-image block attention (host-side gathers); `--dense` adds its old
-dense N x N mask path for images of at most 2,048 patches (at 1280x720 that path's forward+backward grew
-past 19 GB resident and was killed by the OOM killer on a 23 GB machine). Forward is one call;
-forward+backward is d(sum(out * w))/d(params) (ms.grad under jit, torch autograd). Calls of the two
+dense N x N mask path for images of at most 2,048 patches (its memory grows with the square of the patch
+count: at 1280x720 its forward+backward ran out of memory; docs/PERFORMANCE.md, ## bench). Forward is one
+call; forward+backward is d(sum(out * w))/d(params) (ms.grad under jit, torch autograd). Calls of the two
 frameworks alternate, so machine-load drift hits both alike; each figure is the median of `--repeats`
 calls after a warm-up (compile). The whole measurement runs `--rounds` times. The summary's ratio (torch /
 ours, > 1 means mindvl-ms is faster) is the median over every round of the call-by-call ratios, each from
 two adjacent calls, so load that drifts over seconds cancels; the spread between the rounds' own medians
-shows whether two runs agree. Both frameworks share the process; at 1280x720 it peaks near 12 GB resident
-(mindvl-ms' block path alone: 7.0 GB max RSS for forward+backward, most of it the full-attention layer's
-[H, N, N] float32 scores, probabilities and their gradients).
+shows whether two runs agree. Both frameworks share the process, so its peak memory is theirs together;
+at 1280x720 most of mindvl-ms' share is the full-attention layer's [H, N, N] float32 scores, probabilities
+and their gradients (the measured peaks: docs/PERFORMANCE.md, ## bench).
 """
 import argparse
 import os

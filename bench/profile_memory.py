@@ -11,7 +11,7 @@ its pool statistics when the child exits (`mindspore.runtime.memory_stats()` rep
   update (the moments are materialised on first use); then whole steps;
 - the process's peak RSS, and the pool's reserved size and peak use;
 - the largest resident mappings at the end (/proc/self/smaps): the pool's block, the big tensors, the heap.
-bench_train.py's docstring cites this script's figures for `small`.
+Its figures for `small`, with bench_train's peak RSS beside them, are in docs/PERFORMANCE.md, ## bench.
 """
 import argparse
 import json
