@@ -7,7 +7,9 @@ conversion is near-identity:
 - transformers >= 4.52 in-memory names (`model.visual.*`, `model.language_model.*`) are accepted too;
 - DeepSeek-V3 language models map through `hf_deepseek` when present.
 A native checkpoint directory is `config.json` ({"format": "mindvl-native", "config": {...}}) plus
-safetensors; an HF directory is transformers' `config.json` plus safetensors.
+safetensors; an HF directory is transformers' `config.json` plus safetensors. Every read of a directory
+here verifies it first against its checksums (`integrity.verify_checkpoint`, once per load, the
+training state excepted); every write goes through `integrity.atomic_dir`, which writes them.
 
 Everything here works on numpy tensors and JSON, without MindSpore or model classes; building and filling
 models from these tensors is `checkpoint/pretrained.py`.
@@ -16,14 +18,15 @@ import dataclasses
 import json
 import os
 import re
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
 from mindvl_ms.config import MindVLConfig, TextConfig, from_hf_dict, load, to_hf_dict
 from mindvl_ms.config.model import text_from_hf, vision_from_hf
 from mindvl_ms.checkpoint import hf_deepseek
-from mindvl_ms.checkpoint.io import RawTensor, atomic_dir, read_tensors, write_json, write_tensors
+from mindvl_ms.checkpoint.integrity import atomic_dir, verify_checkpoint
+from mindvl_ms.checkpoint.io import RawTensor, read_tensors, write_json, write_tensors
 
 PATCH = "visual.patch_embed.proj.weight"
 NATIVE = "mindvl-native"
@@ -86,7 +89,8 @@ def native_to_hf(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, 
 # -- checkpoint directories <-> native-named tensors ------------------------------------------------
 
 def read_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
-    """(config, native-named tensors) from a native or HF directory."""
+    """(config, native-named tensors) from a native or HF directory, verified first."""
+    verify_checkpoint(path)
     d = read_config_json(path)
     cfg = cfg or config_from_dir(path)
     tensors = read_tensors(path)
@@ -96,8 +100,9 @@ def read_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
 
 
 def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor], format: str = "native",
-                     max_shard_bytes: Optional[int] = None, extra_files: Optional[Dict[str, dict]] = None) -> None:
-    """Atomically write a checkpoint directory in native or HF layout from native-named tensors."""
+                     max_shard_bytes: Optional[int] = None, extra: Optional[Callable[[str], None]] = None) -> None:
+    """Atomically write a checkpoint directory in native or HF layout from native-named tensors;
+    `extra(tmp_dir)` writes further files (the processor) inside the same atomic directory."""
     if format not in ("native", "hf"):
         raise ValueError(f"format must be 'native' or 'hf', got {format!r}")
     with atomic_dir(path) as tmp:
@@ -107,8 +112,8 @@ def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor]
         else:
             write_json(os.path.join(tmp, "config.json"), {"format": NATIVE, "config": dataclasses.asdict(cfg)})
             write_tensors(tmp, tensors, max_shard_bytes)
-        for name, obj in (extra_files or {}).items():
-            write_json(os.path.join(tmp, name), obj)
+        if extra is not None:
+            extra(tmp)
 
 
 # -- conversions used by the CLI ------------------------------------------------------------------------
@@ -127,7 +132,8 @@ def _text_tensors_to_native(tensors: Dict[str, RawTensor], text) -> Dict[str, Ra
     return tensors
 
 
-def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optional[int]) -> Dict[str, RawTensor]:
+def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optional[int],
+                  extra: Optional[Callable[[str], None]]) -> Dict[str, RawTensor]:
     """Text-only LLM checkpoints: HF <-> native {"kind": "text"} (the HF config.json is kept verbatim)."""
     tensors = read_tensors(src)
     if is_native(d):
@@ -148,30 +154,36 @@ def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optiona
             write_json(os.path.join(tmp, "config.json"), {"format": NATIVE, "kind": "text",
                                                           "config": dataclasses.asdict(text), "hf_config": hf_cfg})
             write_tensors(tmp, tensors, max_shard_bytes)
+        if extra is not None:
+            extra(tmp)
     return tensors
 
 
-def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None) -> Dict[str, int]:
+def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None,
+            extra: Optional[Callable[[str], None]] = None) -> Dict[str, int]:
     """hf -> native (to='native') or native -> hf (to='hf'), tensors copied bit-exactly. Works for MindVL
-    (Qwen2.5-VL layout) and for text-only Qwen2/Qwen3/DeepSeek-V3 checkpoints."""
+    (Qwen2.5-VL layout) and for text-only Qwen2/Qwen3/DeepSeek-V3 checkpoints. `src` is verified first;
+    `extra(tmp_dir)` writes further files (the processor) into the output before its checksums."""
+    verify_checkpoint(src)
     d = read_config_json(src)
     if is_native(d) == (to == "native"):
         raise ValueError(f"{src} is already a {'native' if is_native(d) else 'Hugging Face'} checkpoint")
     if is_text_only(d):
-        tensors = _convert_text(src, dst, to, d, max_shard_bytes)
+        tensors = _convert_text(src, dst, to, d, max_shard_bytes, extra)
     else:
         cfg = config_from_dir(src)
         tensors = read_tensors(src)
         if not is_native(d):
             tensors = hf_to_native(tensors, cfg)
-        write_checkpoint(dst, cfg, tensors, format=to, max_shard_bytes=max_shard_bytes)
+        write_checkpoint(dst, cfg, tensors, format=to, max_shard_bytes=max_shard_bytes, extra=extra)
     return {"tensors": len(tensors), "parameters": int(sum(np.prod(t.shape) for t in tensors.values()))}
 
 
 # -- what checkpoint/pretrained.py builds models from ---------------------------------------------------
 
 def read_text_checkpoint(path: str) -> Tuple[TextConfig, Dict[str, RawTensor]]:
-    """(text config, native-named tensors) of a text-only LLM checkpoint, HF or native."""
+    """(text config, native-named tensors) of a text-only LLM checkpoint, HF or native, verified first."""
+    verify_checkpoint(path)
     d = read_config_json(path)
     if is_native(d):
         text = load(TextConfig, d["config"], source=os.path.join(path, "config.json"))
@@ -184,6 +196,9 @@ def init_sources(vision_from: str, llm_from: str):
     """The pieces of the MindVL initialisation (`pretrained.init_from_pretrained`): the combined config,
     the vision tower's tensors (`visual.*` without the projector `visual.merger.*`) and the language
     model's (`model.*`, `lm_head.*`), native-named. Returns (config, vision tensors, LLM tensors)."""
+    verify_checkpoint(vision_from)
+    if os.path.abspath(llm_from) != os.path.abspath(vision_from):
+        verify_checkpoint(llm_from)
     vd, ld = read_config_json(vision_from), read_config_json(llm_from)
     vision = config_from_dir(vision_from).vision if is_native(vd) else vision_from_hf(vd.get("vision_config") or vd)
     if is_native(ld):

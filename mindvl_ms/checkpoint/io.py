@@ -4,20 +4,16 @@
   Tensors come back as `RawTensor` (numpy array + the safetensors dtype), so bfloat16 survives a round trip
   bit-exactly even though numpy has no bfloat16 (it is held as uint16 bits; `.float32()` widens it).
 - `write_tensors(dir, tensors, max_shard_bytes)`: one file or shards + index, HF naming.
-- `atomic_dir(path)`: write a directory under a temporary name and rename it into place, so a crash never
-  leaves a directory that looks complete but is not.
+- Directories are written atomically with a manifest of checksums, verified on load: `checkpoint/integrity.py`.
 - Every read checks the header against the file before touching tensor bytes (`verified_header`): the
   header length fits the file, each tensor's dtype is known, its shape's byte length equals its
   `data_offsets` span, and the span ends inside the file. A truncated or corrupt file raises
   `CheckpointError` naming the file and the tensor ("...: tensor 'x' needs 77,791,232 bytes, the file
   ends after 40,199,484"), for every command that loads weights (resume, generate, eval, convert, export).
 """
-import contextlib
 import json
 import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional
 
@@ -34,6 +30,8 @@ _ST = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.flo
        np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+OPTIM = "optimizer.safetensors"  # training checkpoints only (trainer_state.py)
+STATE = "trainer_state.json"
 
 
 @dataclass
@@ -204,31 +202,6 @@ def write_tensors(path: str, tensors: Dict[str, RawTensor], max_shard_bytes: Opt
         weight_map.update({n: fn for n in group})
     with open(os.path.join(path, INDEX), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-@contextlib.contextmanager
-def atomic_dir(path: str):
-    """Yield a temporary directory next to `path`; on success replace `path` with it (rename)."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".tmp-", dir=parent)
-    try:
-        yield tmp
-        for root, _, files in os.walk(tmp):  # flush file contents before the rename makes them visible
-            for fn in files:
-                with open(os.path.join(root, fn), "rb") as f:
-                    os.fsync(f.fileno())
-        if os.path.isdir(path):
-            old = tmp + ".old"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_json(path: str, obj) -> None:

@@ -31,7 +31,9 @@ Design:
   (tokenizer, preprocessor_config.json, chat_template.json) come with them; when the first input has
   none, a MindVL merge writes them from the first input (or base) that has them, else the defaults
   (`processor_from` in the record). It is written through
-  `io.atomic_dir`: a failed merge leaves no directory behind.
+  `integrity.atomic_dir`: a failed merge leaves no directory behind, and the output carries its checksums.
+- Every input (and the base) is verified against its checksums before anything is read
+  (`integrity.verify_checkpoint`; a directory without them is merged as it is).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
-from mindvl_ms.checkpoint.io import INDEX, atomic_dir, weight_files
+from mindvl_ms.checkpoint.integrity import MANIFEST, atomic_dir, verify_checkpoint
+from mindvl_ms.checkpoint.io import INDEX, weight_files
 from mindvl_ms.data.processor import carry_processor
 from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
@@ -57,7 +60,7 @@ NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uin
          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
          "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
 FLOATS = ("F64", "F32", "F16", "BF16")
-SKIP_FILES = ("trainer_state.json", "merge_record.json")  # not carried over from the first input
+SKIP_FILES = ("trainer_state.json", "merge_record.json", MANIFEST)  # not carried over from the first input
 SKIP_PREFIXES = ("optimizer", "rng_state", "scheduler")
 
 
@@ -106,6 +109,7 @@ class Checkpoint:
     def __init__(self, path: str):
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint not found: {path}")
+        verify_checkpoint(path)  # weights, index and side files; the training state is not merged
         self.path = path
         try:
             files = weight_files(path)  # tensor name -> file

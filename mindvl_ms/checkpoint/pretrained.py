@@ -10,7 +10,8 @@ argument): this layer knows checkpoint layouts, not which Cell a command wants, 
 plain `models.mindvl.MindVLModel` and the Hugging-Face-style API builds its subclass
 (`infer.hf_api.MindVLForConditionalGeneration`) through the same functions. Text-only LLMs
 (`load_text_model`) pick their class from the checkpoint's model_type. Name and layout mapping lives in
-`checkpoint/hf.py`, which needs no MindSpore.
+`checkpoint/hf.py`, which needs no MindSpore. Loads verify the directory's checksums and saves write them
+(`checkpoint/integrity.py`).
 """
 from typing import Callable, Dict, Optional
 
@@ -74,9 +75,11 @@ def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None):
     return model
 
 
-def save_pretrained(model, path: str, format: str = "native", max_shard_bytes: Optional[int] = None) -> None:
-    """config.json + safetensors of `model` (its `.config`); format 'hf' writes transformers' layout."""
-    write_checkpoint(path, model.config, model_tensors(model), format, max_shard_bytes)
+def save_pretrained(model, path: str, format: str = "native", max_shard_bytes: Optional[int] = None,
+                    extra: Optional[Callable[[str], None]] = None) -> None:
+    """config.json + safetensors of `model` (its `.config`), written atomically with their checksums;
+    format 'hf' writes transformers' layout; `extra(tmp_dir)` adds files (the processor) before the checksums."""
+    write_checkpoint(path, model.config, model_tensors(model), format, max_shard_bytes, extra)
 
 
 def load_text_model(path: str):
@@ -87,10 +90,11 @@ def load_text_model(path: str):
     return model
 
 
-def init_from_pretrained(cls, vision_from: str, llm_from: str, out: str, seed: int = 0) -> MindVLConfig:
+def init_from_pretrained(cls, vision_from: str, llm_from: str, out: str, seed: int = 0,
+                         extra: Optional[Callable[[str], None]] = None) -> MindVLConfig:
     """The MindVL initialisation: ViT from a Qwen2.5-VL checkpoint, LLM from a Qwen3 (or Qwen2/DeepSeek-V3)
     checkpoint, projector (`visual.merger.*`) freshly initialised (from `seed`) in a `cls(config)`. Writes
-    a native checkpoint to `out`; returns its config."""
+    a native checkpoint to `out` (`extra(tmp_dir)` as in `save_pretrained`); returns its config."""
     cfg, vt, lt = init_sources(vision_from, llm_from)
     ms.set_seed(seed)
     model = cls(cfg)
@@ -100,5 +104,5 @@ def init_from_pretrained(cls, vision_from: str, llm_from: str, out: str, seed: i
                if not k.startswith("visual.merger.") and k not in vt and k not in lt]
     if missing:
         raise ValueError(f"init: parameters found in neither checkpoint: {missing[:20]}")
-    save_pretrained(model, out)
+    save_pretrained(model, out, extra=extra)
     return cfg

@@ -8,10 +8,12 @@ Layout of OUT/<stage>/checkpoint-<step>/ (docs/CHECKPOINTS.md):
     optimizer.safetensors   AdamW moments, step, loss scale (fp32/int32, bit-exact round trip)
     trainer_state.json      stage index/name, step, total steps, consumed rows/tokens, data-loader
                             state, numpy/python RNG state, non-finite counters, metrics position
+    checksums.json          CRC32C of every file above (and of each tensor), verified on resume
+                            (`integrity.py`)
 and OUT/latest.json names the newest complete checkpoint.
 
 Atomicity: the directory is written under a temporary name and renamed into place
-(`io.atomic_dir`), then `latest.json` is replaced with `os.replace`. A kill at any moment leaves
+(`integrity.atomic_dir`), then `latest.json` is replaced with `os.replace`. A kill at any moment leaves
 either the previous `latest.json` (pointing at a complete checkpoint) or the new one; leftover
 temporary directories are ignored by `find_latest` and removed by `clean_partial`.
 """
@@ -27,12 +29,12 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from mindvl_ms.checkpoint.hf import NATIVE
-from mindvl_ms.checkpoint.io import RawTensor, atomic_dir, read_file, read_tensors, write_file, write_json, write_tensors
+from mindvl_ms.checkpoint.integrity import atomic_dir, verify_checkpoint
+from mindvl_ms.checkpoint.io import OPTIM, STATE, RawTensor, read_file, read_tensors, write_file, write_json, \
+    write_tensors
 from mindvl_ms.checkpoint.pretrained import model_tensors
 
 LATEST = "latest.json"
-STATE = "trainer_state.json"
-OPTIM = "optimizer.safetensors"
 
 
 def rng_state() -> Dict[str, Any]:
@@ -103,7 +105,9 @@ def find_latest(resume: str) -> str:
 
 
 def load_checkpoint(path: str):
-    """(state dict, model tensors {name: RawTensor}, optimizer arrays {name: np.ndarray})."""
+    """(state dict, model tensors {name: RawTensor}, optimizer arrays {name: np.ndarray}); every file is
+    verified against the checkpoint's checksums first (`integrity.verify_checkpoint`)."""
+    verify_checkpoint(path, model_only=False)
     with open(os.path.join(path, STATE), encoding="utf-8") as f:
         try:
             state = json.load(f)

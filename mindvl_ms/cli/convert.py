@@ -1,9 +1,10 @@
 """`mindvl convert hf2ms|ms2hf SRC DST` and `mindvl init --vision-from --llm-from --out`.
 
-Both write the processor next to the weights (data/processor_files.py): convert carries the
-source's (tokenizer, pixel limits, system prompt; the defaults when it has none); init takes the LLM's
-tokenizer and the vision checkpoint's pixel limits. A text-only LLM conversion copies the tokenizer
-files only.
+Both write the processor next to the weights (data/processor_files.py), inside the output's atomic
+directory so that its checksums.json covers them: convert carries the source's (tokenizer, pixel limits,
+system prompt; the defaults when it has none); init takes the LLM's tokenizer and the vision
+checkpoint's pixel limits. A text-only LLM conversion copies the tokenizer files only. Both verify their
+inputs' checksums first (`--no-verify` skips that).
 """
 import os
 import shutil
@@ -21,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("dst", help="output directory (written atomically)")
     p.add_argument("--max-shard-mb", type=float, default=None,
                    help="split the weights into shards of at most this many MiB (with an index file)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not verify the checkpoints' checksums.json (trusted fast paths; the "
+                        "safetensors headers are still checked)")
     p.set_defaults(func=_run_convert)
 
     q = subparsers.add_parser(
@@ -32,30 +36,40 @@ def register(subparsers) -> None:
     q.add_argument("--llm-from", required=True, help="language model checkpoint directory (HF Qwen3/Qwen2/DeepSeek-V3)")
     q.add_argument("--out", required=True, help="output native checkpoint directory")
     q.add_argument("--seed", type=int, default=0, help="seed of the projector's random init (default 0)")
+    q.add_argument("--no-verify", action="store_true",
+                   help="do not verify the checkpoints' checksums.json (trusted fast paths; the "
+                        "safetensors headers are still checked)")
     q.set_defaults(func=_run_init)
 
 
 def _run_convert(args) -> int:
     from mindvl_ms.checkpoint.hf import convert
+    from mindvl_ms.checkpoint.integrity import skip_verification
 
     if args.direction == "ms2hf" and os.path.isfile(os.path.join(args.src, "vocab_subset.json")):
         raise SystemExit(f"{args.src}: the model's vocabulary is a subset of its tokenizer's (vocab_subset.json, "
                          f"data/vocab_subset.py); transformers would read the full tokenizer's ids, so there is "
                          f"no Hugging Face layout for it (train with the full vocabulary to export)")
-    stats = convert(args.src, args.dst, to="native" if args.direction == "hf2ms" else "hf",
-                    max_shard_bytes=int(args.max_shard_mb * 2 ** 20) if args.max_shard_mb else None)
-    files = write_processor(args.dst, args.src)
+    files = []
+    with skip_verification(args.no_verify):
+        stats = convert(args.src, args.dst, to="native" if args.direction == "hf2ms" else "hf",
+                        max_shard_bytes=int(args.max_shard_mb * 2 ** 20) if args.max_shard_mb else None,
+                        extra=lambda tmp: files.extend(write_processor(tmp, args.src)))
     print(f"wrote {args.dst}: {stats['tensors']} tensors, {stats['parameters']:,} parameters"
           + (f"; processor files {', '.join(files)}" if files else ""))
     return 0
 
 
 def _run_init(args) -> int:
+    from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.checkpoint.pretrained import init_from_pretrained
     from mindvl_ms.models.mindvl import MindVLModel
 
-    cfg = init_from_pretrained(MindVLModel, args.vision_from, args.llm_from, args.out, seed=args.seed)
-    files = _init_processor(args.out, args.vision_from, args.llm_from)
+    files = []
+    with skip_verification(args.no_verify):
+        cfg = init_from_pretrained(MindVLModel, args.vision_from, args.llm_from, args.out, seed=args.seed,
+                                   extra=lambda tmp: files.extend(_init_processor(tmp, args.vision_from,
+                                                                                  args.llm_from)))
     print(f"wrote {args.out}: vision depth {cfg.vision.depth} (from {args.vision_from}), "
           f"{cfg.text.model_type} LLM with {cfg.text.num_hidden_layers} layers (from {args.llm_from}), "
           f"projector randomly initialised (seed {args.seed}); processor files {', '.join(files)}")

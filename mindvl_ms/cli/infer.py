@@ -57,6 +57,9 @@ def register(subparsers) -> None:
     e.add_argument("--ckpt", required=True, help="checkpoint directory (native or Hugging Face layout)")
     e.add_argument("--out", required=True, help="output directory (written atomically)")
     e.add_argument("--fp16", action="store_true", help="export float16 weights and KV cache (logits stay float32)")
+    e.add_argument("--no-verify", action="store_true",
+                   help="do not verify the checkpoints' checksums.json (trusted fast paths; the "
+                        "safetensors headers are still checked)")
     e.set_defaults(func=_run_export)
 
 
@@ -111,11 +114,13 @@ def _run_chat(args) -> int:
 
 
 def _run_export(args) -> int:
+    from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.infer.export import export
     from mindvl_ms.infer.generate import use_graph_mode
 
     use_graph_mode()
-    meta = export(args.ckpt, args.out, fp16=args.fp16)
+    with skip_verification(args.no_verify):
+        meta = export(args.ckpt, args.out, fp16=args.fp16)
     for name, g in meta["graphs"].items():
         print(f"{args.out}/{g['file']}: {g['bytes'] / 2 ** 20:.2f} MiB")
     print(f"{args.out}/export.json ({meta['dtype']}, total {meta['total_bytes'] / 2 ** 20:.2f} MiB)")
@@ -135,6 +140,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="stop once the answer contains TEXT (repeatable); <|im_end|> always stops")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--fp16", action="store_true", help="run with float16 weights")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not verify the checkpoints' checksums.json (trusted fast paths; the "
+                        "safetensors headers are still checked)")
     p.add_argument("--min-pixels", type=int, default=None,
                    help="smallest resized image area (default: the checkpoint's preprocessor_config.json, else 3136)")
     p.add_argument("--max-pixels", type=int, default=None,
@@ -148,10 +156,12 @@ class _Session:
     """Model, processor and sampling options shared by generate and chat."""
 
     def __init__(self, args):
+        from mindvl_ms.checkpoint.integrity import skip_verification
         from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
 
         use_graph_mode()
-        self.model = load_model(args.ckpt, args.fp16)
+        with skip_verification(args.no_verify):
+            self.model = load_model(args.ckpt, args.fp16)
         self.proc = load_processor(args.ckpt, self.model.config)
         if args.min_pixels is not None:
             self.proc.image_config.min_pixels = args.min_pixels

@@ -39,15 +39,20 @@ def register(subparsers) -> None:
                         "the rest is copied from the first CKPT")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not verify the checkpoints' checksums.json (trusted fast paths; the "
+                        "safetensors headers are still checked)")
     p.set_defaults(func=_run_merge)
 
 
 def _run_merge(args: argparse.Namespace) -> int:
+    from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.checkpoint.merge import merge
 
-    rec = merge(args.ckpts, args.out, method=args.method, weights=args.weights, base=args.base,
-                density=args.density, scale=args.scale, only=args.only, overwrite=args.overwrite,
-                progress=not args.quiet)
+    with skip_verification(args.no_verify):
+        rec = merge(args.ckpts, args.out, method=args.method, weights=args.weights, base=args.base,
+                    density=args.density, scale=args.scale, only=args.only, overwrite=args.overwrite,
+                    progress=not args.quiet)
     ws = ", ".join(f"{i['path']} x {i['weight']:g}" for i in rec["inputs"])
     print(f"merged ({rec['method']}) {ws} -> {args.out}: {rec['merged_tensors']} tensors merged, "
           f"{rec['copied_tensors']} copied from the first input")

@@ -34,10 +34,14 @@ def register(subparsers) -> None:
                         "(the change is logged and recorded in trainer_state.json)")
     p.add_argument("--out", default="runs/train", help="output directory (default: runs/train)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs and metrics only)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="resume (and init_from) without verifying the checkpoint's checksums.json (trusted fast "
+                        "paths; the safetensors headers are still checked)")
     p.set_defaults(func=_run_train)
 
 
 def _run_train(args) -> int:
+    from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.config.base import ConfigError
     from mindvl_ms.config.packaged import resolve_config
     from mindvl_ms.infer.rollout import EngineSampler
@@ -46,8 +50,9 @@ def _run_train(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
-        summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress,
-                               allow_data_change=args.resume_allow_data_change, sampler=EngineSampler())
+        with skip_verification(args.no_verify):
+            summary = run_training(cfg, args.out, resume=args.resume, progress=not args.no_progress,
+                                   allow_data_change=args.resume_allow_data_change, sampler=EngineSampler())
     except ConfigError as e:
         msg = str(e)
         print(f"config error: {msg if msg.startswith(args.config) else f'{args.config}: {msg}'}", file=sys.stderr)

@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 import mindspore as ms
 
-from mindvl_ms.checkpoint.io import atomic_dir, write_json
+from mindvl_ms.checkpoint.integrity import atomic_dir
+from mindvl_ms.checkpoint.io import write_json
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.data.processor import carry_processor, save_processor
 from mindvl_ms.data.processor_files import read_image_config, read_system_prompt

@@ -13,6 +13,7 @@ Execution backends, chosen at load time:
 
 The host-side loop is `engine.Engine`, the same code the eager model uses, driven by the EngineSpec stored
 in export.json; images must come as uint8 `pixel_frames` (the exported vision graph normalises them).
+The export directory is verified against its checksums.json before the graphs load.
 """
 import json
 import os
@@ -28,6 +29,7 @@ try:  # optional: no Lite wheel installs on every Python version
 except ImportError:
     mslite = None
 
+from mindvl_ms.checkpoint.integrity import verify_checkpoint
 from mindvl_ms.infer.engine import Engine, EngineSpec
 from mindvl_ms.infer.export import EXPORT_JSON, FORMAT
 from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META
@@ -78,6 +80,7 @@ class GraphBackend:
         fn = os.path.join(export_dir, EXPORT_JSON)
         if not os.path.isfile(fn):
             raise FileNotFoundError(f"{export_dir}: no {EXPORT_JSON} (run `mindvl export` first)")
+        verify_checkpoint(export_dir, model_only=False)  # the export's checksums.json, when it has one
         with open(fn, encoding="utf-8") as f:
             self.meta = json.load(f)
         if self.meta.get("format") != FORMAT:

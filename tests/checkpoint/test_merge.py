@@ -80,7 +80,7 @@ def test_linear_task_arithmetic_sharded_and_side_files(tmp_path):
         ref = (2 * ts[0][k].double() + ts[1][k].double() + ts[2][k].double()) / 4
         torch.testing.assert_close(out[k].double(), ref, rtol=1e-6, atol=1e-6)
     files = sorted(os.listdir(tmp_path / "lin"))
-    assert files == ["config.json", "merge_record.json", "model-00001-of-00002.safetensors",
+    assert files == ["checksums.json", "config.json", "merge_record.json", "model-00001-of-00002.safetensors",
                      "model-00002-of-00002.safetensors", "model.safetensors.index.json", "preprocessor_config.json"]
     index = json.load(open(tmp_path / "lin" / "model.safetensors.index.json"))
     assert index["weight_map"] == {k: f"model-0000{1 if k in shards[0] else 2}-of-00002.safetensors" for k in keys}
@@ -244,6 +244,6 @@ def test_bare_safetensors_files(tmp_path):
     save_file(b, str(tmp_path / "b.safetensors"), metadata={"format": "pt"})
     (tmp_path / "notes.txt").write_text("not part of a checkpoint")
     merge([str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")], str(tmp_path / "m"), progress=False)
-    assert sorted(os.listdir(tmp_path / "m")) == ["a.safetensors", "merge_record.json"]
+    assert sorted(os.listdir(tmp_path / "m")) == ["a.safetensors", "checksums.json", "merge_record.json"]
     out = load_file(str(tmp_path / "m" / "a.safetensors"))
     torch.testing.assert_close(out["model.norm.weight"], (a["model.norm.weight"] + b["model.norm.weight"]) / 2)
