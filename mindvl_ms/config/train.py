@@ -16,13 +16,16 @@ Load with `load_run_config(path, overrides)`; docs/CONFIG.md lists every field w
 """
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
 from mindvl_ms.config.base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
 from mindvl_ms.config.model import MindVLConfig
+from mindvl_ms.config.packaged import resolve_config
 from mindvl_ms.config.post import DPOConfig, GRPOConfig
 
 from mindvl_ms.config.data import DataConfig
@@ -168,6 +171,34 @@ class StageConfig:
 
 
 @dataclass
+class ParallelSpeedUp:
+    """`context.parallel_speed_up:` MindSpore's communication/computation overlap switches under MindSpore 2.9's
+    names: the keys of the JSON file `set_context(ascend_config={'parallel_speed_up_json_path': FILE})` reads
+    (`parallel/runtime.py` writes that file from these fields). They act on the communication that semi-auto /
+    auto parallel inserts, so they apply to Ascend runs only."""
+
+    grad_matmul_communication_overlap: bool = F(False, "overlap the weight-gradient MatMuls with the tensor-parallel "
+                                                       "communication of the backward pass")
+    recomputation_communication_overlap: bool = F(False, "overlap recomputed operators with communication "
+                                                         "(with recompute_config.recompute)")
+    grad_fa_allgather_overlap: bool = F(False, "sequence parallel: overlap the AllGather recomputed for the "
+                                               "backward pass with FlashAttentionScoreGrad")
+    computation_communication_fusion_level: int = F(0, "fuse computation and communication tasks so they run in "
+                                                       "part in parallel: 0 off, 1 forward, 2 backward, 3 both")
+    allreduce_and_biasadd_swap: bool = F(False, "swap the order of a row-parallel linear's AllReduce and its 1-D "
+                                                "bias add")
+    grad_computation_allreduce_overlap: bool = F(False, "overlap the input-gradient operators with the "
+                                                        "data-parallel gradient AllReduce")
+    computation_allgather_overlap: bool = F(False, "overlap forward operators with the parallel optimizer's "
+                                                   "parameter AllGather (parallel.enable_parallel_optimizer)")
+
+    def validate(self) -> None:
+        if self.computation_communication_fusion_level not in (0, 1, 2, 3):
+            raise ConfigError(f"context.parallel_speed_up.computation_communication_fusion_level "
+                              f"{self.computation_communication_fusion_level}: expected 0, 1, 2 or 3")
+
+
+@dataclass
 class ContextConfig:
     """MindSpore context (names as in `mindspore.set_context`) and numeric precision."""
 
@@ -179,6 +210,10 @@ class ContextConfig:
     loss_scale_window: int = F(1000, "good steps before the loss scale grows")
     max_device_memory: str = F("", "Ascend: e.g. '58GB' (empty: MindSpore default)")
     jit_level: str = F("O0", "graph compile level: set_context(jit_config={'jit_level': ...}) on Ascend (O0/O1/O2)")
+    parallel_speed_up: ParallelSpeedUp = sub(ParallelSpeedUp, "communication/computation overlap (Ascend, "
+                                                               "semi-auto / auto parallel)")
+    bind_core: bool = F(False, "msrun binds each worker process to its own CPU cores: scripts/msrun_train.sh "
+                               "passes msrun --bind_core=True (read by the launcher, before the workers start)")
 
     def validate(self) -> None:
         if self.mode not in (0, 1):
@@ -295,6 +330,27 @@ def load_run_config(path: Optional[str] = None, overrides: Optional[List[str]] =
         k, v = ov.split("=", 1)
         _set_with_index(raw, k.strip(), v)
     return load(RunConfig, raw, source=path or "<dict>")
+
+
+def msrun_bind_core(argv: List[str]) -> int:
+    """Print `context.bind_core` (True or False) of the run config that a `mindvl train` command line names
+    (`--config FILE` and its `--set KEY=VALUE` overrides; False when it names none). scripts/msrun_train.sh
+    calls this before it starts msrun, whose `--bind_core` applies to the workers it spawns. Returns the exit
+    status: 2, with the error on stderr, when the config does not load."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config")
+    parser.add_argument("--set", action="append", default=[])
+    args, _ = parser.parse_known_args(argv)
+    if not args.config:
+        print(False)
+        return 0
+    try:
+        cfg = load_run_config(resolve_config(args.config)[0], args.set)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(cfg.context.bind_core)
+    return 0
 
 
 def _resolve_model(raw: Dict[str, Any], base_dir: str) -> None:

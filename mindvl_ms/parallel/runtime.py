@@ -17,15 +17,20 @@
   (parallel mode, device_num, pipeline stages, parallel optimizer, search mode), and
   `context.jit_level` to `set_context(jit_config=...)`. On CPU anything beyond data parallel is refused
   with a clear message.
+- On Ascend the overlap switches of `context.parallel_speed_up` (MindSpore's own key names) go to
+  `set_context(ascend_config={"parallel_speed_up_json_path": FILE})`, FILE a JSON of those keys written here
+  (MindSpore reads them from a file only); the file stays until the process exits, as the context names it.
 - `validate_strategy` checks divisibility (heads, KV heads, hidden, FFN, vocab, layers, experts)
   before any graph is built.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
-from dataclasses import dataclass
+import tempfile
+from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 import mindspore as ms
@@ -72,6 +77,27 @@ def context_settings(ctx) -> dict:
         if ctx.max_device_memory:
             kw["max_device_memory"] = ctx.max_device_memory
     return kw
+
+
+def parallel_speed_up(ctx) -> dict:
+    """MindSpore's parallel speed-up JSON (key -> value) of `context.parallel_speed_up` on Ascend; {} when every
+    switch is off (MindSpore's defaults) or the device is not Ascend (set_context ignores ascend_config there)."""
+    switches = asdict(ctx.parallel_speed_up)
+    return switches if ctx.device_target == "Ascend" and any(switches.values()) else {}
+
+
+def apply_parallel_speed_up(ctx) -> str:
+    """Write `parallel_speed_up(ctx)` to a JSON file and hand it to `set_context(ascend_config=...)`; returns
+    the file ('' when there is nothing to set). Removed at exit."""
+    switches = parallel_speed_up(ctx)
+    if not switches:
+        return ""
+    fd, path = tempfile.mkstemp(prefix="parallel_speed_up_", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(switches, f)
+    atexit.register(os.remove, path)
+    ms.set_context(ascend_config={"parallel_speed_up_json_path": path})
+    return path
 
 
 def auto_parallel_settings(run_cfg, world: int) -> dict:
@@ -146,6 +172,7 @@ def setup(run_cfg) -> DistInfo:
     extra = context_settings(ctx)
     if extra:
         ms.set_context(**extra)
+    apply_parallel_speed_up(ctx)
     sizes, par = run_cfg.parallel_config, run_cfg.parallel
     cpu = ctx.device_target == "CPU"
     if cpu and (par.parallel_mode != 0 or sizes.model_parallel > 1 or sizes.pipeline_stage > 1

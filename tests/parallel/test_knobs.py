@@ -1,11 +1,13 @@
 """Every parallel / recompute / context knob changes something observable (one test per knob), and the
 rank coordinates reach the loader and the gradient-reduction flag."""
+import json
 import os
 
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Tensor
+from mindspore import Tensor, context
+from mindspore._c_expression import ms_ctx_param
 from mindspore.nn.utils import no_init_parameters
 from mindspore.ops import Primitive
 
@@ -161,6 +163,48 @@ def test_jit_level():
         ctx.jit_config = before
     with pytest.raises(ConfigError, match="jit_level"):
         run_cfg(context={"jit_level": "O3"})
+
+
+SPEED_UP = {  # context.parallel_speed_up field (MindSpore's JSON key) -> (value set, context parameter, read back)
+    "grad_matmul_communication_overlap": (True, "matmul_grad_comm_overlap",
+                                          "AlltoAll,AlltoAllV,AllGather,ReduceScatter,AllReduce"),
+    "recomputation_communication_overlap": (True, "recompute_comm_overlap",
+                                            "AlltoAll,AlltoAllV,AllGather,ReduceScatter,AllReduce"),
+    "grad_fa_allgather_overlap": (True, "recompute_allgather_overlap_fagrad", True),
+    "computation_communication_fusion_level": (3, "compute_communicate_fusion_level", 3),
+    "allreduce_and_biasadd_swap": (True, "bias_add_comm_swap", True),
+    "grad_computation_allreduce_overlap": (True, "enable_grad_comm_opt", True),
+    "computation_allgather_overlap": (True, "enable_opt_shard_comm_opt", True),
+}
+
+
+def test_parallel_speed_up_reaches_the_context(monkeypatch):
+    """Each `context.parallel_speed_up` switch, read back from MindSpore's context after the call setup() makes.
+    set_context ignores `ascend_config` unless the device is Ascend, so its device filter is bypassed for the
+    call; the values still go through set_context's own reading of the JSON file and its setters."""
+    on = {k: v for k, (v, _, _) in SPEED_UP.items()}
+    cfg = run_cfg(context={"device_target": "Ascend", "parallel_speed_up": on})
+    assert D.parallel_speed_up(cfg.context) == on
+    assert D.parallel_speed_up(run_cfg(context={"parallel_speed_up": on}).context) == {}  # CPU: not applied
+    assert D.parallel_speed_up(run_cfg(context={"device_target": "Ascend"}).context) == {}  # all off: defaults
+    assert D.apply_parallel_speed_up(run_cfg().context) == ""
+    with pytest.raises(ConfigError, match="computation_communication_fusion_level"):
+        run_cfg(context={"parallel_speed_up": {"computation_communication_fusion_level": 4}})
+    ctx = context._context()
+    params = {k: getattr(ms_ctx_param, p) for k, (_, p, _) in SPEED_UP.items()}
+    before, ascend_config = {k: ctx.get_param(p) for k, p in params.items()}, ctx.ascend_config
+    assert all(before[k] != want for k, (_, _, want) in SPEED_UP.items())
+    monkeypatch.setattr(context, "_check_target_specific_cfgs", lambda device, key: True)
+    try:
+        path = D.apply_parallel_speed_up(cfg.context)
+        with open(path, encoding="utf-8") as f:
+            assert json.load(f) == on
+        assert ms.get_context("ascend_config") == {"parallel_speed_up_json_path": path}
+        assert {k: ctx.get_param(p) for k, p in params.items()} == {k: w for k, (_, _, w) in SPEED_UP.items()}
+    finally:  # MindSpore's defaults back for later tests
+        for k, p in params.items():
+            ctx.set_param(p, before[k])
+        ctx.ascend_config = ascend_config
 
 
 def test_hidden_act_matches_transformers():
