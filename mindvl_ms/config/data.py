@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from mindvl_ms.config.base import ConfigError, F, sub
+from mindvl_ms.config.grounding import GroundingConfig
 from mindvl_ms.config.video import VideoConfig
 
 
@@ -97,6 +98,7 @@ class DataConfig:
     system_prompt: str = F("You are a helpful assistant.", "system turn added when a sample has none ('' for none)")
     image: ImageConfig = sub(ImageConfig, "image resizing and patchification")
     video: VideoConfig = sub(VideoConfig, "video frame sampling and per-frame resolution")
+    grounding: GroundingConfig = sub(GroundingConfig, "how grounding coordinates are written in sample text")
     seq_length: int = F(4096, "tokens per pack (the token budget of one row)")
     max_image_tokens: int = F(0, "visual-token budget per pack; 0: seq_length (packs fill on tokens alone). "
                                  "Below seq_length it is the ViT-balance option: bounds vision work per row, "

@@ -6,10 +6,13 @@ Syntax (openPangu-VL report, appendix A.1), no whitespace between consecutive ta
     <|quad_start|>(x1,y1),(x2,y2),(x3,y3),(x4,y4)<|quad_end|>
 Coordinates are integers 0..999, relative to the image (origin top-left, x along the width).
 
-Coordinate formats (report section 5.2.3): "plain" (`8`), "zero_pad" (`008`, three digits, the
-report's better choice) and "digits" (`0 0 8`, each digit its own word, for tokenizers that do not
-split numbers; the Qwen tokenizer already emits one token per digit). `parse_grounding` reads all
-three.
+Coordinate formats (report section 5.2.3): "zero_pad" (`008`, three digits, the report's better choice
+and this project's default: `data.grounding.coord_format`, config/grounding.py), "plain" (`8`) and
+"digits" (`0 0 8`, each digit its own word, for tokenizers that do not split numbers; the Qwen tokenizer
+already emits one token per digit). `parse_grounding` reads all three, always. The format_* functions
+write the format they are given (plain when none: a number as written); `reformat_grounding` rewrites
+the labels of a text into one format, which is how the processor applies the configured format to every
+sample (data/processor.py) and a checkpoint's recorded one to prompts (data/processor_files.py).
 
 Normalisation: n = clip(floor(v * 999 / size + 0.5), 0, 999) and back v = n / 999 * size; since the
 numbers are relative, the same label serves the original and the smart-resized image: pass the
@@ -19,6 +22,7 @@ Public API (used by evaluation code):
     parse_grounding(text, strict=False) -> list[GroundedObject]   # ref name + shapes
     grounding_errors(text) -> list[str]                             # empty when the text is valid
     format_point / format_box / format_quad / format_ref / format_object
+    reformat_grounding(text, coord_format) / reformat_messages(messages, coord_format)
     to_norm(points, width, height) / from_norm(points, width, height)
     box_iou(a, b)  # boxes (x1, y1, x2, y2); [4] x [4] -> float, [N,4] x [M,4] -> [N, M]
 """
@@ -26,15 +30,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from mindvl_ms.config.grounding import COORD_FORMATS
 
 REF_START, REF_END = "<|object_ref_start|>", "<|object_ref_end|>"
 TAGS = {"point": ("<|point_start|>", "<|point_end|>", 1),
         "box": ("<|box_start|>", "<|box_end|>", 2),
         "quad": ("<|quad_start|>", "<|quad_end|>", 4)}
-COORD_FORMATS = ("plain", "zero_pad", "digits")
 _NUM = r"(\d(?: ?\d)*)"
 _PAIR = re.compile(r"\(\s*" + _NUM + r"\s*,\s*" + _NUM + r"\s*\)")
 _ANY_TAG = re.compile("|".join(re.escape(t) for t in
@@ -183,6 +188,38 @@ def grounding_errors(text: str) -> List[str]:
 
 def has_grounding(text: str) -> bool:
     return _ANY_TAG.search(text) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# rewriting the labels of a text into one format
+
+_SHAPE = re.compile("|".join(f"(?P<{k}>{re.escape(s)})(?P<{k}_body>.*?){re.escape(e)}"
+                             for k, (s, e, _) in TAGS.items()), re.S)
+
+
+def _reformat_shape(m: "re.Match", coord_format: str) -> str:
+    kind = next(k for k in TAGS if m.group(k) is not None)
+    start, end, _ = TAGS[kind]
+    try:
+        shape = _parse_shape(kind, m.group(f"{kind}_body"))
+    except GroundingError:
+        return m.group(0)  # a malformed label stays as written (mindvl data validate names it)
+    return f"{start}{_pairs(shape.points, coord_format)}{end}"
+
+
+def reformat_grounding(text: str, coord_format: str) -> str:
+    """`text` with the coordinates of every well-formed point/box/quad label written in `coord_format`;
+    everything else, malformed labels included, unchanged (a text already in that format comes back equal)."""
+    if coord_format not in COORD_FORMATS:
+        raise GroundingError(f"coord_format {coord_format!r}: expected one of {COORD_FORMATS}")
+    if "_start|>" not in text:
+        return text
+    return _SHAPE.sub(lambda m: _reformat_shape(m, coord_format), text)
+
+
+def reformat_messages(messages: List[Dict[str, str]], coord_format: str) -> List[Dict[str, str]]:
+    """The messages with `reformat_grounding` applied to every turn's content (new dicts; the input is kept)."""
+    return [dict(m, content=reformat_grounding(m["content"], coord_format)) for m in messages]
 
 
 # ----------------------------------------------------------------------------------------------

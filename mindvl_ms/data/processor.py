@@ -3,7 +3,8 @@
 Images and video frames go through data/image.py (smart_resize, normalisation, patches; identical to
 transformers' `Qwen2VLImageProcessor`) and data/video.py (frame sampling and the frame budget).
 
-Text path: the Qwen2.5-VL chat template (`<|im_start|>role\\n...<|im_end|>\\n`, a default system
+Text path: grounding labels written in `data.grounding.coord_format` (data/grounding.py
+`reformat_messages`), then the Qwen2.5-VL chat template (`<|im_start|>role\\n...<|im_end|>\\n`, a default system
 turn when the sample has none); every `<image>` becomes `<|vision_start|><|image_pad|>*N<|vision_end|>`
 (data/tokens.py). The template is rendered with ONE `<|image_pad|>` per image, tokenised once with
 character offsets, and each pad is then expanded to N ids; labels are the ids of tokens that start inside
@@ -37,9 +38,11 @@ from mindspore import Tensor
 from PIL import Image
 
 from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.data.grounding import reformat_messages
 from mindvl_ms.data.image import load_image, process_images, quality_errors
-from mindvl_ms.data.processor_files import (copy_processor_files, has_tokenizer, processor_source, read_image_config,
-                                            read_system_prompt, read_video_config, write_processor_files)
+from mindvl_ms.data.processor_files import (copy_processor_files, has_tokenizer, processor_source, read_grounding_config,
+                                            read_image_config, read_system_prompt, read_video_config,
+                                            write_processor_files)
 from mindvl_ms.data.schema import (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Sample, SampleError, count_placeholders,
                                    normalise_messages)
 from mindvl_ms.data.tokenizer import TextTokenizer, load_tokenizer
@@ -179,8 +182,10 @@ class MindVLProcessor:
     def from_pretrained(cls, path: Optional[str] = None, **overrides) -> "MindVLProcessor":
         """Tokenizer files from `path` (default: the bundled Qwen3 tokenizer); pixel limits from its
         preprocessor_config.json when present (HF keys min_pixels/max_pixels/size, patch sizes, mean/std);
-        the system prompt from its chat_template.json when it records one (data/processor_files.py)."""
-        cfg = DataConfig(tokenizer=path or "", image=read_image_config(path), video=read_video_config(path))
+        the system prompt from its chat_template.json when it records one, the grounding coordinate format it
+        records (else plain: data/processor_files.py)."""
+        cfg = DataConfig(tokenizer=path or "", image=read_image_config(path), video=read_video_config(path),
+                         grounding=read_grounding_config(path))
         system_prompt = read_system_prompt(path)  # the training system prompt (chat_template.json)
         if system_prompt is not None:
             cfg.system_prompt = system_prompt
@@ -196,6 +201,7 @@ class MindVLProcessor:
     def encode(self, messages: List[Dict[str, str]], image_counts: Sequence[int],
                add_generation_prompt: bool = False, video_counts: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
         """Conversation -> (input_ids int64[n], labels int64[n]) with image and video pads expanded."""
+        messages = reformat_messages(messages, self.config.grounding.coord_format)  # data.grounding's format
         text, spans = render(messages, self.config.system_prompt, add_generation_prompt)
         ids, offsets = self.tokenizer.encode_offsets(text)
         ids = np.asarray(ids, dtype=np.int64)
@@ -206,7 +212,7 @@ class MindVLProcessor:
     def count_tokens(self, messages: List[Dict[str, str]], image_counts: Sequence[int],
                      video_counts: Sequence[int] = ()) -> int:
         """Sequence length from metadata alone (no image decoding): equals len(encode(...)[0])."""
-        text, _ = render(messages, self.config.system_prompt)
+        text, _ = render(reformat_messages(messages, self.config.grounding.coord_format), self.config.system_prompt)
         return (len(self.tokenizer.encode(text)) + int(sum(image_counts)) - len(image_counts)
                 + int(sum(video_counts)) - len(video_counts))
 
@@ -317,6 +323,7 @@ def processor_of(ckpt: Optional[str]) -> MindVLProcessor:
     proc = MindVLProcessor.from_pretrained(None)
     proc.config.image = read_image_config(ckpt)
     proc.config.video = read_video_config(ckpt)
+    proc.config.grounding = read_grounding_config(ckpt)
     system_prompt = read_system_prompt(ckpt)
     if system_prompt is not None:
         proc.config.system_prompt = system_prompt

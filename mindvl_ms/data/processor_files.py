@@ -4,7 +4,8 @@ Every checkpoint mindvl-ms writes (training stages, SFT, merge, convert, init) h
 config.json and the weights, what is needed to format inputs exactly as in training:
     tokenizer.json / vocab.json + merges.txt / tokenizer_config.json   copied from the tokenizer used
     preprocessor_config.json   Qwen2VLImageProcessor keys: min_pixels, max_pixels (and size.shortest_edge /
-                               longest_edge), patch_size, temporal_patch_size, merge_size, image_mean/std
+                               longest_edge), patch_size, temporal_patch_size, merge_size, image_mean/std;
+                               this project's `video` and `grounding` (coord_format) sections
     chat_template.json         {"chat_template": Jinja text, "system_prompt": the training system prompt}
 `MindVLProcessor.from_pretrained(ckpt)` reads all three, so `mindvl generate`, `chat`, `eval`,
 `search-resolution` and `export` reproduce training-time formatting without flags. transformers'
@@ -23,6 +24,7 @@ from typing import List, Optional, Tuple
 
 from mindvl_ms.config.base import load
 from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.config.grounding import RECORDLESS_COORD_FORMAT, GroundingConfig
 from mindvl_ms.config.video import VideoConfig
 from mindvl_ms.data.tokens import IM_END, IM_START, IMAGE_TAG, VIDEO_TAG
 from mindvl_ms.data.tokenizer import SUBSET_FILE
@@ -96,7 +98,7 @@ def tokenizer_source_files(source: str) -> List[str]:
 
 def write_processor_files(dst: str, tokenizer_source: str, cfg: DataConfig) -> List[str]:
     """Write the processor files into checkpoint directory `dst`: the tokenizer files of `tokenizer_source`
-    (a directory or file, `TextTokenizer.source`), the `image`/`video` sections of `cfg` as
+    (a directory or file, `TextTokenizer.source`), the `image`/`video`/`grounding` sections of `cfg` as
     preprocessor_config.json and its `system_prompt` as chat_template.json; returns the file names written."""
     written = []
     for src in tokenizer_source_files(tokenizer_source):
@@ -105,7 +107,8 @@ def write_processor_files(dst: str, tokenizer_source: str, cfg: DataConfig) -> L
             shutil.copyfile(src, os.path.join(dst, name))
         written.append(name)
     with open(os.path.join(dst, PREPROCESSOR), "w", encoding="utf-8") as f:
-        json.dump(preprocessor_dict(cfg.image, cfg.video), f, indent=2)
+        json.dump({**preprocessor_dict(cfg.image, cfg.video), "grounding": dataclasses.asdict(cfg.grounding)}, f,
+                  indent=2)
     with open(os.path.join(dst, CHAT_TEMPLATE), "w", encoding="utf-8") as f:
         json.dump({"chat_template": chat_template(cfg.system_prompt), "system_prompt": cfg.system_prompt}, f,
                   indent=2, ensure_ascii=False)
@@ -152,6 +155,15 @@ def read_video_config(ckpt: Optional[str]) -> VideoConfig:
     """VideoConfig from the `video` section of ckpt/preprocessor_config.json, defaults otherwise."""
     fn, d = _read_preprocessor(ckpt)
     return load(VideoConfig, d["video"], source=fn) if "video" in d else VideoConfig()
+
+
+def read_grounding_config(ckpt: Optional[str]) -> GroundingConfig:
+    """GroundingConfig from the `grounding` section of ckpt/preprocessor_config.json; a checkpoint that records
+    none (a converted Hugging Face model, or one written before the section) keeps its plain numbers."""
+    fn, d = _read_preprocessor(ckpt)
+    if "grounding" in d:
+        return load(GroundingConfig, d["grounding"], source=fn)
+    return GroundingConfig(coord_format=RECORDLESS_COORD_FORMAT)
 
 
 def processor_source(*sources: Optional[str]) -> Optional[str]:

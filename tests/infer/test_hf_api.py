@@ -111,7 +111,7 @@ def test_processor_call_matches_transformers_processor(setup):
 def test_model_call_logits_and_loss(setup):
     _, hf, hf_proc, proc, model, img = setup
     msgs = [{"role": "user", "content": "<image>\nWhere is it?"},
-            {"role": "assistant", "content": "<|box_start|>(10,20),(300,400)<|box_end|>"}]
+            {"role": "assistant", "content": "<|box_start|>(010,020),(300,400)<|box_end|>"}]  # data.grounding's zero_pad
     inputs = proc(messages=msgs, images=[img])
     out = model(**inputs)
     # positional path, same arrays: identical numbers
