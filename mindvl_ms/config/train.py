@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-from mindvl_ms.config.base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub
+from mindvl_ms.config.base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub, to_dict
 from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.config.packaged import resolve_config
 from mindvl_ms.config.post import DPOConfig, GRPOConfig
@@ -317,6 +317,14 @@ class RunConfig:
             raise ConfigError(f"report_to: unknown {unknown}; accepted values: {list(REPORT_TARGETS)} (or [] for none)")
         if self.context.precision == "bfloat16" and self.context.device_target == "CPU":
             raise ConfigError("context.precision bfloat16 needs Ascend (no bf16 matmul on CPU); use float16 or float32")
+
+    def stage_data(self, stage: StageConfig) -> DataConfig:
+        """The data config one stage reads: the run's `data`, the stage's `data` overrides, and the stage's
+        `seq_length` and `micro_batch_size` (a stage's rows are its own length, so budgets such as
+        max_image_tokens are checked against it, not against the run-level default)."""
+        merged = deep_merge(deep_merge(to_dict(self.data), stage.data),
+                            {"seq_length": stage.seq_length, "micro_batch_size": stage.micro_batch_size})
+        return load(DataConfig, merged, source=f"stage '{stage.name}' data")
 
 
 def load_run_config(path: Optional[str] = None, overrides: Optional[List[str]] = None,

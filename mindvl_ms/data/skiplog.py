@@ -22,8 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from mindvl_ms.config.base import ConfigError, deep_merge, load, to_dict
-from mindvl_ms.config.data import DataConfig
+from mindvl_ms.config.base import ConfigError
 from mindvl_ms.data.tokens import IGNORE_INDEX
 
 FIRST = 3  # file:line kept per reason
@@ -162,7 +161,7 @@ def _source_id(source) -> Dict[str, Any]:
 def stage_fingerprint(run_cfg, stage) -> Dict[str, Any]:
     """`data_fingerprint` of a stage's data section (the run's `data` merged with the stage's)."""
     try:
-        cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
+        cfg = run_cfg.stage_data(stage)
     except ConfigError:
         return {}  # the data factory reports the config error itself
     return data_fingerprint(cfg)

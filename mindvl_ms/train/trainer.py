@@ -45,8 +45,7 @@ from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.checkpoint.hf import config_from_dir
 from mindvl_ms.checkpoint.io import write_json
 from mindvl_ms.checkpoint.pretrained import load_into, load_pretrained
-from mindvl_ms.config.base import deep_merge, load, to_dict
-from mindvl_ms.config.data import DataConfig
+from mindvl_ms.config.base import to_dict
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.data.dataset import DataLoader, PackedShardSource
 from mindvl_ms.data.processor import ProcessorWriter
@@ -80,16 +79,10 @@ def default_collate(run_cfg):
     return collate
 
 
-def stage_data_config(run_cfg, stage) -> DataConfig:
-    """The run's `data` section merged with the stage's `data` overrides."""
-    return load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
-
-
 def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     """The data pipeline's per-rank loader for a stage: the run's `data` section merged with the stage's
     `data` overrides, with seq_length / micro batch / data-parallel rank and size taken from the stage."""
-    cfg = dataclasses.replace(stage_data_config(run_cfg, stage), seq_length=stage.seq_length,
-                              micro_batch_size=stage.micro_batch_size, dp_size=dist.dp, dp_rank=dist.dp_rank)
+    cfg = dataclasses.replace(run_cfg.stage_data(stage), dp_size=dist.dp, dp_rank=dist.dp_rank)
     loader = DataLoader.from_config(cfg, model_config=run_cfg.model)
     rows = None
     if isinstance(loader.source, PackedShardSource):
@@ -104,7 +97,7 @@ def _processor_writer(run_cfg, stage, model):
     (data/processor_files.py); None for a model without a config (nothing to serve it with)."""
     if getattr(model, "config", None) is None:
         return None
-    return ProcessorWriter(stage_data_config(run_cfg, stage))
+    return ProcessorWriter(run_cfg.stage_data(stage))
 
 
 def build_model(run_cfg):

@@ -50,7 +50,7 @@ def test_post_yaml_smoke(tmp_path):
     assert [s["stage"] for s in summary["stages"]] == ["dpo", "grpo"]
     short = load_run_config(os.path.join(ROOT, "configs", "demo", "post.yaml"), sets + ["stages.0.seq_length=80"])
     with pytest.raises(ValueError, match=r"pair 0 needs \d+ tokens .* seq_length is 80"):
-        run_training(short, str(tmp_path / "short"), progress=False)
+        run_training(short, str(tmp_path / "short"), progress=False, sampler=EngineSampler())
 
 
 def test_post_train_demo_config_paths_and_overrides(tmp_path):

@@ -11,8 +11,6 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from mindvl_ms.config.base import deep_merge, load, to_dict
-from mindvl_ms.config.data import DataConfig
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.data.offline import sample_meta
 from mindvl_ms.data.packing import Item, pack_bfd, split_oversized
@@ -68,7 +66,7 @@ class DemoRows:
         return collate
 
     def __call__(self, run_cfg, stage, stage_index: int, dist):
-        data_cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
+        data_cfg = run_cfg.stage_data(stage)
         rng = np.random.default_rng([run_cfg.seed, stage_index])
         chosen: List[Any] = []
         for src in data_cfg.sources:

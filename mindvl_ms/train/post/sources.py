@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from mindvl_ms.config.base import deep_merge, load, to_dict
-from mindvl_ms.config.data import DataConfig
 from mindvl_ms.data.preference import encode_prompt, encode_text_response, read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import SampleError, iter_jsonl
@@ -65,7 +63,7 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist, sampler: Optional[
     """The stage's `data.sources` read as preference (dpo) or prompt (grpo) files; dpo.ntp_sources as SFT
     (`ntp_rows`; each step draws `DPOConfig.ntp_rows` of them next to its pairs).
     A grpo stage reads its responses' stop ids and text through `sampler`."""
-    cfg = load(DataConfig, deep_merge(to_dict(run_cfg.data), stage.data), source=f"stage '{stage.name}' data")
+    cfg = run_cfg.stage_data(stage)
     if not cfg.sources:
         raise ValueError(f"stage '{stage.name}' ({stage.type}): data.sources is empty")
     for src in cfg.sources:
