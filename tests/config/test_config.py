@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mindvl_ms.config import ConfigError, MindVLConfig, load, load_model_config, read_yaml
+from mindvl_ms.config.train import load_run_config
 from tests.support.paths import ROOT
 
 MODEL_DIR = os.path.join(ROOT, "configs", "model")
@@ -114,3 +115,15 @@ def test_openpangu_shapes_from_the_report_and_public_config():
             t.num_key_value_heads, t.vocab_size) == (34, 4096, 12800, 32, 8, 153376)
     sec_t, sec_h, sec_w = t.mrope_section
     assert t.mrope_layout == "spread" and t.mrope_accumulate and 5.5 <= (sec_h + sec_w) / sec_t <= 6.5
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "configs", "stage"))))
+def test_every_shipped_stage_reads_its_data_at_its_own_length(name):
+    """A stage's data config carries the stage's seq_length, so its budgets (max_image_tokens) are checked
+    against the stage's rows, not the run-level default (openPangu-VL's annealing and SFT stages set 16,384
+    visual tokens at 16,384-token rows)."""
+    cfg = load_run_config(os.path.join(ROOT, "configs", "stage", name))
+    for stage in cfg.stages:
+        data = cfg.stage_data(stage)
+        assert (data.seq_length, data.micro_batch_size) == (stage.seq_length, stage.micro_batch_size)
+        assert data.visual_budget() <= stage.seq_length
