@@ -52,6 +52,7 @@ MANIFEST = "checksums.json"
 FORMAT = "mindvl-checksums"
 ALGORITHM = "crc32c"
 CHUNK = 8 << 20  # bytes per streamed read
+_READ_AHEAD = hasattr(os, "posix_fadvise")  # not on every platform
 TRAINING_STATE = (OPTIM, STATE)  # what only resume reads: a model load verifies the rest
 _state = {"verify": True}
 _unverified_logged = set()  # directories without a manifest already reported
@@ -73,7 +74,8 @@ def _hex(value: int) -> str:
 
 
 def _stream(path: str) -> Iterator[Tuple[int, memoryview]]:
-    """(offset, chunk) over a file, read into one reused buffer: memory stays one CHUNK."""
+    """(offset, chunk) over a file, read into one reused buffer: memory stays one CHUNK. The next chunk is
+    requested from the kernel (WILLNEED) before this one is checksummed, so the disk reads it meanwhile."""
     buf = memoryview(bytearray(CHUNK))
     pos = 0
     with open(path, "rb", buffering=0) as f:
@@ -81,6 +83,8 @@ def _stream(path: str) -> Iterator[Tuple[int, memoryview]]:
             n = f.readinto(buf)
             if not n:
                 return
+            if _READ_AHEAD:
+                os.posix_fadvise(f.fileno(), pos + n, CHUNK, os.POSIX_FADV_WILLNEED)
             yield pos, buf[:n]
             pos += n
 
