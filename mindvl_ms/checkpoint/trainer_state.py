@@ -132,9 +132,14 @@ def clean_partial(directory: str) -> int:
 
 
 def prune(stage_dir: str, keep_last: int, protect: str = "") -> None:
-    """Keep the newest `keep_last` periodic checkpoints of a stage (plus `protect`)."""
+    """Keep the newest `keep_last` checkpoints of a stage (plus `protect`). A pruned checkpoint is renamed
+    to a temporary name first and deleted after, so a crash in the middle of the deletion leaves no
+    half-deleted `checkpoint-*` directory, only a temporary one that `clean_partial` removes."""
     cks = sorted(d for d in os.listdir(stage_dir) if d.startswith("checkpoint-"))
     for d in cks[:-keep_last]:
         full = os.path.join(stage_dir, d)
         if os.path.abspath(full) != os.path.abspath(protect):
-            shutil.rmtree(full, ignore_errors=True)
+            doomed = os.path.join(stage_dir, f".{d}.tmp-pruned")
+            shutil.rmtree(doomed, ignore_errors=True)  # a leftover of an earlier interrupted prune
+            os.replace(full, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
