@@ -90,7 +90,8 @@ class StageConfig:
     grad_clip: float = F(1.0, "clip gradients to this global L2 norm (0 disables)")
     loss: LossConfig = sub(LossConfig, "loss of this stage")
     save_every: int = F(0, "save a checkpoint every N optimizer steps (0: only at stage end)")
-    keep_last: int = F(2, "periodic checkpoints kept per stage (the stage-end one is always kept)")
+    keep_last: int = F(2, "checkpoints kept per stage, the newest ones, the stage-end one among them (it is never "
+                          "pruned)")
     max_nonfinite: int = F(5, "stop when this many steps in a row have a non-finite loss/gradient")
     log_every: int = F(1, "write a metrics line every N steps")
     # ---- post-training (config/post.py, train/post/dpo.py, train/post/grpo.py) --------------------------------
