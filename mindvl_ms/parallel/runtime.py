@@ -22,13 +22,19 @@
   (MindSpore reads them from a file only); the file stays until the process exits, as the context names it.
 - `validate_strategy` checks divisibility (heads, KV heads, hidden, FFN, vocab, layers, experts)
   before any graph is built.
+- Started by scripts/msrun_train.sh, the workers and the scheduler die with msrun (`end_with_launcher`), so
+  a killed launcher leaves no process behind; a worker that dies is handled by msrun and the scheduler
+  (README, "Data parallel and worker failures").
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import logging
 import os
+import signal
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import List, Optional
@@ -119,6 +125,38 @@ def launched_by_msrun() -> bool:
     return "MS_WORKER_NUM" in os.environ and "MS_ROLE" in os.environ
 
 
+LAUNCHER_PID = "MINDVL_LAUNCHER_PID"  # set by scripts/msrun_train.sh: the pid msrun runs as (it is exec'd)
+PR_SET_PDEATHSIG = 1                  # <linux/prctl.h>
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    return True
+
+
+def end_with_launcher() -> bool:
+    """Have Linux SIGKILL this process (a worker or the scheduler) when the msrun that started it exits.
+
+    msrun starts each worker in a session of its own and ends the others itself when one fails, but when
+    msrun is killed (a signal to the launcher, a test's timeout) they would run on without it. Only under
+    scripts/msrun_train.sh (LAUNCHER_PID set): `msrun --join=False` exits while its workers run. A launcher
+    already gone when this runs ends the process at once. Returns whether the parent-death signal is set."""
+    want = os.environ.get(LAUNCHER_PID, "")
+    if not want.isdigit() or not sys.platform.startswith("linux"):
+        return False
+    launcher, armed = int(want), False
+    if os.getppid() == launcher:  # a direct child of msrun (not a process a worker started)
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    if os.getppid() != launcher and not _alive(launcher):
+        raise SystemExit(f"msrun (pid {launcher}) has exited: this process ends too")
+    return armed
+
+
 def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
     """Raise ConfigError listing every divisibility problem of (dp, mp, pp, ep) for this model."""
     mp, pp, ep, dp = sizes.model_parallel, sizes.pipeline_stage, sizes.expert_parallel, sizes.data_parallel
@@ -183,6 +221,8 @@ def setup(run_cfg) -> DistInfo:
             f"(got mode {par.parallel_mode}, mp {sizes.model_parallel}, pp {sizes.pipeline_stage}, "
             f"ep {sizes.expert_parallel}); tensor/pipeline/expert parallel need Ascend")
     info = DistInfo()
+    if launched_by_msrun():
+        end_with_launcher()
     if launched_by_msrun() or os.environ.get("MS_SIMULATION_LEVEL"):  # dry run: init() mocks the cluster
         init()
         info.rank, info.world = get_rank(), get_group_size()

@@ -6,15 +6,21 @@
 
     logs = msrun.run(2, WORKER, [out_dir], tmp_path / "logs", timeout=300)   # the same, waiting at once
 
+    with msrun.launch(2, WORKER, [out_dir], logs, env={"FAILURE_TIMEOUT": "15"}) as job:
+        status = job.wait(timeout=300)   # a job expected to fail: its exit status, job.output, job.ended
+    assert not msrun.processes_with(out_dir)   # no worker or scheduler of it is left
+
 The workers get the repository on PYTHONPATH (they import `tests.support`), this interpreter's bin first on
 PATH (msrun and python from the same environment), MindSpore's C++ log at errors only, and a free
-scheduler port.
+scheduler port; `env` adds to that (the launcher's FAILURE_TIMEOUT, a worker's own switches).
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
-from typing import Optional, Sequence
+import time
+from typing import Dict, List, Optional, Sequence
 
 from tests.support.paths import ROOT
 
@@ -44,23 +50,47 @@ def worker_logs(log_dir, tail: int = 3000) -> str:
                    for f in sorted(os.listdir(log_dir)) if f.startswith("worker"))
 
 
+def processes_with(marker: str) -> List[int]:
+    """The pids of this machine's processes (but this one) whose command line contains `marker`, e.g. the
+    output directory a job's workers and scheduler were given: what is left of a job that has ended."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if marker in cmd and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
 class MsrunJob:
-    """A running `scripts/msrun_train.sh WORKERS SCRIPT ARGS...`; a context manager that kills it on the way
-    out if it is still running (a failed reference in the test process)."""
+    """A running `scripts/msrun_train.sh WORKERS SCRIPT ARGS...`; a context manager that stops it on the way
+    out if it is still running (a failed reference in the test process): SIGTERM, on which the launcher ends
+    msrun, the workers and the scheduler, then SIGKILL after 30 s."""
 
     def __init__(self, workers: int, script: str, args: Sequence[str], log_dir, cwd: Optional[str] = None,
-                 cluster_timeout: int = 120):
+                 cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None):
         self.log_dir = str(log_dir)
-        env = worker_env(MASTER_PORT=str(free_port()), LOG_DIR=self.log_dir, CLUSTER_TIMEOUT=str(cluster_timeout))
-        self.proc = subprocess.Popen([LAUNCHER, str(workers), script, *map(str, args)], env=env, cwd=cwd,
+        full = worker_env(MASTER_PORT=str(free_port()), LOG_DIR=self.log_dir, CLUSTER_TIMEOUT=str(cluster_timeout),
+                          **(env or {}))
+        self.output, self.ended = "", None
+        self.proc = subprocess.Popen([LAUNCHER, str(workers), script, *map(str, args)], env=full, cwd=cwd,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the launcher; its exit status. Sets `output` (the launcher's) and `ended` (time.time())."""
+        self.output, _ = self.proc.communicate(timeout=timeout)
+        self.ended = time.time()
+        return self.proc.returncode
 
     def finish(self, timeout: float) -> str:
         """Wait for the workers; their logs. Raises AssertionError (launcher output and logs) on a failure."""
-        out, _ = self.proc.communicate(timeout=timeout)
+        status = self.wait(timeout)
         logs = worker_logs(self.log_dir)
-        if self.proc.returncode != 0:
-            raise AssertionError(f"msrun exited with {self.proc.returncode}\n{out[-2000:]}{logs}")
+        if status != 0:
+            raise AssertionError(f"msrun exited with {status}\n{self.output[-2000:]}{logs}")
         return logs
 
     def __enter__(self) -> "MsrunJob":
@@ -68,17 +98,21 @@ class MsrunJob:
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.communicate()
 
 
 def launch(workers: int, script: str, args: Sequence[str], log_dir, cwd: Optional[str] = None,
-           cluster_timeout: int = 120) -> MsrunJob:
-    return MsrunJob(workers, script, args, log_dir, cwd, cluster_timeout)
+           cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None) -> MsrunJob:
+    return MsrunJob(workers, script, args, log_dir, cwd, cluster_timeout, env)
 
 
 def run(workers: int, script: str, args: Sequence[str], log_dir, timeout: float, cwd: Optional[str] = None,
-        cluster_timeout: int = 120) -> str:
+        cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None) -> str:
     """Launch and wait; the workers' logs (see MsrunJob.finish)."""
-    with launch(workers, script, args, log_dir, cwd, cluster_timeout) as job:
+    with launch(workers, script, args, log_dir, cwd, cluster_timeout, env) as job:
         return job.finish(timeout)

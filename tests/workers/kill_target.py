@@ -1,0 +1,100 @@
+"""Worker for tests/parallel/test_worker_failure.py: 2-rank data parallel of the tiny stand-in model under
+msrun (8 steps, a checkpoint every 2), one rank of which kills itself with SIGKILL at a chosen point:
+
+    KILL_RANK=1 KILL_AT=step:5 scripts/msrun_train.sh 2 tests/workers/kill_target.py OUT_DIR [--resume]
+    KILL_RANK=0 KILL_AT=save:2 ...   # in the 2nd checkpoint save, after the weights, before the optimizer state
+
+step:N  the rank dies in step N after its micro-batches' forward and backward, before the gradient
+        all-reduce, so its peer is inside the step's collectives when it goes;
+save:N  the rank dies in its N-th checkpoint save (rank 0 writes checkpoints), between model.safetensors
+        and optimizer.safetensors, so the checkpoint's temporary directory is half-written;
+hold:N  the rank stops in step N where step:N would die and sleeps (its peer waits in the collective), so
+        the job is sure to be running when a test kills something else.
+Before dying (holding) the rank writes OUT_DIR/killed_rank<r> (held_rank<r>); a test's clock starts there.
+Without KILL_AT the run is uninterrupted; `--resume` continues from OUT_DIR's latest checkpoint. Both ranks
+save their final parameters to OUT_DIR/params_rank<r>.npz.
+"""
+import os
+import signal
+import sys
+import time
+
+import mindspore as ms
+import numpy as np
+
+from mindvl_ms.checkpoint import trainer_state as ts
+from mindvl_ms.train import load_run_config, run_training
+from mindvl_ms.train.batches import RowSource
+from mindvl_ms.train.train_step import TrainStep
+from tests.support.train_tiny import TinyVLM, collate, make_rows
+
+STEPS, SAVE_EVERY = 8, 2
+
+
+def run_cfg():
+    return load_run_config(data={"seed": 5, "plot": False, "stages": [
+        {"name": "dp", "trainable": "all", "seq_length": 28, "global_batch_size": 8, "micro_batch_size": 2,
+         "max_lr": 5e-3, "warmup_ratio": 0.25, "epochs": None, "max_steps": STEPS, "save_every": SAVE_EVERY,
+         "keep_last": STEPS, "loss": {"type": "balanced", "lambda1": 1.0, "lambda2": 1.0}}]})
+
+
+def mark(out: str, name: str) -> None:
+    with open(os.path.join(out, name), "w") as f:
+        f.write(repr(time.time()))
+
+
+def die(out: str, rank: int) -> None:
+    """SIGKILL this process (no cleanup code runs, like kill -9 or the OOM killer), after a marker file."""
+    mark(out, f"killed_rank{rank}")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold(out: str, rank: int) -> None:
+    """Sleep until killed, after a marker file."""
+    mark(out, f"held_rank{rank}")
+    while True:
+        time.sleep(60)
+
+
+def arm(out: str, rank: int, kill_at: str) -> None:
+    """Patch the step's gradient reduction (step:N, hold:N) or the checkpoint's optimizer write (save:N)."""
+    where, n = kill_at.split(":")
+    calls = {"n": 0}
+    if where in ("step", "hold"):
+        real_apply = TrainStep.apply
+
+        def apply(self, loss_sum, lr):
+            calls["n"] += 1
+            if calls["n"] == int(n) + 1:  # steps count from 0
+                (die if where == "step" else hold)(out, rank)
+            return real_apply(self, loss_sum, lr)
+        TrainStep.apply = apply
+    elif where == "save":
+        real_write = ts.write_file
+
+        def write_file(path, tensors, metadata=None):
+            calls["n"] += 1
+            if calls["n"] == int(n):
+                die(out, rank)
+            return real_write(path, tensors, metadata)
+        ts.write_file = write_file
+    else:
+        raise SystemExit(f"KILL_AT={kill_at}: expected step:N, save:N or hold:N")
+
+
+def main(out: str, resume: bool) -> None:
+    rank = int(os.environ.get("RANK_ID", "0"))
+    kill_at = os.environ.get("KILL_AT", "")
+    if kill_at and int(os.environ.get("KILL_RANK", "1")) == rank:
+        arm(out, rank, kill_at)
+    rows = make_rows(64, seed=7)
+    ms.set_seed(0)
+    model = TinyVLM()
+    run_training(run_cfg(), out, resume=out if resume else None, model=model, progress=False,
+                 data_factory=lambda rc, st, i, d: RowSource(rows, seed=rc.seed), collate=collate)
+    np.savez(os.path.join(out, f"params_rank{rank}.npz"), **{p.name: p.asnumpy() for p in model.get_parameters()})
+    print("DONE rank", rank, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], "--resume" in sys.argv[2:])
