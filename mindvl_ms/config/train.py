@@ -342,15 +342,15 @@ def load_run_config(path: Optional[str] = None, overrides: Optional[List[str]] =
 
 
 def msrun_bind_core(argv: List[str]) -> int:
-    """Print `context.bind_core` (True or False) of the run config that a `mindvl train` command line names
-    (`--config FILE` and its `--set KEY=VALUE` overrides; False when it names none). scripts/msrun_train.sh
-    calls this before it starts msrun, whose `--bind_core` applies to the workers it spawns. Returns the exit
-    status: 2, with the error on stderr, when the config does not load."""
+    """Print `context.bind_core` (True or False) of the run config that the arguments of a `mindvl` command
+    name when the command is `train` (`--config FILE` and its `--set KEY=VALUE` overrides; False for any other
+    command). scripts/msrun_train.sh calls this before it starts msrun, whose `--bind_core` applies to the
+    workers it spawns. Returns the exit status: 2, with the error on stderr, when the config does not load."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--config")
     parser.add_argument("--set", action="append", default=[])
-    args, _ = parser.parse_known_args(argv)
-    if not args.config:
+    args, _ = parser.parse_known_args(argv[1:])
+    if argv[:1] != ["train"] or not args.config:
         print(False)
         return 0
     try:

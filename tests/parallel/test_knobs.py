@@ -2,6 +2,8 @@
 rank coordinates reach the loader and the gradient-reduction flag."""
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -205,6 +207,41 @@ def test_parallel_speed_up_reaches_the_context(monkeypatch):
         for k, p in params.items():
             ctx.set_param(p, before[k])
         ctx.ascend_config = ascend_config
+
+
+def _msrun_command(tmp_path, *args, **env):
+    """The msrun arguments scripts/msrun_train.sh would run (a stand-in msrun first on PATH prints them)."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True, exist_ok=True)
+    (venv / "msrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (venv / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    for f in ("msrun", "python"):
+        (venv / f).chmod(0o755)
+    full_env = {k: v for k, v in os.environ.items() if k != "BIND_CORE"}
+    full_env.update(VIRTUAL_ENV=str(venv.parent), MASTER_PORT="8118", **env)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts/msrun_train.sh"), "2", "mindvl", *args],
+                       env=full_env, capture_output=True, text=True, timeout=120)
+    return r.returncode, r.stdout.splitlines(), r.stderr
+
+
+def test_bind_core_reaches_msrun(tmp_path):
+    """context.bind_core (or BIND_CORE) becomes --bind_core=True on the msrun command line of
+    scripts/msrun_train.sh; off by default; the arguments of a command other than `mindvl train` are not read
+    as a run config; a run config that does not load stops the launch (exit 2) before msrun starts."""
+    stage = os.path.join(ROOT, "configs/stage/tiny-cpu.yaml")
+    cmd = ["train", "--config", stage, "--set", "context.bind_core=true", "--out", "o"]
+    rc, argv, err = _msrun_command(tmp_path, *cmd)
+    assert rc == 0, err
+    assert "--bind_core=True" in argv and argv[-len(cmd):] == cmd  # the command line passed through unchanged
+    rc, argv, err = _msrun_command(tmp_path, "train", "--config", stage)
+    assert rc == 0, err
+    assert not any(a.startswith("--bind_core") for a in argv) and "--worker_num=2" in argv
+    rc, argv, _ = _msrun_command(tmp_path, "train", "--config", stage, BIND_CORE="True")  # the environment wins
+    assert "--bind_core=True" in argv
+    rc, argv, err = _msrun_command(tmp_path, "eval", "--config", "not-a-run-config.yaml")  # only train's config
+    assert rc == 0 and not any(a.startswith("--bind_core") for a in argv), err
+    rc, argv, err = _msrun_command(tmp_path, "train", "--config", stage, "--set", "context.bind_cores=true")
+    assert rc == 2 and argv == [] and "config error" in err and "bind_core" in err
 
 
 def test_hidden_act_matches_transformers():
