@@ -6,8 +6,6 @@ must equal the single-process parameters within fp32 tolerance.
 """
 import os
 
-import numpy as np
-
 from tests.support import msrun
 from tests.support.paths import ROOT
 from tests.workers import train_msrun as train_msrun_worker
@@ -21,12 +19,5 @@ def test_two_msrun_workers_match_single_process(tmp_path):
         train_msrun_worker.main(single)  # the single-process reference, in this process, meanwhile
         logs = job.finish(timeout=400)
     assert "RANKS 2" in logs
-    ref = np.load(os.path.join(single, "params_rank0.npz"))
-    worst = 0.0
-    for rank in (0, 1):
-        got = np.load(os.path.join(dp, f"params_rank{rank}.npz"))
-        assert set(got.files) == set(ref.files)
-        for k in ref.files:
-            np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {k}")
-            worst = max(worst, float(np.abs(got[k] - ref[k]).max()))
+    worst = msrun.assert_ranks_match(single, dp)
     print(f"max |dp - single| over all parameters: {worst:.3e}")

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
+
 from tests.support.paths import ROOT
 
 LAUNCHER = os.path.join(ROOT, "scripts", "msrun_train.sh")
@@ -116,3 +118,17 @@ def run(workers: int, script: str, args: Sequence[str], log_dir, timeout: float,
     """Launch and wait; the workers' logs (see MsrunJob.finish)."""
     with launch(workers, script, args, log_dir, cwd, cluster_timeout, env) as job:
         return job.finish(timeout)
+
+
+def assert_ranks_match(single: str, dp: str, ranks: int = 2, rtol: float = 1e-5, atol: float = 1e-6) -> float:
+    """Every rank's saved parameters (`DP/params_rank{r}.npz`) equal the single-process run's
+    (`SINGLE/params_rank0.npz`), same names, within the tolerances; returns the largest difference."""
+    ref = np.load(os.path.join(single, "params_rank0.npz"))
+    worst = 0.0
+    for rank in range(ranks):
+        got = np.load(os.path.join(dp, f"params_rank{rank}.npz"))
+        assert set(got.files) == set(ref.files), f"rank {rank}: {sorted(set(got.files) ^ set(ref.files))}"
+        for k in ref.files:
+            np.testing.assert_allclose(got[k], ref[k], rtol=rtol, atol=atol, err_msg=f"rank {rank} {k}")
+            worst = max(worst, float(np.abs(got[k] - ref[k]).max()))
+    return worst

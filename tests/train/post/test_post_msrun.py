@@ -5,8 +5,6 @@ Rows hold one response each in both runs: with different packings the same math 
 AdamW's normalisation magnifies the float differences of near-zero gradients (docs/PERFORMANCE.md, ## train)."""
 import os
 
-import numpy as np
-
 from tests.support import msrun
 from tests.support.paths import ROOT
 from tests.workers import post_msrun as post_msrun_worker
@@ -20,12 +18,5 @@ def test_grpo_two_workers_match_single_process(tmp_path):
         post_msrun_worker.main(single)  # the single-process reference, in this process, meanwhile
         logs = job.finish(timeout=600)
     assert "RANKS 2" in logs
-    ref = np.load(os.path.join(single, "params_rank0.npz"))
-    worst = 0.0
-    for rank in (0, 1):
-        got = np.load(os.path.join(dp, f"params_rank{rank}.npz"))
-        assert set(got.files) == set(ref.files)
-        for k in ref.files:
-            np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {k}")
-            worst = max(worst, float(np.abs(got[k] - ref[k]).max()))
-    print(f"max |dp - single| over all parameters: {worst:.3e}")  # measured: 0 (rows are identical)
+    worst = msrun.assert_ranks_match(single, dp)
+    print(f"max |dp - single| over all parameters: {worst:.3e}")
