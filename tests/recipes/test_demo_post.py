@@ -32,7 +32,8 @@ def test_post_yaml_smoke(tmp_path):
              "model.vision.intermediate_size=32", "model.vision.num_heads=2", "model.vision.out_hidden_size=32",
              "model.text.hidden_size=32", "model.text.intermediate_size=32", "model.text.num_hidden_layers=1",
              "model.text.num_attention_heads=2", "model.text.num_key_value_heads=1", "model.text.head_dim=16",
-             "model.text.mrope_section=[4,2,2]", "init_from=''", "data.tokenizer=''", "plot=false"]  # a random model: the Qwen3 tokenizer
+             "model.text.mrope_section=[4,2,2]", "init_from=''", "data.tokenizer=''", "plot=false",
+             "data.max_image_tokens=0"]  # a random model: the Qwen3 tokenizer; rows of 128 tokens, no separate visual budget
     stage = ["seq_length=128", "global_batch_size=2", "micro_batch_size=2", "max_steps=1"]
     sets = small + [f"stages.{i}.{s}" for i in (0, 1) for s in stage] + [
         f"stages.0.data.sources=[{{path: {tmp_path / 'pairs.jsonl'}}}]",
