@@ -4,6 +4,7 @@ import os
 
 import mindspore as ms
 import numpy as np
+from mindspore import nn, ops
 
 from mindvl_ms.data.preference import encode_response
 from mindvl_ms.infer.rollout import EngineSampler
@@ -68,3 +69,23 @@ def run(tmp, stage, factory, resume=None, model=None, plot=True):
 def char_parity(response, answer):
     """1.0 or 0.0 from the parity of the response's characters (a coin from the text, for pair tests)."""
     return float(sum(map(ord, response)) % 2)
+
+
+class _LossOnly(nn.Cell):
+    def __init__(self, obj):
+        super().__init__()
+        self.obj = obj
+
+    def construct(self, *args):
+        return self.obj(*args)[0]
+
+
+class LossGrad(nn.Cell):
+    """An objective cell's loss (its first output) and that loss's gradient w.r.t. the first input."""
+
+    def __init__(self, obj):
+        super().__init__()
+        self.g = ops.value_and_grad(_LossOnly(obj), 0)
+
+    def construct(self, *args):
+        return self.g(*args)

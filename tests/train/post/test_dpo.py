@@ -6,29 +6,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor
 
 from mindvl_ms.train.post.dpo import DPOObjective, dpo_arrays, response_sums
+from tests.support.post import LossGrad
 
 IGN = -100
-
-
-class _LossOnly(nn.Cell):
-    def __init__(self, obj):
-        super().__init__()
-        self.obj = obj
-
-    def construct(self, *args):
-        return self.obj(*args)[0]
-
-
-class _Grad(nn.Cell):
-    def __init__(self, obj):
-        super().__init__()
-        self.g = ops.value_and_grad(_LossOnly(obj), 0)
-
-    def construct(self, *args):
-        return self.g(*args)
 
 
 def _batch(rng, v=13):
@@ -79,7 +62,7 @@ def test_dpo_mpo_loss_and_grad_vs_torch(w_qual, w_gen):
     mb = {"targets": tgt, "segment_ids": seg}
     arrays = dpo_arrays(mb, rows, 2, ref, n_pairs, n_chosen, n_ntp, w_gen)
     obj = DPOObjective(beta, w_pref, w_qual)
-    loss, g = _Grad(obj)(Tensor(logits), *[Tensor(a) for a in arrays], Tensor(delta, ms.float32))
+    loss, g = LossGrad(obj)(Tensor(logits), *[Tensor(a) for a in arrays], Tensor(delta, ms.float32))
     ref_loss, ref_grad, margin_sum = _torch_reference(logits, tgt, seg, ref, beta, w_pref, w_qual, w_gen, delta,
                                                       n_pairs, n_chosen, n_ntp)
     assert float(loss.asnumpy()) == pytest.approx(ref_loss, abs=2e-5)

@@ -4,9 +4,10 @@ the plain policy gradient, and which side clipping engages on."""
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor
 
 from mindvl_ms.train.post.grpo import GRPOObjective, group_advantages, grpo_loss_numpy
+from tests.support.post import LossGrad
 
 IGN = -100
 
@@ -41,24 +42,6 @@ def test_kl_term_hand_computed():
     assert loss == pytest.approx(0.1 * (np.exp(0.5) - 1.5), abs=1e-12)
 
 
-class _LossOnly(nn.Cell):
-    def __init__(self, obj):
-        super().__init__()
-        self.obj = obj
-
-    def construct(self, *args):
-        return self.obj(*args)[0]
-
-
-class _Grad(nn.Cell):
-    def __init__(self, obj):
-        super().__init__()
-        self.g = ops.value_and_grad(_LossOnly(obj), 0)
-
-    def construct(self, *args):
-        return self.g(*args)
-
-
 def _case(seed=0, b=2, l=6, v=11):
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(b, l, v)).astype(np.float32)
@@ -75,7 +58,7 @@ def _case(seed=0, b=2, l=6, v=11):
 def test_objective_matches_reference_and_first_step_is_policy_gradient():
     logits, targets, adv, logp, mask, lsm = _case()
     n = float(mask.sum()) + 3.0              # a global token count larger than this micro-batch's
-    obj = _Grad(GRPOObjective(0.2, 0.28, 0.0))
+    obj = LossGrad(GRPOObjective(0.2, 0.28, 0.0))
     old = logp.astype(np.float32)            # first mini-step: behaviour policy = current policy
     loss, g = obj(Tensor(logits), Tensor(targets), Tensor(old), Tensor(old), Tensor(adv), Tensor(n, ms.float32))
     ref_loss, _ = grpo_loss_numpy(logp, old, old, adv, mask, 0.2, 0.28, 0.0, n)
@@ -96,7 +79,7 @@ def test_objective_matches_reference_and_first_step_is_policy_gradient():
 def test_clipping_engages_on_the_right_side():
     logits, targets, _, logp, mask, lsm = _case(seed=1)
     adv = np.array([[1.0], [-1.0]], np.float32).repeat(targets.shape[1], 1)
-    obj = _Grad(GRPOObjective(0.2, 0.28, 0.0))
+    obj = LossGrad(GRPOObjective(0.2, 0.28, 0.0))
     for shift, zero_row, live_row in ((-0.5, 0, 1), (0.5, 1, 0)):
         # shift -0.5: old = logp - 0.5 -> ratio = e^0.5 = 1.65 > 1.28: A > 0 (row 0) clipped, A < 0 live
         # shift +0.5: ratio = e^-0.5 = 0.61 < 0.8: A < 0 (row 1) clipped, A > 0 live
