@@ -9,6 +9,11 @@ Design:
 - Each parameter carries an LR coefficient from the longest matching prefix in
   `StageConfig.lr_coefficients` (e.g. `visual.` x0.1 in openPangu-VL SFT); the projector
   `visual.merger.` matches before `visual.`.
+- Accumulators and moments are clones of the parameters (`Parameter.clone(init="zeros")`), never host
+  arrays: a clone of an abstract (`initializer`) parameter stays abstract until the graph allocates it
+  on the device, so building the step adds no parameter-sized host memory, and the clone carries the
+  parameter's identity (`param_info.cloned_obj`), by which MindSpore gives it the parameter's tensor-
+  and optimizer-parallel layout. Figures: docs/PERFORMANCE.md, ## train.
 - `AdamWUpdate` runs MindSpore's fused in-place AdamWeightDecay kernel per parameter (bias correction
   folded into its scalar inputs), so the update holds no optimizer-sized temporaries. It is an
   `nn.Optimizer` with moments cloned from the parameters, so `parallel.enable_parallel_optimizer`
@@ -22,8 +27,8 @@ import math
 from typing import Dict, List, Sequence
 
 import mindspore as ms
-import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore.common.initializer import initializer
 
 NO_DECAY_KEYS = ("norm", "bias", "ln_", "layernorm")
 
@@ -63,8 +68,19 @@ def lr_coefficient(name: str, coefs: Dict[str, float]) -> float:
 
 
 def zeros_like_params(params: Sequence[Parameter], prefix: str) -> ParameterTuple:
-    return ParameterTuple(Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"{prefix}.{p.name}",
-                                    requires_grad=False) for p in params)
+    """fp32 zero accumulators `<prefix>.<param name>`, one per parameter, cloned from it (lazy, same layout).
+    A parameter that is not float32 (none under the trainer: AMP O2 keeps float32 master weights) gets a
+    lazy float32 `initializer` tensor instead, since a clone keeps its parameter's dtype."""
+    out = []
+    for p in params:
+        if p.dtype == ms.float32:
+            acc = p.clone(init="zeros")
+            acc.name = f"{prefix}.{p.name}"
+        else:
+            acc = Parameter(initializer("zeros", p.shape, ms.float32), name=f"{prefix}.{p.name}")
+        acc.requires_grad = False
+        out.append(acc)
+    return ParameterTuple(out)
 
 
 _adamw = ops.MultitypeFuncGraph("adamw")
