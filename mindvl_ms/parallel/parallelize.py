@@ -15,25 +15,30 @@ are the tables of `parallel/strategies.py` (MindFormers' conventions):
   `set_comm_fusion(layer_id // gradient_aggregation_group + 1)`, so their gradients are reduced together;
 - `apply_recompute` (`parallel/recompute.py: RECOMPUTE_PLAN`), when a recompute config is given.
 
+The train step's chunked loss head (`train/loss_head.py`) is built after the model, by the train layer: it
+calls `shard_loss_head(head, model)`, which gives the head the data and vocab split that `apply_tp` declared
+on the model's LM head (`strategies.HEAD_CE`), so the head weight is split on V wherever the head runs.
+
 Strategies only take effect under `semi_auto_parallel` / `auto_parallel` on Ascend; on CPU they are
 declared and read back by the audit tests (`parallel/audit.py`), since such graphs cannot compile on CPU.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mindspore import nn
 
 from mindvl_ms.models.moe import DeepseekV3Model
 from mindvl_ms.ops import is_ascend
 from mindvl_ms.parallel import strategies as S
+from mindvl_ms.parallel.audit import strategy_of
 from mindvl_ms.parallel.layout import Layout
 from mindvl_ms.parallel.paths import match_plan, under
 from mindvl_ms.parallel.pipeline import assign_pipeline_stages, language_model
 from mindvl_ms.parallel.recompute import apply_recompute
 from mindvl_ms.parallel.styles import (Attention, DropKernel, Embedding, ExpertParallel, GatedMul, Glu, Linear, Norm,
-                                       ParallelReport, Residual, Rotary, ShardContext, TiedHead)
+                                       ParallelReport, Residual, Rotary, ShardContext, TiedHead, VocabParallelCE)
 
 COLUMN, ROW, REPLICATED = Linear("column"), Linear("row"), Linear("replicated")
 
@@ -200,3 +205,25 @@ def parallelize(model: nn.Cell, layout, *, vision_parallel: Optional[str] = None
     if recompute is not None:
         report.recompute = apply_recompute(model, recompute)
     return report
+
+
+def head_split(model: nn.Cell) -> Optional[Tuple[int, int]]:
+    """(dp, vocab split) of the strategy declared on the model's LM head MatMul (`lm_head`, or `tied_head`
+    when tied; under an AMP wrapper, its backbone's), None when it carries none (not parallelized)."""
+    net = getattr(model, "_backbone", model)
+    head = getattr(net, "lm_head", None)
+    head = head if head is not None else getattr(net, "tied_head", None)
+    s = strategy_of(head.matmul) if head is not None else None
+    return None if s is None else (int(s[0][0]), int(s[1][0]))
+
+
+def shard_loss_head(head: nn.Cell, model: nn.Cell) -> bool:
+    """Declare `strategies.HEAD_CE` on the chunked loss head `head` with the model's `head_split` (the head
+    weight split on V as the LM head's); False, and `head` left as it is, when the model is not parallelized."""
+    split = head_split(model)
+    if split is None:
+        return False
+    dp, vt = split
+    report = ParallelReport(layout=None, vision_parallel="dp", vocab_split=vt)
+    VocabParallelCE().apply("loss_head", head, ShardContext({"dp": dp, "vt": vt}, None, report))
+    return True

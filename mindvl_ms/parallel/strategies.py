@@ -12,6 +12,7 @@ parallel_core/training_graph/tensor_parallel/layers.py), which are known to comp
   vocab             ((dp, 1), (vt, 1))  vt = tp when the vocab is split, else 1 (lm_head / tied head)
 
   embedding Gather  ((vt, 1), (dp, 1))  (table [V, D], ids [B, L])
+  loss head         ((dp, 1), (vt, 1)) on its logits MatMul, (dp, vt) on its [c, V] blocks (`HEAD_CE`)
   norms, residuals  hidden [B, L, D]: (dp, sp, 1), sp = tp under use_seq_parallel (else 1)
                     per-head q/k norm [B, L, H, hd]: (dp, 1, tp, 1); MLA latents [B, L, r]: (dp, 1, 1)
   rotary            q/k [B, H, L, d]: (dp, tp, 1, 1) with cos/sin [B, 1, L, d]: (dp, 1, 1, 1)
@@ -57,6 +58,25 @@ ROPE_COS = ("dp", 1, 1, 1)          # cos/sin [B, 1, L, d]
 VISION_ROPE_Q = (1, "vtp", "dp", 1)  # ViT q/k [1, H, N, hd]
 VISION_ROPE_COS = (1, 1, "dp", 1)   # ViT cos/sin [1, 1, N, hd]
 EMBED_GATHER = (("vt", 1), ("dp", 1))
+
+# -- the train step's chunked loss head (train/loss_head.py ChunkedHeadCE), MindFormers' vocab-parallel head and
+# VocabParallelCrossEntropy (parallel_core/training_graph/loss_func.py): hidden rows [c, D] split dp, the head
+# weight [V, D] split vt on V as `LINEAR["vocab"]`, every [c, V] block (dp, vt); the max and sums over V
+# become all-reduces over the vocab shards, dh = G @ W all-reduces over them, dW = G^T @ h over dp.
+HEAD_CE = {
+    "mm_nt": (("dp", 1), ("vt", 1)),         # logits [c, V] = h [c, D] x W [V, D]^T
+    "mm": (("dp", "vt"), ("vt", 1)),         # dh [c, D] = G [c, V] x W [V, D]
+    "mm_tn": (("dp", "vt"), ("dp", 1)),      # dW [V, D] = G [c, V]^T x h [c, D]
+    "max": (("dp", "vt"),),                  # [c, V] -> [c, 1]
+    "sub": (("dp", "vt"), ("dp", 1)),        # z = logits - max
+    "exp": (("dp", "vt"),),
+    "sum": (("dp", "vt"),),                  # [c, V] -> [c, 1]
+    "log": (("dp", 1),),
+    "onehot": (("dp", "vt"), (), ()),        # targets [c] -> [c, V]
+    "mul": (("dp", "vt"), ("dp", "vt")),
+    "div": (("dp", "vt"), ("dp", 1)),        # softmax = exp z / sum
+    "sub_onehot": (("dp", "vt"), ("dp", "vt")),
+}
 
 
 def vocab_split(layout, vocab_size: int) -> int:

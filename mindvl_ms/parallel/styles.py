@@ -20,6 +20,9 @@ primitive instances with `Primitive.shard`, and records what it did in a `Parall
 - `GatedMul(template)`: the act(gate) * up product of a ViT MLP with a non-SiLU gated activation.
 - `Residual(template)`: the residual adds of a decoder layer / ViT block.
 - `Embedding(template)`, `TiedHead()`: the token table's Gather and the tied LM head's MatMul.
+- `VocabParallelCE()`: the train step's chunked loss head (`train/loss_head.py`, which this package cannot
+  import: recognised by its `vocab_parallel` switch): `strategies.HEAD_CE` on its primitives, and the switch on,
+  so its blocks run in the split form those strategies shard.
 - `Attention()`: the attention core (`parallel/attention.py: shard_core_attention`) under the layout of the
   part it belongs to (the ViT keeps its heads whole unless `vision_parallel: tp`).
 - `DropKernel()`: the ViT's CPU block path (`models/vision.py: QkvBiasRope`) keeps its composite ops.
@@ -200,6 +203,17 @@ class TiedHead(Style):
     def apply(self, name, cell, ctx):
         _shard(cell.matmul, S.resolve(S.LINEAR["vocab"][0], ctx.axes))
         ctx.report.cells[name] = "tied_head"
+
+
+class VocabParallelCE(Style):
+    types = (nn.Cell,)
+
+    def apply(self, name, cell, ctx):
+        if not hasattr(cell, "vocab_parallel"):
+            raise TypeError(f"{name}: {type(cell).__name__} is not a chunked loss head (no vocab_parallel switch)")
+        _shard_prims(cell, {attr: S.resolve(t, ctx.axes) for attr, t in S.HEAD_CE.items()})
+        cell.vocab_parallel = True
+        ctx.report.cells[name] = "loss_head"
 
 
 class Attention(Style):

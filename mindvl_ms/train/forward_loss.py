@@ -17,6 +17,7 @@ from typing import Dict, Optional, Sequence
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, nn, ops
 
+from mindvl_ms.parallel.parallelize import shard_loss_head
 from mindvl_ms.train.loss import IGNORE, TrainLoss, token_ce
 from mindvl_ms.train.loss_head import ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.row_grads import RowGradEmbedding, row_grad_token
@@ -70,6 +71,7 @@ class ForwardLoss(nn.Cell):
             if self.row_head:
                 self.head_acc = row_grads[head.name]
             self.head = ChunkedHeadCERowGrad() if self.row_head else ChunkedHeadCE()
+            shard_loss_head(self.head, self.net)  # vocab-parallel as the model's LM head, when it is sharded
         self.aux_weight = float(aux_weight)  # 1 / (micro-batches x ranks): the MoE aux loss is a batch mean
 
     def ce_and_aux(self, *args):

@@ -38,10 +38,6 @@ from mindvl_ms.train.row_grads import NO_GRAD, head_weight_grad_into
 IGNORE = -100
 PAD_MULTIPLE = 8
 
-_MM_NT = ops.MatMul(transpose_b=True)   # [c, D] x [V, D]^T -> [c, V]
-_MM = ops.MatMul()                      # [c, V] x [V, D] -> [c, D]
-_MM_TN = ops.MatMul(transpose_a=True)   # [c, V]^T x [c, D] -> [V, D]
-
 
 def chunk_grid(n_sup: int, chunk: int) -> Tuple[int, int]:
     """(n_chunks, chunk_size) for n_sup supervised positions with at most `chunk` per chunk."""
@@ -82,15 +78,62 @@ def _cast(x, dtype):
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-def _chunk_logits(h, w):
-    """[c, D] x [V, D] -> float32 [c, V] (matmul in h's dtype, as `models.text.lm_logits`)."""
-    return _cast(_MM_NT(h, w), ms.float32)
-
-
 class ChunkedHeadCE(nn.Cell):
     """construct(hidden [n, c, D], weight [V, D], targets int32 [n, c]) -> CE float32 [n, c] (0 at IGNORE).
 
-    One [c, V] logits block at a time in both passes (custom bprop recomputes the block)."""
+    One [c, V] logits block at a time in both passes (custom bprop recomputes the block). The loop bound n is
+    a static shape, so graph mode unrolls it: no control flow reaches the compiler.
+
+    Every primitive the blocks use is the cell's own, so `parallel.parallelize.shard_loss_head` can declare
+    MindFormers' vocab-parallel strategies on them (the head weight [V, D] split on V, the convention of
+    `lm_head`) and the audit (`parallel/audit.py`) reads them back. Sharded, the cell sets `vocab_parallel`
+    and each block runs in the form of MindFormers' VocabParallelCrossEntropy
+    (parallel_core/training_graph/loss_func.py): with z = logits - max, CE = log sum exp z - <z, onehot(t)>
+    and dCE/dlogits = exp z / sum exp z - onehot(t). The max and the two sums reduce over the split V axis,
+    which semi-auto parallel completes with an all-reduce over the vocab shards, so no rank ever holds a
+    full [c, V] block (tests/parallel/test_loss_head_parallel.py checks this split form against the full
+    cross entropy shard by shard). Unsharded (CPU, stand-alone) the block is the fused log-softmax / softmax
+    path, as before."""
+
+    def __init__(self):
+        super().__init__()
+        self.vocab_parallel = False                         # set by parallel.parallelize.shard_loss_head
+        self.mm_nt = ops.MatMul(transpose_b=True)           # [c, D] x [V, D]^T -> [c, V]
+        self.mm = ops.MatMul()                              # [c, V] x [V, D] -> [c, D]
+        self.mm_tn = ops.MatMul(transpose_a=True)           # [c, V]^T x [c, D] -> [V, D]
+        self.max = ops.ArgMaxWithValue(axis=-1, keep_dims=True)  # [c, V] -> [c, 1] (MindFormers' _LogSoftmax)
+        self.sub = ops.Sub()                                # [c, V] - [c, 1]
+        self.exp = ops.Exp()                                # [c, V]
+        self.sum = ops.ReduceSum(keep_dims=True)            # [c, V] -> [c, 1]
+        self.log = ops.Log()                                # [c, 1]
+        self.onehot = ops.OneHot()                          # targets [c] -> [c, V]
+        self.mul = ops.Mul()                                # z * onehot [c, V]
+        self.div = ops.RealDiv()                            # exp z / sum [c, V]
+        self.sub_onehot = ops.Sub()                         # P - onehot [c, V]
+        self.on, self.off = ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)
+
+    def _logits(self, h, w):
+        """[c, D] x [V, D] -> float32 [c, V] (matmul in h's dtype, as `models.text.lm_logits`)."""
+        return _cast(self.mm_nt(h, w), ms.float32)
+
+    def _split_form(self, h, w, t):
+        """One block in the vocab-parallel form: (z = logits - max [c, V], sum exp z [c, 1], exp z [c, V],
+        onehot(t) [c, V]); IGNORE targets index row 0's class and are masked by the caller."""
+        logits = self._logits(h, w)
+        _, top = self.max(logits)                                        # [c, 1]
+        z = self.sub(logits, top)
+        e = self.exp(z)
+        onehot = self.onehot(ops.maximum(t, 0), logits.shape[-1], self.on, self.off)  # [c, V]
+        return z, self.sum(e, -1), e, onehot
+
+    def _block_ce(self, h, w, t):
+        """One chunk's CE [c] (0 at IGNORE)."""
+        valid = (t != IGNORE).astype(ms.float32)
+        if self.vocab_parallel:
+            z, total, _, onehot = self._split_form(h, w, t)
+            return (self.log(total) - self.sum(self.mul(z, onehot), -1))[:, 0] * valid
+        logp = ops.log_softmax(self._logits(h, w), -1)                  # [c, V] (fused: no [c, V] broadcasts)
+        return -ops.gather_elements(logp, 1, ops.maximum(t, 0).reshape(-1, 1))[:, 0] * valid
 
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]
@@ -98,10 +141,7 @@ class ChunkedHeadCE(nn.Cell):
         ce = ops.zeros(targets.shape, ms.float32)                    # [n, c]
         i = 0
         while i < n:
-            logp = ops.log_softmax(_chunk_logits(hidden[i], w), -1)   # [c, V] (fused: no [c, V] broadcasts)
-            t = targets[i]
-            picked = ops.gather_elements(logp, 1, ops.maximum(t, 0).reshape(-1, 1))[:, 0]
-            ce[i] = -picked * (t != IGNORE).astype(ms.float32)
+            ce[i] = self._block_ce(hidden[i], w, targets[i])
             i += 1
         return ce
 
@@ -121,36 +161,35 @@ class ChunkedHeadCE(nn.Cell):
         w = _cast(weight, hidden.dtype)
         dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
         g, hs = self._block_grad(hidden[0], w, targets[0], dout[0])
-        dh[0] = _MM(g, w) * hs[1]
+        dh[0] = self.mm(g, w) * hs[1]
         dw = self._dw_first(g, hs[0], acc)
         i = 1
         while i < n:
             g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
-            dh[i] = _MM(g, w) * hs[1]                                  # [c, D]
+            dh[i] = self.mm(g, w) * hs[1]                              # [c, D]
             dw = self._dw_add(dw, g, hs[0], acc)
             i += 1
         return dh, dw
 
-    @staticmethod
-    def _dw_first(g, hs, acc):
+    def _dw_first(self, g, hs, acc):
         if acc is None:
-            return _cast(_MM_TN(g, hs), ms.float32)                   # [V, D]
+            return _cast(self.mm_tn(g, hs), ms.float32)               # [V, D]
         return ops.depend(ops.zeros((1,), ms.float32), head_weight_grad_into(acc, g, hs))
 
-    @staticmethod
-    def _dw_add(dw, g, hs, acc):
+    def _dw_add(self, dw, g, hs, acc):
         if acc is None:
-            return dw + _cast(_MM_TN(g, hs), ms.float32)              # [V, D]
+            return dw + _cast(self.mm_tn(g, hs), ms.float32)          # [V, D]
         return ops.depend(dw, head_weight_grad_into(acc, g, hs))
 
-    @staticmethod
-    def _block_grad(h, w, t, dout):
+    def _block_grad(self, h, w, t, dout):
         """One chunk: (G = softmax(h W^T) - onehot(t) [c, V], (h * s [c, D], s [c, 1])); IGNORE rows have s 0."""
         c = t.shape[0]
-        safe = ops.maximum(t, 0)
         s = (dout * (t != IGNORE).astype(ms.float32)).reshape(-1, 1).astype(h.dtype)  # [c, 1]
-        p = _cast(ops.softmax(_chunk_logits(h, w), -1), h.dtype)      # [c, V]
-        at = ops.stack((ops.arange(c, dtype=ms.int32), safe.astype(ms.int32)), 1)  # [c, 2] (row, target)
+        if self.vocab_parallel:
+            _, total, e, onehot = self._split_form(h, w, t)
+            return _cast(self.sub_onehot(self.div(e, total), onehot), h.dtype), (h * s, s)
+        p = _cast(ops.softmax(self._logits(h, w), -1), h.dtype)      # [c, V]
+        at = ops.stack((ops.arange(c, dtype=ms.int32), ops.maximum(t, 0).astype(ms.int32)), 1)  # [c, 2] (row, target)
         g = ops.tensor_scatter_sub(p, at, ops.ones((c,), p.dtype))    # P - onehot(t)
         return g, (h * s, s)
 
