@@ -80,7 +80,8 @@ def _run_data_validate(args) -> int:
 
     cfg = _load_data_config(args.config)
     report = validate_file(args.file, cfg.image, decode=not args.headers_only, workers=args.workers,
-                           drop_bad=args.drop_bad, progress=not args.quiet, video=cfg.video, seed=cfg.seed)
+                           drop_bad=args.drop_bad, progress=not args.quiet, video=cfg.video_for(args.file),
+                           seed=cfg.seed)
     print(format_report(report, args.max_list))
     if args.report:
         with open(args.report, "w", encoding="utf-8") as f:

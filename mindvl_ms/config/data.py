@@ -18,12 +18,13 @@ Defaults chosen for real mixes:
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
 from mindvl_ms.config.base import ConfigError, F, sub
 from mindvl_ms.config.grounding import GroundingConfig
-from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.config.video import SourceVideoConfig, VideoConfig
 
 
 SOURCE_FORMATS = ("jsonl", "llava", "sharegpt", "parquet", "auto")  # what `format:` of a data source names
@@ -42,6 +43,9 @@ class DataSource:
                              "(online packing)")
     image_root: str = F("", "llava/sharegpt/parquet: folder relative image paths resolve against (default: the "
                             "file's folder)")
+    video: SourceVideoConfig = sub(SourceVideoConfig, "this source's own video sampling (e.g. random FPS for "
+                                                      "summaries, 1 FPS for temporal localisation); unset fields "
+                                                      "follow data.video")
 
     def validate(self) -> None:
         if not self.path:
@@ -117,6 +121,15 @@ class DataConfig:
     max_skip_fraction: float = F(0.05, "training stops a stage when the loader skips more than this fraction of "
                                        "an epoch's samples (bad lines, unreadable images), with a summary by reason")
 
+    def video_for(self, path: str) -> VideoConfig:
+        """The video settings of the samples read from `path`: those of the source with that file (its own
+        `video:` over `data.video`), else `data.video` (a file outside the mix, an offline shard's original)."""
+        want = os.path.abspath(path)
+        for s in self.sources:
+            if s.video.overrides() and os.path.abspath(s.path) == want:
+                return s.video.over(self.video)
+        return self.video
+
     def visual_budget(self) -> int:
         """Visual tokens allowed per pack: max_image_tokens, or seq_length when it is 0."""
         return self.max_image_tokens or self.seq_length
@@ -139,3 +152,17 @@ class DataConfig:
             raise ConfigError("micro_batch_size, online_buffer and num_workers must be >= 1, pack_workers >= 0")
         if self.pad_to is not None and self.pad_to < self.seq_length:
             raise ConfigError(f"pad_to {self.pad_to} is shorter than seq_length {self.seq_length}")
+        self._validate_source_videos()
+
+    def _validate_source_videos(self) -> None:
+        """Each source's video settings work over data.video; one file is not listed with two of them."""
+        seen = {}
+        for s in self.sources:
+            try:
+                s.video.over(self.video)
+            except ConfigError as e:
+                raise ConfigError(f"source {s.path}: {e}") from None
+            key = os.path.abspath(s.path)
+            if key in seen and seen[key] != s.video.overrides():
+                raise ConfigError(f"source {s.path} is listed twice with different video settings")
+            seen[key] = s.video.overrides()

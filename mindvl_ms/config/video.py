@@ -2,11 +2,18 @@
 
 Defaults are Qwen2.5-VL's (`qwen-vl-utils`): 2 fps, 4..768 frames, 128..768 merge units per frame,
 a total budget of 128,000 * 0.9 merge units per video. `fps_range` turns on openPangu-VL's random FPS.
+
+`data.sources[].video:` (`SourceVideoConfig`) gives one data source its own settings over the stage's:
+openPangu-VL (report section 2.4) samples "non-precise time-aware tasks such as video summarization" at a
+random FPS and "precise time-aware tasks like temporal localization" at a constant 1 FPS, two kinds of
+source in one mix. A field the source leaves unset (null) follows `data.video`; a source that sets `fps`
+without `fps_range` samples at that constant rate even when the stage draws a random one.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List
+from typing import Any, Dict, List, Optional
 
 from mindvl_ms.config.base import ConfigError, F
 
@@ -35,3 +42,33 @@ class VideoConfig:
         if not 0 < self.video_min_pixels <= self.video_max_pixels <= self.video_total_pixels:
             raise ConfigError("video: need 0 < video_min_pixels <= video_max_pixels <= video_total_pixels, got "
                               f"{self.video_min_pixels}, {self.video_max_pixels}, {self.video_total_pixels}")
+
+
+@dataclass
+class SourceVideoConfig:
+    """One data source's video settings; every field left null follows the stage's `data.video`."""
+
+    fps: Optional[float] = F(None, "constant frames per second for this source's videos (the stage's fps_range "
+                                   "does not apply then); null: the stage's")
+    fps_range: Optional[List[float]] = F(None, "[lo, hi]: random FPS for this source's videos; []: constant fps; "
+                                                "null: the stage's")
+    min_frames: Optional[int] = F(None, "fewest frames sampled from one video of this source; null: the stage's")
+    max_frames: Optional[int] = F(None, "most frames sampled from one video of this source; null: the stage's")
+    video_min_pixels: Optional[int] = F(None, "smallest frame area in pixels; null: the stage's")
+    video_max_pixels: Optional[int] = F(None, "largest frame area in pixels; null: the stage's")
+    video_total_pixels: Optional[int] = F(None, "frame budget: pixels of all frames of one video (a frame gets "
+                                                "total / nframes * temporal_patch_size); null: the stage's")
+
+    def overrides(self) -> Dict[str, Any]:
+        """The fields this source sets ({} when it follows the stage in everything)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def over(self, stage: VideoConfig) -> VideoConfig:
+        """The VideoConfig this source's samples use: the stage's with this source's fields in place. Setting
+        `fps` alone means a constant rate, so the stage's `fps_range` is dropped with it."""
+        values = self.overrides()
+        if "fps" in values and "fps_range" not in values:
+            values["fps_range"] = []
+        out = dataclasses.replace(stage, **values)
+        out.validate()
+        return out

@@ -11,6 +11,9 @@ Two sources of packs, one loader:
   with (seed, epoch, rank, source), repeats/subsamples by mix weight, computes
   token counts from metadata and packs with `OnlinePacker`. Resuming replays the epoch's metadata
   stream (no image decoding) up to the saved pack, which reproduces the packer's state exactly.
+- Both hand each sample on with its source file (`sample.source`: the source's path online, the packed
+  file offline), which is how the processor applies a source's own `video:` settings to its videos
+  (`DataConfig.video_for`) when counting tokens and when decoding.
 
 `DataLoader` turns packs into micro-batches: every sample of a pack is processed
 (`MindVLProcessor.process_sample`), the rows go through `collate` (by default the model's

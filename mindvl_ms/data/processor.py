@@ -1,7 +1,8 @@
 """Sample processing: the Qwen chat template, assistant-only labels and `MindVLProcessor`.
 
 Images and video frames go through data/image.py (smart_resize, normalisation, patches; identical to
-transformers' `Qwen2VLImageProcessor`) and data/video.py (frame sampling and the frame budget).
+transformers' `Qwen2VLImageProcessor`) and data/video.py (frame sampling and the frame budget, with the video
+settings of the sample's data source: `DataConfig.video_for(sample.source)`, the same in packer and loader).
 
 Text path: grounding labels written in `data.grounding.coord_format` (data/grounding.py
 `reformat_messages`), then the Qwen2.5-VL chat template (`<|im_start|>role\\n...<|im_end|>\\n`, a default system
@@ -220,18 +221,24 @@ class MindVLProcessor:
     def video_metas(self, sample: Sample, check: bool = True) -> list:
         return video_metas(sample, check)
 
+    def video_config(self, sample: Sample):
+        """The video settings of a sample: its source's own `video:` over `data.video` (DataConfig.video_for)."""
+        return self.config.video_for(sample.source) if sample.source else self.config.video
+
     def video_token_counts(self, sample: Sample, metas) -> List[int]:
-        return video_token_counts(sample, metas, self.image_config, self.config.video, self.config.seed)
+        if not metas:
+            return []
+        return video_token_counts(sample, metas, self.image_config, self.video_config(sample), self.config.seed)
 
     def process_videos(self, sample: Sample) -> Dict:
         """Decode, sample and patchify a sample's videos: pixel_values_videos, video_grid_thw,
         second_per_grid_ts (absent when the sample has none)."""
         if not sample.videos and not count_placeholders(sample, VIDEO_PLACEHOLDER):
             return {}
-        clips = []
+        clips, video = [], self.video_config(sample)
         for k, (path, meta) in enumerate(zip(sample.videos, self.video_metas(sample))):
             try:
-                clips.append(load_video(path, self.image_config, self.config.video,
+                clips.append(load_video(path, self.image_config, video,
                                         video_rng(self.config.seed, sample.line, k), meta))
             except (OSError, ValueError) as e:
                 raise SampleError(sample.source, sample.line, "unreadable video", f"field videos[{k}]: {e}") from None

@@ -149,12 +149,15 @@ def data_fingerprint(config) -> Dict[str, Any]:
 
 def _source_id(source) -> Dict[str, Any]:
     """A source's file identity and weight, plus how it is read when that is not the default (a `format:`
-    other than jsonl, an `image_root`), so changing only those is a data change too."""
+    other than jsonl, an `image_root`, its own `video:` settings), so changing only those is a data change too."""
     ident = _file_id(source.path) if os.path.isfile(source.path) else {"path": os.path.abspath(source.path)}
     ident["weight"] = source.weight
     for key, default in (("format", "jsonl"), ("image_root", "")):
         if getattr(source, key, default) != default:
             ident[key] = getattr(source, key)
+    video = source.video.overrides()
+    if video:  # frame counts, and so the packs, follow them
+        ident["video"] = video
     return ident
 
 
@@ -174,7 +177,7 @@ def fingerprint_diff(old: Dict[str, Any], new: Dict[str, Any]) -> str:
     a = {d.get("path"): d for d in old.get("sources", [])} or {old.get("packed", {}).get("path"): old.get("packed")}
     b = {d.get("path"): d for d in new.get("sources", [])} or {new.get("packed", {}).get("path"): new.get("packed")}
     parts = [f"removed {p}" for p in a if p not in b] + [f"added {p}" for p in b if p not in a]
-    keys = ("size", "sha256_ends", "weight", "format", "image_root")
+    keys = ("size", "sha256_ends", "weight", "format", "image_root", "video")
     parts += [f"{p} changed ({', '.join(k for k in keys if a[p].get(k) != b[p].get(k))})"
               for p in a if p in b and a[p] != b[p]]
     return "; ".join(parts) or "data sources changed"

@@ -7,8 +7,10 @@ Design (Qwen2.5-VL's video path, as `qwen-vl-utils` implements it, plus openPang
   to the temporal patch size, the "frame factor") and to the video's length, floored to a multiple of
   the frame factor; indices are `round(linspace(0, total - 1, nframes))`. `fps` is constant
   (`video.fps`), or, with `video.fps_range: [lo, hi]`, drawn per sample from a seeded generator
-  (openPangu-VL trains non-precise time tasks with random FPS, precise ones at a constant 1 FPS).
-- Frame budget (openPangu-VL section 2.3, Qwen2.5-VL's rule): each frame's pixel budget is
+  (openPangu-VL trains non-precise time tasks with random FPS, precise ones at a constant 1 FPS). The
+  `VideoConfig` passed in is the one of the sample's data source (`data.sources[].video` over
+  `data.video`, `DataConfig.video_for`), so one mix can hold both kinds of source.
+- Frame budget (openPangu-VL section 2.4, Qwen2.5-VL's rule): each frame's pixel budget is
   inversely proportional to the number of frames,
   `max_pixels = max(min(video_max_pixels, video_total_pixels / nframes * frame_factor), 1.05 * video_min_pixels)`,
   then `smart_resize` to multiples of patch*merge inside [video_min_pixels, max_pixels].
