@@ -48,9 +48,15 @@ def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], imag
 
     With `accumulate` (openPangu-VL's accumulative strategy, `text.mrope_accumulate`), the temporal
     patches of a video are placed one after another like separate images: patch i gets (0, row, col)
-    offsets from its own start, and the next starts after it (start + max(h/m, w/m)); time is then
-    carried by the order of the patches, so successive frames never share a spatial position. Images
-    accumulate either way (each starts after the previous maximum).
+    offsets from its own start, and the next starts after it (start + max(h/m, w/m)), so successive
+    frames never share a spatial position. Images accumulate either way (each starts after the previous
+    maximum). Positions then follow frame order, not seconds: `second_per_grid_ts` is not read, and the
+    same frames sampled at 2 fps or at 1 fps get the same positions. This is the report's reading: section
+    2.3 accumulates "to facilitate better differentiation between distinct spatial positions across
+    multiple input sources (e.g., ... successive frames in a video)", and section 2.4 trains "precise
+    time-aware tasks like temporal localization" at "a constant FPS of 1 ..., enabling the model to
+    perceive temporal information to some extent", a constant rate that is needed only because the
+    positions do not carry seconds (the Qwen3-VL 3D-IM-RoPE it cites likewise numbers frames, not seconds).
 
     Unlike transformers 4.57.1, which casts `second_per_grid_t` to an integer tensor before multiplying
     (so 0.75 s becomes 0), the product is taken in floating point, as Qwen2.5-VL defines it.
@@ -67,16 +73,16 @@ def rope_index(input_ids: np.ndarray, image_grid_thw: Optional[np.ndarray], imag
         t, h, w = grids[kind][k]
         lt, lh, lw = int(t), int(h) // spatial_merge_size, int(w) // spatial_merge_size
         n = lt * lh * lw
-        spg = second_per_grid if kind == "image" else (
-            float(second_per_grid_ts[k]) if second_per_grid_ts is not None else 1.0)
         text_len = ed - st
         parts.append(np.broadcast_to(np.arange(text_len), (3, text_len)) + nxt)
         h_idx = np.broadcast_to(np.arange(lh)[None, :, None], (lt, lh, lw)).reshape(-1)
         w_idx = np.broadcast_to(np.arange(lw)[None, None, :], (lt, lh, lw)).reshape(-1)
-        if accumulate and kind == "video":
+        if accumulate and kind == "video":  # frame order, not time (docstring)
             t_idx = np.zeros(lt * lh * lw, np.int64)
             frame_start = np.repeat(np.arange(lt) * max(lh, lw), lh * lw)  # [lt*lh*lw]
         else:
+            spg = second_per_grid if kind == "image" else (
+                float(second_per_grid_ts[k]) if second_per_grid_ts is not None else 1.0)
             t_idx = (np.arange(lt)[:, None] * spg * tokens_per_second).astype(np.int64)
             t_idx = np.broadcast_to(t_idx, (lt, lh * lw)).reshape(-1)
             frame_start = 0
