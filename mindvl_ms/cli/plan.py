@@ -9,8 +9,9 @@ def register(subparsers) -> None:
         "plan", help="per-device memory and communication of a run's parallel layout",
         description="Per-device memory (weights, gradients, optimizer states, activations, ViT activations, "
                     "logits chunk) and per-step communication (TP, EP, PP, DP) of the run config's layout, for "
-                    "every training stage and pipeline stage. Validates the strategy first. Exits 1 when a device "
-                    "exceeds context.max_device_memory, naming the component.")
+                    "every training stage and pipeline stage, and host memory per process (gradient "
+                    "accumulators, Adam moments, one step's pinned input arrays). Validates the strategy first. "
+                    "Exits 1 when a device exceeds context.max_device_memory, naming the component.")
     p.add_argument("--config", required=True, help="run YAML (e.g. configs/run/mindvl-8b-64npu.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.set_defaults(func=_run_plan)
@@ -22,7 +23,7 @@ def _run_plan(args) -> int:
     from mindvl_ms.config.train import load_run_config
     from mindvl_ms.data.vocab_subset import follow_vocab_subset
     from mindvl_ms.parallel.layout import Layout
-    from mindvl_ms.parallel.plan import check, format_plan, parse_memory, plan_run
+    from mindvl_ms.parallel.plan import check, format_host_plan, format_plan, host_plan, parse_memory, plan_run
     from mindvl_ms.parallel.runtime import validate_strategy
 
     try:
@@ -32,10 +33,13 @@ def _run_plan(args) -> int:
         validate_strategy(cfg.model, cfg.parallel_config, lay.world)
         limit = parse_memory(cfg.context.max_device_memory)
         plans = plan_run(cfg)
+        hosts = host_plan(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(format_plan(cfg, plans, limit))
+    print()
+    print(format_host_plan(cfg, hosts))
     bad = check(cfg, plans, limit)
     for msg in bad:
         print(f"does not fit: {msg}", file=sys.stderr)

@@ -58,6 +58,21 @@ Communication per optimizer step and device (m = micro-batches per rank per step
   (/t with SP) each;
 - DP gradient reduce: once per step, 2(N-1)/N of the fp32 trainable gradients (a ring all-reduce, or the
   reduce-scatter + all-gather of the parallel optimizer).
+
+Host memory per process (`host_plan`; one process drives one device), what it counts:
+- accumulators and Adam moments: host bytes only where the device is the host (`context.device_target`
+  CPU): the fp32 accumulator 4e (4e/N with the parallel optimizer) and m, v 8e (8e/N) of the process's
+  trainable share. On Ascend they are clones of the parameters (train/optim.py), allocated in device
+  memory, so 0 here (they are in the per-device table's gradients and optimizer states);
+- pinned data: the input arrays of one optimizer step, which the trainer holds on the host from the
+  loader until the step ends: m micro-batches of b rows, each row `TOKEN_INT32` int32 arrays of
+  seq_length (input_ids, the 3 M-RoPE position rows, segment_ids, targets, token_index) and the
+  visual budget padded in patches (budget x merge^2 per row): fp32 pixel values (in_channels x
+  temporal_patch_size x patch_size^2 each) and `PATCH_INT32` int32 index arrays (vision_pos_ids 2,
+  window_index, reverse_index, window_segment_ids, full_segment_ids); under pipeline stages twice, the
+  micro-batches plus their stacked rounds (parallel/pipeline_step.py). An upper bound: rows are padded
+  to the visual budget only as far as the batch needs. Not counted: the loader's workers and prefetch
+  queue, the Python and MindSpore runtime, the transient host copy of one feed while it is sent.
 """
 from __future__ import annotations
 
@@ -69,6 +84,8 @@ from mindvl_ms.config.base import ConfigError
 from mindvl_ms.parallel.layout import Layout
 
 GB = 2 ** 30  # MindSpore's max_device_memory "58GB" means 58 * 2**30 bytes
+TOKEN_INT32 = 7  # int32 arrays per token of a micro-batch: input_ids, position_ids x 3, segment_ids, targets, token_index
+PATCH_INT32 = 6  # int32 arrays per patch: vision_pos_ids x 2, window/reverse index, window/full segment ids
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -372,6 +389,66 @@ def plan_run(run_cfg) -> List[DevicePlan]:
                 dev.comm["DP gradient reduce"] = dp_bytes
             plans.append(dev)
     return plans
+
+
+@dataclass
+class HostPlan:
+    """Host memory of one process (one device) of one pipeline stage for one training stage, in bytes."""
+
+    training_stage: str
+    pp: int
+    memory: Dict[str, float] = field(default_factory=dict)  # accumulators, moments, pinned data
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+
+def micro_batch_bytes(model, seq_length: int, rows: int, image_tokens: int) -> float:
+    """Host bytes of one collated micro-batch at the visual budget (see the module docstring)."""
+    v = model.vision
+    patches = rows * image_tokens * v.spatial_merge_size ** 2
+    width = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    return 4.0 * (TOKEN_INT32 * rows * seq_length + patches * (width + PATCH_INT32))
+
+
+def host_plan(run_cfg) -> List[HostPlan]:
+    """A HostPlan per (training stage, pipeline stage): what one process holds in host memory."""
+    layout = Layout.from_run_config(run_cfg)
+    model, text, pp = run_cfg.model, run_cfg.model.text, layout.pp
+    on_host = run_cfg.context.device_target == "CPU"
+    po = run_cfg.parallel.enable_parallel_optimizer
+    layers = stage_layers(text.num_hidden_layers, pp, run_cfg.parallel_config.offset)
+    groups = param_groups(model, layout, run_cfg.parallel_config.vision_parallel)
+    out = []
+    for st in run_cfg.stages:
+        m = st.accumulation(layout.dp)
+        image_tokens = dict(st.data).get("max_image_tokens", run_cfg.data.max_image_tokens) or st.seq_length
+        pinned = m * micro_batch_bytes(model, st.seq_length, st.micro_batch_size, image_tokens) * (2 if pp > 1 else 1)
+        prefixes = st.trainable_prefixes()
+        for p in range(pp):
+            acc = mom = 0.0
+            for g in groups:
+                mine = (g.place == "layer" and g.layer in layers[p]) or (g.place == "first" and p == 0) or \
+                    (g.place == "last" and p == pp - 1)
+                if on_host and mine and any(g.prefix.startswith(x) for x in prefixes):
+                    e = g.count / g.split
+                    n = layout.stage_size / g.split if po else 1
+                    acc, mom = acc + 4 * e / n, mom + 8 * e / n
+            out.append(HostPlan(st.name, p, {"accumulators": acc, "moments": mom, "pinned data": pinned}))
+    return out
+
+
+def format_host_plan(run_cfg, hosts: List[HostPlan]) -> str:
+    """The host-memory table of `mindvl plan`."""
+    where = ("host (device_target CPU)" if run_cfg.context.device_target == "CPU" else
+             "device memory (parameter clones), not host")
+    rows = [[h.training_stage, str(h.pp)] + [f"{h.memory[k] / GB:.2f}" for k in ("accumulators", "moments",
+                                                                                   "pinned data")]
+            + [f"{h.total / GB:.2f}"] for h in hosts]
+    return "\n".join([f"host memory per process (GB): accumulators and moments in {where}; pinned data = one "
+                      f"step's input arrays at the visual budget",
+                      _table(["stage", "pp", "accum", "moments", "pinned data", "total GB"], rows)])
 
 
 def format_plan(run_cfg, plans: List[DevicePlan], limit: Optional[float]) -> str:
