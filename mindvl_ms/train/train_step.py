@@ -43,7 +43,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, stack_micro_batches
+from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, pipeline_feeds
 from mindvl_ms.train.forward_loss import ForwardLoss, WeightSumStep, has_sparse_head, row_grad_tables
 from mindvl_ms.train.grad_ops import accumulate
 from mindvl_ms.train.loss import IGNORE, TrainLoss
@@ -181,12 +181,13 @@ class TrainStep:
 
     def _feeds(self, micro_batches: List[Dict[str, np.ndarray]]):
         """(graph feeds, per-micro-batch arrays): one feed per micro-batch, or under pipeline stages one
-        stacked feed that the pipeline cell slices (all micro-batches then share one head grid)."""
+        stacked feed per micro_batch_num micro-batches, which the pipeline cell slices (all micro-batches
+        then share one head grid)."""
         feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
         if self.pipeline is not None:
             slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)
             arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
-            feeds = [stack_micro_batches(arrays, self.pipeline[1])]
+            feeds = pipeline_feeds(arrays, self.pipeline[1])
         return feeds, arrays
 
     def compile_micro(self, feed: List[np.ndarray]) -> None:

@@ -15,7 +15,7 @@ from mindvl_ms.config.train import RunConfig, StageConfig
 from mindvl_ms.train.batches import micro_batches
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, fill_coords
 from mindvl_ms.train.optim import AdamWUpdate, select_trainable
-from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, stack_micro_batches
+from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, pipeline_feeds
 from mindvl_ms.train.step_cells import ReduceStep
 from mindvl_ms.train.train_step import TrainStep
 from mindvl_ms.train.trainer import pipeline_config
@@ -124,14 +124,14 @@ def test_pipeline_wrapper_construction_and_equality_with_the_loop():
         np.testing.assert_allclose(out[(2, 2)][1][k], v, rtol=1e-4, atol=1e-6, err_msg=k)
 
 
-def test_stack_micro_batches_checks_count_and_shapes():
+def test_pipeline_feeds_check_count_and_shapes():
     a = [[np.zeros((2, 3)), np.ones(4)], [np.ones((2, 3)), np.zeros(4)]]
-    out = stack_micro_batches(a, 2)
+    (out,) = pipeline_feeds(a, 2)
     assert [x.shape for x in out] == [(2, 2, 3), (2, 4)]
-    with pytest.raises(ValueError, match="micro_batch_num is 3"):
-        stack_micro_batches(a, 3)
+    with pytest.raises(ValueError, match="micro_batch_num 3"):
+        pipeline_feeds(a, 3)
     with pytest.raises(ValueError, match="different shapes"):
-        stack_micro_batches([[np.zeros((2, 3))], [np.zeros((5, 3))]], 2)
+        pipeline_feeds([[np.zeros((2, 3))], [np.zeros((5, 3))]], 2)
 
 
 def test_pipeline_config_only_on_ascend():
