@@ -39,6 +39,7 @@ from mindvl_ms.parallel.pipeline import assign_pipeline_stages, language_model
 from mindvl_ms.parallel.recompute import apply_recompute
 from mindvl_ms.parallel.styles import (Attention, DropKernel, Embedding, ExpertParallel, GatedMul, Glu, Linear, Norm,
                                        ParallelReport, Residual, Rotary, ShardContext, TiedHead, VocabParallelCE)
+from mindvl_ms.parallel.validate import refuse_unsharded
 
 COLUMN, ROW, REPLICATED = Linear("column"), Linear("row"), Linear("replicated")
 
@@ -226,4 +227,5 @@ def shard_loss_head(head: nn.Cell, model: nn.Cell) -> bool:
     dp, vt = split
     report = ParallelReport(layout=None, vision_parallel="dp", vocab_split=vt)
     VocabParallelCE().apply("loss_head", head, ShardContext({"dp": dp, "vt": vt}, None, report))
+    refuse_unsharded(head=head)
     return True

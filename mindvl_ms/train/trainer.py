@@ -56,6 +56,7 @@ from mindvl_ms.ops.dispatch import is_ascend
 from mindvl_ms.parallel import apply_recompute, parallelize
 from mindvl_ms.parallel.moe import bind_mindformers_moe
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
+from mindvl_ms.parallel.validate import refuse_unsharded
 from mindvl_ms.train.batches import LoaderSource, micro_batches, rank_slice
 from mindvl_ms.train.callbacks import (MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version,
                                        summarize)
@@ -128,6 +129,7 @@ def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
     fp32 master weights, which stay the model's parameters and names)."""
     if dist is not None and dist.semi_auto:
         rep = parallelize(model, run_cfg)
+        refuse_unsharded(model)  # the audit: every primitive of the language model and its head sharded
         log.info("parallelize: %d linear layers sharded, %d other cells, stages %s", len(rep.linear),
                  len(rep.cells), sorted(set(rep.stages.values())))
     elif is_ascend():
