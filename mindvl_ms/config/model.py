@@ -36,8 +36,12 @@ class VisionConfig:
     abs_pos_grid: int = F(0, "learned row and column embeddings added to the patch embeddings for patch rows/cols "
                              "0..abs_pos_grid-1 (later ones clip to the last); 0 = none, as Qwen2.5-ViT")
     hierarchical_layers: List[int] = F([], "openPangu-VL's hierarchical connector: 0-based blocks whose outputs "
-                                           "are each normalised and 2x2-merged, concatenated and projected by "
-                                           "one MLP; must end with the last block; empty = Qwen2.5-VL merger")
+                                           "are each normalised and 2x2-merged, then fused (hierarchical_fusion) "
+                                           "and projected by one MLP; must end with the last block; empty = "
+                                           "Qwen2.5-VL merger")
+    hierarchical_fusion: str = F("sum", "how the connector's levels meet before its MLP: sum (the levels added, "
+                                        "a single-level-sized MLP: the report's 'lightweight' connector) or concat "
+                                        "(concatenated: the MLP's first layer takes L x 4 x hidden_size inputs)")
 
     @property
     def head_dim(self) -> int:
@@ -64,6 +68,8 @@ class VisionConfig:
                               f"with the last block ({self.depth - 1})")
         if self.abs_pos_grid < 0:
             raise ConfigError(f"vision abs_pos_grid {self.abs_pos_grid}: expected 0 (none) or a positive grid side")
+        if self.hierarchical_fusion not in ("sum", "concat"):
+            raise ConfigError(f"vision hierarchical_fusion '{self.hierarchical_fusion}': expected sum or concat")
 
 
 @dataclass
@@ -304,6 +310,7 @@ def to_hf_dict(cfg: MindVLConfig) -> Dict[str, Any]:
     vision.pop("mlp_type")
     vision.pop("abs_pos_grid")
     vision.pop("hierarchical_layers")
+    vision.pop("hierarchical_fusion")
     vision["model_type"] = "qwen2_5_vl"
     out = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"],

@@ -295,12 +295,21 @@ class VisionBlock(nn.Cell):
 class PatchMerger(nn.Cell):
     """The MLP projector: RMSNorm, group 2x2 neighbouring patches, Linear-GELU-Linear to the LLM width.
 
-    With `hierarchical_layers` (openPangu-VL's hierarchical connector, report section 2.1) the outputs of
-    several blocks are each normalised (`ln_hier.{i}` for the earlier ones, `ln_q` for the last) and
-    grouped 2x2, which is the "patch merger [that] reduce[s] the effective number of tokens"; the groups
-    are concatenated per merge unit and one projector MLP maps [N/4, L*4E] -> [N/4, D_llm]. Concatenation
-    (rather than a sum) keeps the levels apart until the projector, the one part the report says maps "the
-    outputs" to the LLM space; with one level this is exactly the Qwen2.5-VL merger.
+    With `hierarchical_layers`, openPangu-VL's "lightweight hierarchical connector" (report section 2.1: "we
+    choose multiple outputs of the vision encoder and reduce the effective number of tokens forwarded with
+    the patch merger module ... And the outputs of hierarchical patch merger are mapped to the LLM embedding
+    space with the projector"): the outputs of several blocks are each normalised (`ln_hier.{i}` for the
+    earlier ones, `ln_q` for the last) and grouped 2x2 (the token reduction), and ONE projector MLP maps
+    them to the LLM width. `hierarchical_fusion` says how the levels meet before that MLP:
+    - `sum` (the default): the normalised levels are added, so the MLP is the single-level one,
+      [N/4, 4E] -> 4E -> D_llm. Each level's RMSNorm gain weights it channel by channel in the sum, so a
+      learned weighting costs no parameter beyond the norms. This is the lightest reading that keeps every
+      element the report names (several outputs, one patch merger, one projector) and the one that matches
+      the word it uses twice, "lightweight" (section 2.1, and section 4.1: warm-up trains "only the
+      lightweight connector").
+    - `concat`: the groups are concatenated per merge unit, [N/4, L*4E] -> 4E -> D_llm, which keeps the
+      levels apart until the projector at the price of a first linear layer L times as large.
+    With one level both are exactly the Qwen2.5-VL merger (parameter names and shapes included).
     """
 
     def __init__(self, cfg: VisionConfig):
@@ -308,21 +317,24 @@ class PatchMerger(nn.Cell):
         self.unit_dim = cfg.hidden_size * cfg.spatial_merge_size ** 2
         std = cfg.initializer_range
         self.n_hier = max(len(cfg.hierarchical_layers) - 1, 0)
+        self.concat = cfg.hierarchical_fusion == "concat"
         self.ln_q = RMSNorm(cfg.hidden_size, 1e-6)
         if self.n_hier:
             self.ln_hier = nn.CellList([RMSNorm(cfg.hidden_size, 1e-6) for _ in range(self.n_hier)])
-        in_dim = self.unit_dim * (self.n_hier + 1)
+        in_dim = self.unit_dim * (self.n_hier + 1 if self.concat else 1)
         self.mlp = nn.SequentialCell([dense(in_dim, self.unit_dim, std, bias=True), nn.GELU(approximate=False),
                                       dense(self.unit_dim, cfg.out_hidden_size, std, bias=True)])
 
     def construct(self, x, earlier=()):  # x [N, E] (last block), earlier: n_hier x [N, E] -> [N/4, D_llm]
-        h = self.ln_q(x).reshape(-1, self.unit_dim)  # [N/4, 4E]
-        if self.n_hier:
+        h = self.ln_q(x)  # [N, E]
+        if self.n_hier and self.concat:
             parts = ()
             for i in range(self.n_hier):
                 parts += (self.ln_hier[i](earlier[i]).reshape(-1, self.unit_dim),)
-            h = ops.cat(parts + (h,), -1)  # [N/4, L*4E]
-        return self.mlp(h)
+            return self.mlp(ops.cat(parts + (h.reshape(-1, self.unit_dim),), -1))  # [N/4, L*4E] in
+        for i in range(self.n_hier):  # sum: [N, E] per level, then grouped 2x2 once
+            h = h + self.ln_hier[i](earlier[i])
+        return self.mlp(h.reshape(-1, self.unit_dim))  # [N/4, 4E] in
 
 
 class VisionTransformer(nn.Cell):

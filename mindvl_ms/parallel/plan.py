@@ -189,11 +189,12 @@ def _vision_groups(v, t: int, vit_parallel: str) -> List[ParamGroup]:
     vt = t if vit_parallel == "tp" else 1
     patch = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h + 2 * v.abs_pos_grid * h
     u = h * v.spatial_merge_size ** 2
-    levels = max(len(v.hierarchical_layers), 1)  # the hierarchical connector: one norm per level, L*4E inputs
+    levels = max(len(v.hierarchical_layers), 1)  # the hierarchical connector: one norm per level,
+    inputs = levels * u if v.hierarchical_fusion == "concat" else u  # L*4E inputs when concatenated, else 4E
     return [ParamGroup("vision", "visual.blocks.", v.depth * lin, vt, "first"),
             ParamGroup("vision", "visual.blocks.", v.depth * 2 * h + patch, 1, "first"),
             ParamGroup("projector", "visual.merger.",
-                       levels * h + levels * u * u + u + u * v.out_hidden_size + v.out_hidden_size, 1, "first")]
+                       levels * h + inputs * u + u + u * v.out_hidden_size + v.out_hidden_size, 1, "first")]
 
 
 def _dense_layer(text, t: int):
