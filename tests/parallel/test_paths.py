@@ -40,11 +40,11 @@ def test_star_is_one_component_first_match_wins_and_skip():
 
 def test_every_plan_pattern_names_a_module():
     """A pattern that matches nothing would silently leave modules unsharded: each one matches a cell of
-    MindVL-8B (dense, ViT), MindVL-671B-A37B (MLA, MoE, MTP), openPangu-VL-7B (plain ViT MLP, hierarchical
-    connector) or the tiny model (tied head). A decoder-layer entry counts for the MTP depths too (they are
+    MindVL-8B (dense, ViT), MindVL-671B-A37B (MLA, MoE), openPangu-VL-7B (plain ViT MLP, hierarchical
+    connector), the tiny model (tied head) or the tiny MoE (MTP). A decoder-layer entry counts for the MTP depths too (they are
     decoder layers), so the MTP plan is checked for its own entries."""
     names = set()
-    for yaml in ("mindvl-8b.yaml", "mindvl-671b-a37b.yaml", "openpangu-vl-7b.yaml", "tiny.yaml"):
+    for yaml in ("mindvl-8b.yaml", "mindvl-671b-a37b.yaml", "openpangu-vl-7b.yaml", "tiny.yaml", "tiny-moe.yaml"):
         with no_init_parameters():
             model = MindVLModel(load_model_config(os.path.join(ROOT, "configs/model", yaml)))
         names |= {n for n, _ in model.cells_and_names()}
