@@ -18,7 +18,8 @@ import dataclasses
 import json
 import os
 import re
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -26,7 +27,8 @@ from mindvl_ms.config import MindVLConfig, TextConfig, from_hf_dict, load, to_hf
 from mindvl_ms.config.model import text_from_hf, vision_from_hf
 from mindvl_ms.checkpoint import hf_deepseek
 from mindvl_ms.checkpoint.integrity import atomic_dir, verify_checkpoint
-from mindvl_ms.checkpoint.io import RawTensor, read_tensors, write_json, write_tensors
+from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, FileSpan, RawTensor, TensorFile, TensorSpec, read_tensors, \
+    weight_files, write_json, write_sharded, write_tensors
 
 PATCH = "visual.patch_embed.proj.weight"
 NATIVE = "mindvl-native"
@@ -86,21 +88,129 @@ def native_to_hf(tensors: Dict[str, RawTensor], cfg: MindVLConfig) -> Dict[str, 
     return out
 
 
+# -- streamed sources: a checkpoint's tensors renamed and reshaped for the other layout, read one by one ---
+
+@dataclass
+class Source:
+    """One output tensor of a conversion: where its bytes are (`file`, `name`) and what it is called and
+    shaped as on the other side (`spec`). A rename and a reshape touch no data, so each tensor is read once,
+    when it is written or loaded."""
+
+    file: str
+    name: str
+    spec: TensorSpec
+
+
+class Sources:
+    """The tensors of a checkpoint as another layout names them (`specs`), read one at a time (`read`,
+    `items`) from files kept open until `close`. Memory: the tensor being read."""
+
+    def __init__(self, path: str, rename: Callable[[str, tuple], Tuple[str, tuple]]):
+        self._files: Dict[str, TensorFile] = {}
+        self.by_name: Dict[str, Source] = {}
+        for name, fn in weight_files(path).items():
+            info = self._open(fn).header[name]
+            out, shape = rename(name, tuple(info["shape"]))
+            self.by_name[out] = Source(fn, name, TensorSpec(out, info["dtype"], shape))
+
+    def _open(self, fn: str) -> TensorFile:
+        if fn not in self._files:
+            self._files[fn] = TensorFile(fn)
+        return self._files[fn]
+
+    @property
+    def specs(self) -> List[TensorSpec]:
+        return [s.spec for s in self.by_name.values()]
+
+    def read(self, out_name: str) -> np.ndarray:
+        src = self.by_name[out_name]
+        return self._open(src.file).read(src.name).reshape(src.spec.shape)
+
+    def span(self, out_name: str) -> FileSpan:
+        """Where the bytes of `out_name` are (unchanged by the rename and reshape): a writer copies them."""
+        src = self.by_name[out_name]
+        return self._open(src.file).span(src.name)
+
+    def items(self) -> Iterator[Tuple[str, RawTensor]]:
+        """(output name, RawTensor) in file order (each file read front to back)."""
+        for out in sorted(self.by_name, key=lambda k: (self.by_name[k].file, self._offset(self.by_name[k]))):
+            yield out, RawTensor(self.read(out), self.by_name[out].spec.dtype)
+
+    def _offset(self, src: Source) -> int:
+        return self._open(src.file).header[src.name]["data_offsets"][0]
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> "Sources":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _hf_rename(name: str, shape: tuple) -> Tuple[str, tuple]:
+    """HF (file or transformers in-memory) name -> native name; the Conv3d patch embedding flattened."""
+    name = normalize_hf_name(name)
+    if name == PATCH and len(shape) == 5:
+        shape = (shape[0], int(np.prod(shape[1:])))
+    return name, shape
+
+
+def _native_rename(cfg: MindVLConfig) -> Callable[[str, tuple], Tuple[str, tuple]]:
+    v = cfg.vision
+
+    def rename(name: str, shape: tuple) -> Tuple[str, tuple]:
+        if name == PATCH:
+            shape = (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        return name, shape
+    return rename
+
+
+def _keep(name: str, shape: tuple) -> Tuple[str, tuple]:
+    return name, shape
+
+
+def open_sources(path: str, d: dict, to: str, cfg: Optional[MindVLConfig] = None) -> Optional[Sources]:
+    """Streamed `Sources` of the checkpoint `path` (config.json `d`) in layout `to` ('native' or 'hf'); None
+    for DeepSeek-V3 language models, whose experts are stacked/unstacked across tensors (those go through
+    the in-memory `hf_to_native` / `native_to_hf`)."""
+    text_only = is_text_only(d)
+    if text_only:
+        model_type = (d.get("config") or {}).get("model_type") if is_native(d) else d.get("model_type")
+    else:
+        cfg = cfg or config_from_dir(path)
+        model_type = cfg.text.model_type
+    if model_type == "deepseek_v3":
+        return None
+    if is_native(d) == (to == "native"):
+        return Sources(path, _keep)
+    if to == "native":
+        return Sources(path, lambda n, s: (normalize_hf_name(n), s) if text_only else _hf_rename(n, s))
+    return Sources(path, _keep if text_only else _native_rename(cfg))
+
+
 # -- checkpoint directories <-> native-named tensors ------------------------------------------------
 
-def read_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
-    """(config, native-named tensors) from a native or HF directory, verified first."""
+def open_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
+    """(config, native-named `Sources`) of a native or HF MindVL directory, verified first: what a load
+    streams into a model (`pretrained.load_pretrained`). A DeepSeek-V3 language model comes back as a
+    dict of tensors read in memory (its experts are restacked)."""
     verify_checkpoint(path)
     d = read_config_json(path)
     cfg = cfg or config_from_dir(path)
-    tensors = read_tensors(path)
-    if not is_native(d):
-        tensors = hf_to_native(tensors, cfg)
-    return cfg, tensors
+    sources = open_sources(path, d, "native", cfg)
+    if sources is None:
+        tensors = read_tensors(path)
+        sources = tensors if is_native(d) else hf_to_native(tensors, cfg)
+    return cfg, sources
+
 
 
 def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor], format: str = "native",
-                     max_shard_bytes: Optional[int] = None, extra: Optional[Callable[[str], None]] = None) -> None:
+                     max_shard_bytes: Optional[int] = DEFAULT_SHARD_BYTES, extra: Optional[Callable[[str], None]] = None) -> None:
     """Atomically write a checkpoint directory in native or HF layout from native-named tensors;
     `extra(tmp_dir)` writes further files (the processor) inside the same atomic directory."""
     if format not in ("native", "hf"):
@@ -159,15 +269,46 @@ def _convert_text(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optiona
     return tensors
 
 
-def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = None,
+def _converted_config(d: dict, to: str, src: str) -> dict:
+    """The config.json of `src` (read as `d`) converted to layout `to`."""
+    if is_text_only(d):
+        if to == "hf":
+            return d.get("hf_config") or {}
+        text = text_from_hf(d)
+        return {"format": NATIVE, "kind": "text", "config": dataclasses.asdict(text), "hf_config": d}
+    cfg = config_from_dir(src)
+    return to_hf_dict(cfg) if to == "hf" else {"format": NATIVE, "config": dataclasses.asdict(cfg)}
+
+
+def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = DEFAULT_SHARD_BYTES,
             extra: Optional[Callable[[str], None]] = None) -> Dict[str, int]:
-    """hf -> native (to='native') or native -> hf (to='hf'), tensors copied bit-exactly. Works for MindVL
-    (Qwen2.5-VL layout) and for text-only Qwen2/Qwen3/DeepSeek-V3 checkpoints. `src` is verified first;
-    `extra(tmp_dir)` writes further files (the processor) into the output before its checksums."""
+    """hf -> native (to='native') or native -> hf (to='hf'), tensors copied bit-exactly, in shards of at most
+    `max_shard_bytes` (None: one file) with Hugging Face's index. Works for MindVL (Qwen2.5-VL layout) and
+    for text-only Qwen2/Qwen3/DeepSeek-V3 checkpoints. `src` is verified first; `extra(tmp_dir)` writes
+    further files (the processor) into the output before its checksums.
+
+    Streamed: the output headers come from the input headers (renames and the patch embedding's reshape
+    need no data), then each tensor is read and written once, so memory holds one tensor whatever the
+    checkpoint's size. DeepSeek-V3 language models, whose experts are restacked, are converted in memory."""
     verify_checkpoint(src)
     d = read_config_json(src)
     if is_native(d) == (to == "native"):
         raise ValueError(f"{src} is already a {'native' if is_native(d) else 'Hugging Face'} checkpoint")
+    sources = open_sources(src, d, to)
+    if sources is None:
+        return _convert_in_memory(src, dst, to, d, max_shard_bytes, extra)
+    with sources, atomic_dir(dst) as tmp:
+        write_json(os.path.join(tmp, "config.json"), _converted_config(d, to, src))
+        write_sharded(tmp, sources.specs, sources.span, max_shard_bytes)
+        if extra is not None:
+            extra(tmp)
+    specs = sources.specs
+    return {"tensors": len(specs), "parameters": int(sum(np.prod(s.shape, dtype=np.int64) for s in specs))}
+
+
+def _convert_in_memory(src: str, dst: str, to: str, d: dict, max_shard_bytes: Optional[int],
+                       extra: Optional[Callable[[str], None]]) -> Dict[str, int]:
+    """`convert` of DeepSeek-V3 language models (experts stacked/unstacked across tensors)."""
     if is_text_only(d):
         tensors = _convert_text(src, dst, to, d, max_shard_bytes, extra)
     else:

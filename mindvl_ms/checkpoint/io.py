@@ -15,7 +15,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Union
 
 import numpy as np
 
@@ -24,11 +24,13 @@ class CheckpointError(ValueError):
 
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-       "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+       "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "U16": np.uint16,
+       "U32": np.uint32, "U64": np.uint64}
 _ST = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
        np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.int16): "I16", np.dtype(np.int8): "I8",
        np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 2 << 30  # convert, merge and save_pretrained shard above this (as Hugging Face shards)
 SINGLE = "model.safetensors"
 OPTIM = "optimizer.safetensors"  # training checkpoints only (trainer_state.py)
 STATE = "trainer_state.json"
@@ -102,26 +104,123 @@ def verified_header(path: str, f) -> tuple:
     return header, start
 
 
+class TensorFile:
+    """One safetensors file opened for tensor-by-tensor reads: the verified header once, then each tensor
+    (or a flat element range of it) read with a positional read into a fresh array of its storage dtype.
+    Nothing is memory-mapped, so a streamed load or conversion holds one tensor, not the file (mapped
+    pages of a read file would count in the process's resident memory until unmapped)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            with os.fdopen(os.dup(self._fd), "rb") as f:
+                self.header, self.data_start = verified_header(path, f)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def __enter__(self) -> "TensorFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def read(self, name: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """Flat elements [start, stop) of `name` in storage dtype (bf16 as uint16); the whole tensor,
+        in its shape, without a range."""
+        info = self.header[name]
+        dt = np.dtype(_NP[info["dtype"]])
+        numel = int(np.prod(info["shape"], dtype=np.int64))
+        whole = start == 0 and stop is None
+        stop = numel if stop is None else stop
+        buf = np.empty(stop - start, dtype=dt)
+        view = memoryview(buf).cast("B")
+        pos, done = self.data_start + info["data_offsets"][0] + start * dt.itemsize, 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], pos + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: tensor '{name}' ends early (the file changed while read)")
+            done += got
+        return buf.reshape(info["shape"]) if whole else buf
+
+    def raw(self, name: str) -> RawTensor:
+        return RawTensor(self.read(name), self.header[name]["dtype"])
+
+    def span(self, name: str) -> "FileSpan":
+        """Where `name`'s bytes are in the file, for a writer that copies them unchanged."""
+        a, b = self.header[name]["data_offsets"]
+        return FileSpan(self._fd, self.data_start + a, b - a)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 def read_file(path: str) -> Dict[str, RawTensor]:
-    with open(path, "rb") as f:
-        header, start = verified_header(path, f)
-        out = {}
-        for name, info in header.items():
-            a, b = info["data_offsets"]
-            f.seek(start + a)
-            arr = np.frombuffer(f.read(b - a), dtype=_NP[info["dtype"]]).reshape(info["shape"])
-            out[name] = RawTensor(arr.copy(), info["dtype"])
-    return out
+    with TensorFile(path) as tf:
+        return {name: tf.raw(name) for name in tf.header}
 
 
-def write_file(path: str, tensors: Dict[str, RawTensor], metadata: Optional[Dict[str, str]] = None) -> None:
-    header, offset, chunks = {}, 0, []
-    for name in sorted(tensors):
-        t = tensors[name]
-        raw = np.ascontiguousarray(t.data).tobytes()
-        header[name] = {"dtype": t.dtype, "shape": list(t.data.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        chunks.append(raw)
+@dataclass
+class FileSpan:
+    """Bytes of an open file (`fd`, `offset`, `nbytes`): a tensor copied as it is stored."""
+
+    fd: int
+    offset: int
+    nbytes: int
+
+
+COPY_CHUNK = 64 << 20  # bytes per copy_file_range call (or per read when the kernel cannot copy)
+
+
+def copy_span(span: FileSpan, out) -> None:
+    """Append `span`'s bytes to the open file `out`, copied by the kernel (`os.copy_file_range`: the bytes
+    never enter this process) where it can, else through one reused buffer."""
+    out.flush()
+    fd, pos, left = out.fileno(), span.offset, span.nbytes
+    dst = os.lseek(fd, 0, os.SEEK_CUR)
+    while left > 0 and hasattr(os, "copy_file_range"):
+        try:
+            n = os.copy_file_range(span.fd, fd, min(left, COPY_CHUNK), pos, dst)
+        except OSError:
+            break  # e.g. across file systems on old kernels: copy through memory below
+        if n <= 0:
+            break
+        pos, dst, left = pos + n, dst + n, left - n
+    os.lseek(fd, dst, os.SEEK_SET)
+    buf = memoryview(bytearray(min(left, COPY_CHUNK))) if left > 0 else None
+    while left > 0:
+        n = os.preadv(span.fd, [buf[:min(left, len(buf))]], pos)
+        if n <= 0:
+            raise CheckpointError(f"tensor data ends early at byte {pos:,} (the file changed while copied)")
+        out.write(buf[:n])
+        pos, left = pos + n, left - n
+
+
+@dataclass
+class TensorSpec:
+    """What a writer needs of a tensor before its bytes: name, safetensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_NP[self.dtype]).itemsize
+
+
+def write_stream(path: str, specs: List[TensorSpec], fetch: Callable[[str], Union[np.ndarray, FileSpan]],
+                 metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write one safetensors file as a stream: the header from `specs`, then each tensor's bytes from
+    `fetch(name)` in header order, so at most one tensor is in memory (no second copy of the file); a
+    `FileSpan` is copied file to file without entering memory. A fetched tensor of another byte size (or
+    array of another shape) than its spec is a ValueError."""
+    header, offset = {}, 0
+    for s in specs:
+        header[s.name] = {"dtype": s.dtype, "shape": [int(x) for x in s.shape],
+                          "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
     if metadata:
         header["__metadata__"] = metadata
     hb = json.dumps(header, separators=(",", ":")).encode()
@@ -129,8 +228,25 @@ def write_file(path: str, tensors: Dict[str, RawTensor], metadata: Optional[Dict
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
-        for c in chunks:
-            f.write(c)
+        for s in specs:
+            got = fetch(s.name)
+            if isinstance(got, FileSpan):
+                if got.nbytes != s.nbytes:
+                    raise ValueError(f"{path}: tensor '{s.name}' has {got.nbytes} bytes, its header says {s.nbytes}")
+                copy_span(got, f)
+                continue
+            arr = np.asarray(got)
+            arr = arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d arrays 0-d
+            if arr.nbytes != s.nbytes or tuple(arr.shape) != tuple(s.shape):
+                raise ValueError(f"{path}: tensor '{s.name}' is {list(arr.shape)} ({arr.nbytes} bytes), its header "
+                                 f"says {list(s.shape)} {s.dtype}")
+            f.write(memoryview(arr.reshape(-1)).cast("B"))
+            del arr
+
+
+def write_file(path: str, tensors: Dict[str, RawTensor], metadata: Optional[Dict[str, str]] = None) -> None:
+    specs = [TensorSpec(n, tensors[n].dtype, tuple(tensors[n].data.shape)) for n in sorted(tensors)]
+    write_stream(path, specs, lambda n: tensors[n].data, metadata)
 
 
 def weight_files(path: str) -> Dict[str, str]:
@@ -164,44 +280,66 @@ def read_header(path: str) -> Dict[str, dict]:
 
 
 def iter_tensors(path: str) -> Iterator[tuple]:
-    """(name, RawTensor) for every tensor of a checkpoint, one file in memory at a time."""
+    """(name, RawTensor) for every tensor of a checkpoint, read one tensor at a time (`TensorFile`)."""
     by_file: Dict[str, list] = {}
     for name, fn in weight_files(path).items():
         by_file.setdefault(fn, []).append(name)
     for fn, names in by_file.items():
-        tensors = read_file(fn)
-        for name in names:
-            yield name, tensors[name]
+        with TensorFile(fn) as tf:
+            for name in names:
+                yield name, tf.raw(name)
 
 
 def read_tensors(path: str) -> Dict[str, RawTensor]:
     return dict(iter_tensors(path))
 
 
-def write_tensors(path: str, tensors: Dict[str, RawTensor], max_shard_bytes: Optional[int] = None) -> None:
-    """Write `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` + index when too big."""
-    os.makedirs(path, exist_ok=True)
-    names = sorted(tensors)
-    total = sum(tensors[n].data.nbytes for n in names)
-    if not max_shard_bytes or total <= max_shard_bytes:
-        write_file(os.path.join(path, SINGLE), tensors, {"format": "pt"})
-        return
+def plan_shards(specs: List[TensorSpec], max_shard_bytes: Optional[int]) -> List[List[TensorSpec]]:
+    """Consecutive groups of `specs` of at most `max_shard_bytes` each (a larger tensor alone); one group
+    when no limit is given or everything fits."""
+    if not max_shard_bytes or sum(s.nbytes for s in specs) <= max_shard_bytes:
+        return [list(specs)]
     shards, cur, size = [], [], 0
-    for n in names:
-        nb = tensors[n].data.nbytes
-        if cur and size + nb > max_shard_bytes:
+    for s in specs:
+        if cur and size + s.nbytes > max_shard_bytes:
             shards.append(cur)
             cur, size = [], 0
-        cur.append(n)
-        size += nb
+        cur.append(s)
+        size += s.nbytes
     shards.append(cur)
-    weight_map = {}
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_sharded(path: str, specs: List[TensorSpec], fetch: Callable[[str], Union[np.ndarray, FileSpan]],
+                  max_shard_bytes: Optional[int] = None) -> List[str]:
+    """Stream tensors (`write_stream`, sorted by name) into `model.safetensors`, or into shards
+    `model-0000i-of-0000n.safetensors` of at most `max_shard_bytes` + `model.safetensors.index.json`
+    (Hugging Face's naming) when they do not fit in one. Returns the file names written."""
+    os.makedirs(path, exist_ok=True)
+    specs = sorted(specs, key=lambda s: s.name)
+    shards = plan_shards(specs, max_shard_bytes)
+    if len(shards) == 1:
+        write_stream(os.path.join(path, SINGLE), shards[0], fetch, {"format": "pt"})
+        return [SINGLE]
+    weight_map, names = {}, []
     for i, group in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_file(os.path.join(path, fn), {n: tensors[n] for n in group}, {"format": "pt"})
-        weight_map.update({n: fn for n in group})
+        fn = shard_name(i, len(shards))
+        write_stream(os.path.join(path, fn), group, fetch, {"format": "pt"})
+        weight_map.update({s.name: fn for s in group})
+        names.append(fn)
     with open(os.path.join(path, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}, f, indent=2)
+    return names + [INDEX]
+
+
+def write_tensors(path: str, tensors: Dict[str, RawTensor], max_shard_bytes: Optional[int] = None) -> None:
+    """Write `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` + index when too big."""
+    specs = [TensorSpec(n, t.dtype, tuple(t.data.shape)) for n, t in tensors.items()]
+    write_sharded(path, specs, lambda n: tensors[n].data, max_shard_bytes)
 
 
 def write_json(path: str, obj) -> None:

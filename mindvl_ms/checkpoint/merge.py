@@ -26,7 +26,8 @@ Design:
 - Floating tensors are combined in float32 (float64 stays float64) and written back in their own dtype
   (bf16 with round-to-nearest-even). Integer/bool tensors must be identical across inputs and are copied.
 - The output mirrors the first input: same shard files, same index, same `__metadata__`
-  (transformers needs `format: pt`), plus config.json and the other non-weight files (not the
+  (transformers needs `format: pt`); a first input with a file over `max_shard_bytes` (2 GiB by default,
+  as convert writes) is regrouped into Hugging Face-named shards with an index, plus config.json and the other non-weight files (not the
   optimizer/trainer state), and a `merge_record.json` with inputs and weights. The processor files
   (tokenizer, preprocessor_config.json, chat_template.json) come with them; when the first input has
   none, a MindVL merge writes them from the first input (or base) that has them, else the defaults
@@ -50,7 +51,7 @@ from tqdm import tqdm
 
 from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
 from mindvl_ms.checkpoint.integrity import MANIFEST, atomic_dir, verify_checkpoint
-from mindvl_ms.checkpoint.io import INDEX, weight_files
+from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, INDEX, TensorSpec, plan_shards, shard_name, weight_files
 from mindvl_ms.data.processor import carry_processor
 from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
@@ -138,19 +139,29 @@ class Checkpoint:
 
 
 def to_float(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Storage array -> float32 (float64 for F64)."""
+    """Storage array -> float32 (float64 for F64); bf16 is widened in place of its one uint32 copy."""
     if dtype == "BF16":
-        return (x.astype(np.uint32) << 16).view(np.float32)
+        wide = x.astype(np.uint32)
+        wide <<= 16
+        return wide.view(np.float32)
     return x.astype(np.float64 if dtype == "F64" else np.float32, copy=False)  # reads are fresh arrays
 
 
-def from_float(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32/64 -> storage array of `dtype` (bf16: round to nearest even, NaN kept NaN)."""
+def from_float(x: np.ndarray, dtype: str, reuse: bool = False) -> np.ndarray:
+    """float32/64 -> storage array of `dtype` (bf16: round to nearest even, NaN kept NaN). `reuse`: `x` is
+    a scratch array the bf16 rounding may overwrite (no temporaries of its size beyond one)."""
     if dtype != "BF16":
         return x.astype(NUMPY[dtype])
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    out[np.isnan(x)] = 0x7FC0
+    nan = np.isnan(x)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32) if reuse and x.flags.writeable else x.view(np.uint32).copy()
+    odd = u >> 16
+    odd &= 1
+    u += 0x7FFF
+    u += odd
+    u >>= 16
+    out = u.astype(np.uint16)
+    out[nan] = 0x7FC0
     return out
 
 
@@ -222,10 +233,12 @@ def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray
             x = read(i)
             if base is not None:
                 x -= base  # task vector
-            x *= w[i]
+            if w[i] != 1:  # x * 1 is x: skipped, the same values
+                x *= w[i]
             acc = x if acc is None else np.add(acc, x, out=acc)
         if method == "linear":
-            return acc / w.sum()
+            acc /= w.sum()
+            return acc
         acc *= scale
         return np.add(acc, base, out=acc)
     trimmed = []
@@ -274,48 +287,71 @@ def _ensure_processor(tmp: str, inputs: Sequence[str]) -> str:
     return os.path.abspath(src) if src else "defaults"
 
 
+def plan_output(ref: Checkpoint, max_shard_bytes: Optional[int]) -> List[Tuple[str, List[str], Optional[dict]]]:
+    """(file name, tensor names, __metadata__) of each output file: the first input's shards when none is
+    larger than `max_shard_bytes` (None: always), else the tensors regrouped into HF-named shards of at
+    most that size (a merge of one large file is written sharded, as convert writes)."""
+    mirror = [(shard, [k for k in f.tensors if ref.where.get(k) == shard], f.metadata) for shard, f in ref.files.items()]
+    specs = {k: TensorSpec(k, *ref.info(k)) for k in ref.where}
+    if not max_shard_bytes or all(sum(specs[k].nbytes for k in keys) <= max_shard_bytes for _, keys, _ in mirror):
+        return mirror
+    groups = plan_shards([specs[k] for _, keys, _ in mirror for k in keys], max_shard_bytes)
+    meta = mirror[0][2] if mirror[0][2] is not None else {"format": "pt"}
+    return [(shard_name(i, len(groups)), [s.name for s in g], meta) for i, g in enumerate(groups)]
+
+
 def _write_shards(tmp: str, cks: List[Checkpoint], bck: Optional[Checkpoint], sel: set, method: str,
-                  w: np.ndarray, density: float, scale: float, progress: bool) -> None:
-    """Stream every tensor of the first input's shards into `tmp`, merged when selected, else copied."""
+                  w: np.ndarray, density: float, scale: float, progress: bool,
+                  plan: List[Tuple[str, List[str], Optional[dict]]]) -> None:
+    """Stream every tensor of the first input into the files of `plan` in `tmp`, merged when selected,
+    else copied."""
     ref = cks[0]
     total = sum(int(np.prod(ref.info(k)[1], dtype=np.int64)) for k in ref.where)
     bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"merge ({method})", disable=not progress)
-    for shard, f in ref.files.items():
-        order = [k for k in f.tensors if ref.where.get(k) == shard]
-        wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], f.metadata)
+    for shard, order, metadata in plan:
+        wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], metadata)
         for key in order:
-            dtype, shape = ref.info(key)
-            numel = int(np.prod(shape, dtype=np.int64))
-            ths = None
-            if key in sel and method == "ties" and dtype in FLOATS:
-                ths = [_ties_threshold(c, bck, key, dtype, density) for c in cks]
-            for a in range(0, max(numel, 1), CHUNK):
-                b = min(numel, a + CHUNK)
-                if key not in sel:
-                    wr.write(ref.read(key, a, b))
-                elif dtype not in FLOATS:
-                    x0 = ref.read(key, a, b)
-                    for c in cks[1:]:
-                        if not np.array_equal(c.read(key, a, b), x0):
-                            raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
-                                             f"between {ref.path} and {c.path}")
-                    wr.write(x0)
-                else:
-                    bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
-                    read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
-                    wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype))
-                bar.update(b - a)
+            bar.update(_write_tensor(wr, key, cks, bck, sel, method, w, density, scale))
         wr.close()
         with safe_open(os.path.join(tmp, shard), "np") as check:  # the reference reader accepts the file
-            if list(check.keys()) != sorted(order):
+            if sorted(check.keys()) != sorted(order):
                 raise MergeError(f"written shard {shard} does not list the expected tensors")
     bar.close()
 
 
+def _write_tensor(wr: StreamWriter, key: str, cks: List[Checkpoint], bck: Optional[Checkpoint], sel: set,
+                  method: str, w: np.ndarray, density: float, scale: float) -> int:
+    """Merge (or copy) one tensor chunk by chunk into `wr`; returns its element count."""
+    ref = cks[0]
+    dtype, shape = ref.info(key)
+    numel = int(np.prod(shape, dtype=np.int64))
+    ths = None
+    if key in sel and method == "ties" and dtype in FLOATS:
+        ths = [_ties_threshold(c, bck, key, dtype, density) for c in cks]
+    for a in range(0, max(numel, 1), CHUNK):
+        b = min(numel, a + CHUNK)
+        if key not in sel:
+            wr.write(ref.read(key, a, b))
+        elif dtype not in FLOATS:
+            x0 = ref.read(key, a, b)
+            for c in cks[1:]:
+                if not np.array_equal(c.read(key, a, b), x0):
+                    raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
+                                     f"between {ref.path} and {c.path}")
+            wr.write(x0)
+        else:
+            bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
+            read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
+            wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype, reuse=True))
+    return numel
+
+
 def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Optional[Sequence[float]] = None,
           base: Optional[str] = None, density: float = 0.2, scale: float = 1.0,
-          only: Optional[Sequence[str]] = None, overwrite: bool = False, progress: bool = True) -> dict:
-    """Merge checkpoints `inputs` into directory `out`; returns the merge record (also written to out)."""
+          only: Optional[Sequence[str]] = None, overwrite: bool = False, progress: bool = True,
+          max_shard_bytes: Optional[int] = DEFAULT_SHARD_BYTES) -> dict:
+    """Merge checkpoints `inputs` into directory `out`; returns the merge record (also written to out).
+    The output keeps the first input's shards unless one is over `max_shard_bytes` (`plan_output`)."""
     if method not in METHODS:
         raise MergeError(f"unknown method '{method}': expected one of {', '.join(METHODS)}")
     if not inputs:
@@ -347,14 +383,16 @@ def merge(inputs: Sequence[str], out: str, method: str = "linear", weights: Opti
                              + ", ".join(keys[:5]))
         check_compatible(cks, bck, selected, only)
         with atomic_dir(out) as tmp:  # renamed into place only when complete
-            _write_shards(tmp, cks, bck, set(selected), method, w, density, scale, progress)
-            if ref.index_name:
-                with open(os.path.join(ref.root, ref.index_name)) as fh:
-                    index = json.load(fh)
-                index.setdefault("metadata", {})["total_size"] = sum(
-                    int(np.prod(ref.info(k)[1], dtype=np.int64)) * np.dtype(NUMPY[ref.info(k)[0]]).itemsize
-                    for k in keys)
-                with open(os.path.join(tmp, ref.index_name), "w") as fh:
+            plan = plan_output(ref, max_shard_bytes)
+            _write_shards(tmp, cks, bck, set(selected), method, w, density, scale, progress, plan)
+            if ref.index_name or len(plan) > 1:
+                index = {}
+                if ref.index_name:
+                    with open(os.path.join(ref.root, ref.index_name)) as fh:
+                        index = json.load(fh)
+                index.setdefault("metadata", {})["total_size"] = sum(TensorSpec(k, *ref.info(k)).nbytes for k in keys)
+                index["weight_map"] = {k: shard for shard, order, _ in plan for k in order}
+                with open(os.path.join(tmp, INDEX), "w") as fh:
                     json.dump(index, fh, indent=2)
             copied = (_copy_side_files(ref.root, tmp, {ref.index_name} if ref.index_name else set())
                       if os.path.isdir(ref.path) else [])  # a bare .safetensors input has no side files

@@ -13,14 +13,15 @@ plain `models.mindvl.MindVLModel` and the Hugging-Face-style API builds its subc
 `checkpoint/hf.py`, which needs no MindSpore. Loads verify the directory's checksums and saves write them
 (`checkpoint/integrity.py`).
 """
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 import mindspore as ms
+from mindspore.nn.utils import no_init_parameters
 
 from mindvl_ms.config import MindVLConfig
-from mindvl_ms.checkpoint.hf import init_sources, is_vision_tower, read_checkpoint, read_text_checkpoint, \
+from mindvl_ms.checkpoint.hf import Sources, init_sources, is_vision_tower, open_checkpoint, read_text_checkpoint, \
     write_checkpoint
 from mindvl_ms.checkpoint.io import RawTensor, to_bf16_bits
 from mindvl_ms.models.moe import DeepseekV3ForCausalLM
@@ -43,6 +44,43 @@ def model_tensors(model, dtype: Optional[str] = None) -> Dict[str, RawTensor]:
     return out
 
 
+def _check(params: Dict[str, object], shapes: Dict[str, tuple], strict: bool) -> Tuple[list, list]:
+    """(missing, unexpected) names; a shape mismatch, or (if strict) any missing or unexpected name, is a
+    ValueError listing them."""
+    missing = sorted(set(params) - set(shapes))
+    unexpected = sorted(set(shapes) - set(params))
+    bad = [f"{k}: checkpoint {list(shapes[k])} vs model {list(params[k].shape)}"
+           for k in sorted(set(params) & set(shapes)) if tuple(shapes[k]) != tuple(params[k].shape)]
+    if bad:
+        raise ValueError("shape mismatch:\n  " + "\n  ".join(bad))
+    if strict and (missing or unexpected):
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:20]}"
+                         f"{' ...' if len(missing) > 20 else ''}; unexpected {unexpected[:20]}"
+                         f"{' ...' if len(unexpected) > 20 else ''}")
+    return missing, unexpected
+
+
+def cast_for(t: RawTensor, dtype, owned: bool) -> np.ndarray:
+    """A tensor's values as a C-contiguous numpy array of `dtype`, made with one allocation at most: bf16
+    bits are widened in place of their uint32 copy, and an `owned` array (a fresh read nobody else holds)
+    already of `dtype` is returned as is. Nothing passes through float64."""
+    dtype = np.dtype(dtype)
+    if t.dtype == "BF16":
+        wide = t.data.astype(np.uint32)
+        wide <<= 16
+        out = wide.view(np.float32)
+        return out if dtype == np.float32 else out.astype(dtype)
+    if owned and t.data.dtype == dtype and t.data.flags.c_contiguous:
+        return t.data
+    return np.array(t.data, dtype=dtype, order="C")
+
+
+def place(param, t: RawTensor, owned: bool = False) -> None:
+    """Set one parameter from one tensor, cast to the parameter's dtype. The parameter takes the cast
+    array's memory (`Tensor.from_numpy`), so a tensor exists once: read, cast, placed."""
+    param.set_data(ms.Tensor.from_numpy(cast_for(t, ms.dtype_to_nptype(param.dtype), owned)))
+
+
 def load_into(model, tensors: Dict[str, RawTensor], strict: bool = True,
               prefix_filter: Optional[Callable[[str], bool]] = None) -> Dict[str, list]:
     """Copy tensors into the model's parameters by name; shape mismatches and (if strict) missing or
@@ -51,27 +89,45 @@ def load_into(model, tensors: Dict[str, RawTensor], strict: bool = True,
     if prefix_filter is not None:
         params = {k: v for k, v in params.items() if prefix_filter(k)}
         tensors = {k: v for k, v in tensors.items() if prefix_filter(k)}
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
-    bad = [f"{k}: checkpoint {list(tensors[k].shape)} vs model {list(params[k].shape)}"
-           for k in sorted(set(params) & set(tensors)) if tuple(tensors[k].shape) != tuple(params[k].shape)]
-    if bad:
-        raise ValueError("shape mismatch:\n  " + "\n  ".join(bad))
-    if strict and (missing or unexpected):
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:20]}"
-                         f"{' ...' if len(missing) > 20 else ''}; unexpected {unexpected[:20]}"
-                         f"{' ...' if len(unexpected) > 20 else ''}")
+    missing, unexpected = _check(params, {k: tuple(t.shape) for k, t in tensors.items()}, strict)
     for k in sorted(set(params) & set(tensors)):
-        p = params[k]
-        p.set_data(ms.Tensor(tensors[k].float32().astype(ms.dtype_to_nptype(p.dtype))))
+        place(params[k], tensors[k])
     return {"missing": missing, "unexpected": unexpected}
 
 
+def stream_into(model, sources: Union[Sources, Dict[str, RawTensor]]) -> None:
+    """Fill every parameter of `model` from a checkpoint's `Sources` (or a dict), strictly, reading,
+    casting and placing one tensor at a time: the peak is the model plus about one tensor."""
+    if isinstance(sources, dict):
+        load_into(model, sources)
+        return
+    params = dict(model.parameters_and_names())
+    _check(params, {s.name: tuple(s.shape) for s in sources.specs}, strict=True)
+    for name, t in sources.items():
+        place(params[name], t, owned=True)
+        del t
+
+
+def build_unfilled(cls, cfg: MindVLConfig):
+    """`cls(cfg)` whose parameters hold no values yet (MindSpore's `no_init_parameters`): a model that a
+    checkpoint is about to fill skips drawing random weights it would throw away, which costs time
+    and a second full copy of the model while the checkpoint's values are placed. Every parameter must
+    then be set (`stream_into`, strict)."""
+    with no_init_parameters():
+        return cls(cfg)
+
+
 def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None):
-    """`cls(config)` with the weights of a native or HF directory (`config` defaults to the directory's)."""
-    cfg, tensors = read_checkpoint(path, config)
-    model = cls(cfg)
-    load_into(model, tensors)
+    """`cls(config)` with the weights of a native or HF directory (`config` defaults to the directory's),
+    streamed tensor by tensor into a model built without random weights (peak memory: docs/PERFORMANCE.md,
+    ## checkpoint)."""
+    cfg, sources = open_checkpoint(path, config)
+    try:
+        model = build_unfilled(cls, cfg)
+        stream_into(model, sources)
+    finally:
+        if isinstance(sources, Sources):
+            sources.close()
     return model
 
 

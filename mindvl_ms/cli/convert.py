@@ -20,8 +20,10 @@ def register(subparsers) -> None:
     p.add_argument("direction", choices=["hf2ms", "ms2hf"], help="conversion direction")
     p.add_argument("src", help="source checkpoint directory")
     p.add_argument("dst", help="output directory (written atomically)")
-    p.add_argument("--max-shard-mb", type=float, default=None,
-                   help="split the weights into shards of at most this many MiB (with an index file)")
+    p.add_argument("--max-shard-mb", type=float, default=2048,
+                   help="write the weights in shards of at most this many MiB with a Hugging Face index "
+                        "(default 2048; 0: one file). Tensors are streamed one at a time, so memory stays "
+                        "far below one shard")
     p.add_argument("--no-verify", action="store_true",
                    help="do not verify the checkpoints' checksums.json (trusted fast paths; the "
                         "safetensors headers are still checked)")
@@ -53,7 +55,7 @@ def _run_convert(args) -> int:
     files = []
     with skip_verification(args.no_verify):
         stats = convert(args.src, args.dst, to="native" if args.direction == "hf2ms" else "hf",
-                        max_shard_bytes=int(args.max_shard_mb * 2 ** 20) if args.max_shard_mb else None,
+                        max_shard_bytes=int(args.max_shard_mb * 2 ** 20) or None,
                         extra=lambda tmp: files.extend(write_processor(tmp, args.src)))
     print(f"wrote {args.dst}: {stats['tensors']} tensors, {stats['parameters']:,} parameters"
           + (f"; processor files {', '.join(files)}" if files else ""))

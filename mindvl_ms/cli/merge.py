@@ -19,7 +19,8 @@ def register(subparsers) -> None:
                     "                  each task vector by magnitude, elect a sign per element, average the\n"
                     "                  values agreeing with it (weighted by w_i, default 1)\n\n"
                     "All inputs must hold the same keys, shapes and dtypes (differences are listed). The output\n"
-                    "is a checkpoint directory like the first input (same shards, config.json and other files)\n"
+                    "is a checkpoint directory like the first input (same shards unless one is over --max-shard-mb,\n"
+                    "config.json and other files) "
                     "with a merge_record.json. Works on native and Hugging Face Qwen2.5-VL directories.",
         epilog="examples:\n"
                "  mindvl merge sft_2k sft_4k sft_8k --out mindvl_merged\n"
@@ -37,6 +38,9 @@ def register(subparsers) -> None:
     p.add_argument("--only", nargs="+", metavar="PREFIX",
                    help="merge only tensors whose name starts with a PREFIX (e.g. model.layers); "
                         "the rest is copied from the first CKPT")
+    p.add_argument("--max-shard-mb", type=float, default=2048,
+                   help="an output file over this many MiB is regrouped into Hugging Face-named shards with an "
+                        "index (default 2048; 0: keep the first CKPT's files as they are)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--no-verify", action="store_true",
@@ -52,7 +56,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     with skip_verification(args.no_verify):
         rec = merge(args.ckpts, args.out, method=args.method, weights=args.weights, base=args.base,
                     density=args.density, scale=args.scale, only=args.only, overwrite=args.overwrite,
-                    progress=not args.quiet)
+                    progress=not args.quiet, max_shard_bytes=int(args.max_shard_mb * 2 ** 20) or None)
     ws = ", ".join(f"{i['path']} x {i['weight']:g}" for i in rec["inputs"])
     print(f"merged ({rec['method']}) {ws} -> {args.out}: {rec['merged_tensors']} tensors merged, "
           f"{rec['copied_tensors']} copied from the first input")
