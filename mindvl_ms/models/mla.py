@@ -84,6 +84,6 @@ class MLAttention(nn.Cell):
         k_rot = ops.broadcast_to(k_rot, (b, self.num_heads, l, self.rope))
         q = ops.cat((q_pass, q_rot), -1)  # [B, H, L, qk]
         k = ops.cat((k_pass, k_rot), -1)  # [B, H, L, qk]
-        out = self.core(q, k, v, bias, actual_seq_len, actual_seq_len)  # [B, H, L, v] (Ascend pads v to qk)
+        out = self.core(q, k, v, bias, actual_seq_len, actual_seq_len)  # [B, H, L, v] (Ascend: v unpadded in TND)
         out = out.swapaxes(1, 2).reshape(b, l, self.num_heads * self.v_dim)
         return self.o_proj(out)

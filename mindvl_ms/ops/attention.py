@@ -18,11 +18,22 @@ Ascend path (only runs on Ascend hardware, never exercised here): `FlashAttentio
 segment ends computed host-side (`mindvl_ms.data.collate`; no leading 0, last = T). The kernel attends
 block-diagonally within those lengths, which equals the segment-id mask. Causal cores (the LLM) use
 `sparse_mode` 3 (right-down causal inside each segment) with the compressed 2048x2048 upper-triangular
-mask, as MindFormers does; non-causal cores (the ViT) use `sparse_mode` 0 without a mask. GQA is native
-(k/v keep their `num_kv_heads`, no repeat). When v is narrower than q/k (MLA: v 128 vs q/k 192) v is
-zero-padded to the q/k head dim and the output sliced back, as MindFormers' MLA does. The primitive is
-always constructed (also on CPU) so strategies can be declared and audited everywhere. Without actual
-lengths (KV-cache decoding, whose keys run past the queries) the Ascend path falls back to the dense core.
+mask, next_tokens 0, as MindFormers does; non-causal cores (the ViT) use `sparse_mode` 0 without a mask.
+MindSpore 2.9's FlashAttentionScore docstring (mindspore/ops/operations/manually_defined/ops_def.py, and
+`ops.flash_attention_score` in ops/function/nn_func.py) lists for TND: "`attn_mask` must be a lower
+triangular matrix, so `sparse_mode` should be 2 or 3. The shape of `attn_mask` should be (2048, 2048)" and
+"`next_tokens` is 0": the rules of a TND core that passes a mask, which the causal cores follow. The same
+docstring defines sparse_mode 0: "If `attn_mask` is not passed, the mask operation is not performed,
+`next_tokens` and `pre_tokens` (internally assigned as INT_MAX) are ignored", which is the ViT's
+bidirectional attention inside each window / image (tests/parallel/test_attention.py reads both back).
+GQA is native (k/v keep their `num_kv_heads`, no repeat). When v is narrower than q/k (MLA: v 128 vs q/k
+192) v goes to the kernel at its own head dim and the output has v's head dim, as MindFormers 1.9's MLA
+does (parallel_core/training_graph/transformer/multi_latent_attention.py: `zero_pad_length` is only checked
+to be >= 0, and `value` [T, N, v_head_dim] is passed to FlashAttentionScore's TND call unpadded). MindSpore
+2.9's docstring still says "The `key` and `value` should have the same shape"; MindFormers' DeepSeek-V3
+training on Ascend runs the narrower v, so this follows MindFormers. The primitive is always constructed
+(also on CPU) so strategies can be declared and audited everywhere. Without actual lengths (KV-cache
+decoding, whose keys run past the queries) the Ascend path falls back to the dense core.
 """
 import numpy as np
 
@@ -111,8 +122,7 @@ class CoreAttention(nn.Cell):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.v_head_dim = v_head_dim
-        self.v_pad = head_dim - v_head_dim
+        self.v_head_dim = v_head_dim  # <= head_dim; the TND kernel takes it unpadded (module docstring)
         self.n_rep = num_heads // num_kv_heads
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.causal = causal
@@ -158,17 +168,13 @@ class CoreAttention(nn.Cell):
         return self.softmax_v(self.qk_matmul(q1, k1), v)  # [B, H, L, Dv]
 
     def _flash(self, q, k, v, actual_seq_qlen, actual_seq_kvlen):
-        """Ascend only: TND FlashAttentionScore (native GQA, v padded to the q/k head dim)."""
+        """Ascend only: TND FlashAttentionScore (native GQA, v at its own head dim, as MindFormers' MLA)."""
         b, h, l, d = q.shape
         s = k.shape[2]
         qt = q.transpose(0, 2, 1, 3).reshape(b * l, h, d)  # [T, N, D]
         kt = k.transpose(0, 2, 1, 3).reshape(b * s, self.num_kv_heads, d)  # [T, Nkv, D]
         vt = v.transpose(0, 2, 1, 3).reshape(b * s, self.num_kv_heads, self.v_head_dim)  # [T, Nkv, Dv]
-        if self.v_pad:
-            vt = ops.cat((vt, ops.zeros((b * s, self.num_kv_heads, self.v_pad), vt.dtype)), -1)  # [T, Nkv, D]
         out = self.fa(qt, kt, vt, None, None, None, self.fa_mask, None, actual_seq_qlen, actual_seq_kvlen)[3]
-        if self.v_pad:
-            out = out[:, :, :self.v_head_dim]
         return out.reshape(b, l, h, self.v_head_dim).transpose(0, 2, 1, 3)  # [B, H, L, Dv]
 
     def _repeat(self, x):  # [B, Hkv, S, D] -> [B, H, S, D]
