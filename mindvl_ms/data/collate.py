@@ -1,36 +1,49 @@
 """Host-side batch builder: processed samples -> the numpy arrays the compiled model takes.
 
 A batch is a list of rows; each row is a list of samples packed one after another (a row with one sample
-is an ordinary unpacked batch row). Everything value-dependent is computed here, in numpy:
-- M-RoPE position ids, restarting at 0 for every sample of a pack;
-- batch-unique segment ids (attention is block-diagonal + causal within a segment, 0 = padding);
-- vision metadata for all images and videos of the batch packed into one patch sequence (window order,
-  2D RoPE positions, window / full attention segments; a video's full attention is per temporal patch,
-  as in Qwen2.5-VL);
-- `embed_index`, a gather index into concat(text embeddings [B*L], visual features [M]) that puts each
-  image's or video's merged features at its <|image_pad|> / <|video_pad|> tokens, items in the order the
-  text places them (a count mismatch is a ValueError, never a crop);
-- next-token `targets` (never crossing a sample boundary) and each target's order within its sample;
-- the attention layouts (see `segment_ends`, `block_gather`, `llm_actual_seq_len`):
-  `window_gather` int32[Sw, Ww] / `full_gather` int32[Sf, Wf]: the patches of each ViT window / image
-  (frame) padded to the longest one with the index N (a zero row), so window and full attention run per
-  block ([S, H, W, W] scores) instead of over one N x N mask; `actual_seq_len` int32[B*K]: the LLM's
-  cumulative segment ends over the flattened [B*L] tokens for the Ascend TND flash-attention kernel.
-With no image in the batch a dummy 2x2-patch image is added whose features nothing gathers, so the graph
-is the same for text-only and multimodal batches.
+is an ordinary unpacked batch row). Everything value-dependent is computed here, in numpy.
+
+The data contract (what makes the arrays shardable by rows, `parallel.runtime.dataset_strategy`): every
+model input has the micro-batch row dimension first and every index in it is local to its row, so the
+rows of a data-parallel rank mean the same in the global graph as in its own batch; the graph adds the
+row offsets itself (`models.mindvl.flat_vision_inputs`). Concatenating ranks' arrays along dim 0 gives
+the global batch's arrays (segment ids aside: they are compared within a row only).
+  input_ids, segment_ids   int32[B, L]    tokens; sample ids (1, 2, ... numbered over the batch, 0 =
+                                          padding): attention is block-diagonal + causal within a sample
+  position_ids             int32[B, 3, L] M-RoPE (t, h, w) positions, restarting at 0 for every sample
+  pixel_values             float32[B, P, K] each row's patches (its images and videos packed in text
+                           order), padded to P patches; padding patches form their own windows and frames
+                           (never attended to by a real patch, never gathered into the text)
+  vision_pos_ids           int32[B, P, 2] and the ViT metadata of `rope_index.vision_metadata` per row:
+  window_index, reverse_index int32[B, P/4]; window_segment_ids, full_segment_ids int32[B, P] (1-based)
+  embed_index              int32[B, L] gather index into the row's concat(text [L], visual [P/4]): each
+                           <|image_pad|> / <|video_pad|> token takes its merged feature (a count mismatch
+                           is a ValueError, never a crop), every other token its own embedding
+  window_gather / full_gather int32[B, S, W] patches of each ViT window / frame of the row, padded with P
+                           (see `block_gather`), so attention runs per block, not over an N x N mask
+  actual_seq_len           int32[B, K] each row's cumulative segment ends (`llm_actual_seq_len`), for the
+                           Ascend TND flash-attention kernel
+plus next-token `targets` (never crossing a sample boundary) and each target's order within its sample.
+Sizes: L = pad_to (or the longest row); P, S, W, K = the batch's largest (dynamic shapes, CPU training and
+inference) or, given a `RowBudget`, the stage's fixed budget (semi-auto parallel: every rank's local
+arrays have the same shape at every step).
 """
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 from mindspore import Tensor
 
 from mindvl_ms.config import MindVLConfig
-from mindvl_ms.data.rope_index import rope_index, vision_metadata, visual_order
+from mindvl_ms.data.rope_index import pad_grids, rope_index, vision_metadata, visual_order
 from mindvl_ms.data.tokens import IGNORE_INDEX
 
 INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "vision_pos_ids", "window_index",
                "reverse_index", "window_segment_ids", "full_segment_ids", "embed_index", "window_gather",
                "full_gather", "actual_seq_len")
+# rank of each input (row dimension first): what its `dataset_strategy` entry spans
+INPUT_RANKS = {"input_ids": 2, "position_ids": 3, "segment_ids": 2, "pixel_values": 3, "vision_pos_ids": 3,
+               "window_index": 2, "reverse_index": 2, "window_segment_ids": 2, "full_segment_ids": 2,
+               "embed_index": 2, "window_gather": 3, "full_gather": 3, "actual_seq_len": 2}
 
 
 def segment_ends(seg) -> np.ndarray:
@@ -47,10 +60,10 @@ def segment_ends(seg) -> np.ndarray:
 
 
 def llm_actual_seq_len(segment_ids: np.ndarray, slots: Optional[int] = None) -> np.ndarray:
-    """segment_ids int32[B, L] -> int32[B*K]: each row's segment ends offset by r*L (the row's start in the
-    flattened [B*L] tokens), padded to K entries with the row's end (MindFormers' compressed-EOD layout;
-    the padding tail of a row is a segment of its own). K = the most segments in a row, or `slots`.
-    A fixed K per row keeps the array splittable by rows under data parallelism, strategy (dp,)."""
+    """segment_ids int32[B, L] -> int32[B, K]: each row's cumulative segment ends within the row, padded to
+    K entries with the row's end L (MindFormers' compressed-EOD layout; the padding tail of a row is a
+    segment of its own). K = the most segments in a row, or `slots`. Row-local, so the array splits by rows
+    under data parallelism; the graph adds each row's start r*L (`models.mindvl.flat_vision_inputs`)."""
     b, l = segment_ids.shape
     ends = [segment_ends(row) for row in segment_ids]
     k = max([e.size for e in ends] + [1])
@@ -58,11 +71,10 @@ def llm_actual_seq_len(segment_ids: np.ndarray, slots: Optional[int] = None) -> 
         if slots < k:
             raise ValueError(f"a row holds {k} segments, more than slots={slots}")
         k = slots
-    out = np.empty((b, k), np.int64)
+    out = np.full((b, k), l, np.int32)
     for r, e in enumerate(ends):
-        out[r] = r * l + l
-        out[r, :e.size] = r * l + e
-    return out.reshape(-1).astype(np.int32)
+        out[r, :e.size] = e
+    return out
 
 
 def block_gather(seg) -> np.ndarray:
@@ -134,30 +146,53 @@ def _targets(labels, n: int, where: str):
     return tgt, np.where(sup, np.cumsum(sup) - 1, -1)
 
 
-def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
-                       pad_to: Optional[int] = None) -> Dict[str, np.ndarray]:
-    """See the module docstring; returns INPUT_NAMES arrays plus targets, token_index and num_samples."""
+class RowBudget(NamedTuple):
+    """A stage's fixed per-row sizes (`row_budget`): with them every rank's local arrays have one shape at
+    every step, as semi-auto parallel's static graph needs."""
+    seq_length: int      # L, tokens per row
+    patches: int         # P, vision patches per row (a multiple of the merge unit)
+    slots: int           # K, segments per row in actual_seq_len
+    window_blocks: int   # S of window_gather
+    window_width: int    # W of window_gather
+    full_blocks: int     # S of full_gather
+    full_width: int      # W of full_gather
+
+
+MIN_SAMPLE_TOKENS = 8  # a processed sample holds at least its chat turn markers: bounds samples per row
+
+
+def row_budget(config: MindVLConfig, data) -> RowBudget:
+    """The fixed sizes of a stage from its data config (`RunConfig.stage_data`). P is the packer's
+    visual-token budget (`DataConfig.visual_budget`) in patches; the block counts and widths are bounds that
+    hold for any row of at most P patches: a window holds 1..vmw^2 merge units, a frame at least the
+    smallest and at most the largest resized image or video frame, padding comes in chunks of one window."""
+    v = config.vision
+    unit = v.spatial_merge_size ** 2
+    vmw = v.window_size // v.spatial_merge_size // v.patch_size
+    patches = data.visual_budget() * unit
+    window = min(unit * vmw * vmw, patches)
+    p2 = v.patch_size ** 2
+    smallest = max(unit, min(data.image.min_pixels, data.video.video_min_pixels) // p2 // unit * unit)
+    largest = -(-max(data.image.max_pixels, data.video.video_max_pixels) // p2 // unit) * unit
+    return RowBudget(seq_length=data.seq_length, patches=patches, slots=data.seq_length // MIN_SAMPLE_TOKENS + 1,
+                     window_blocks=patches // unit, window_width=window,
+                     full_blocks=patches // smallest + patches // window + 1,
+                     full_width=min(patches, max(largest, window)))
+
+
+def _text_arrays(rows: Sequence[Sequence[Dict]], config: MindVLConfig, length: int):
+    """Token-side arrays of a batch (module docstring) plus each row's visual items in text order."""
     v = config.vision
     m = v.spatial_merge_size
-    unit = m * m
-    lengths = [sum(len(np.asarray(s["input_ids"]).reshape(-1)) for s in row) for row in rows]
-    length = max(lengths) if lengths else 0
-    if pad_to is not None:
-        if length > pad_to:
-            raise ValueError(f"a row holds {length} tokens, more than pad_to={pad_to}")
-        length = pad_to
     b = len(rows)
-    input_ids = np.zeros((b, length), np.int32)
-    position_ids = np.zeros((3, b, length), np.int32)
-    segment_ids = np.zeros((b, length), np.int32)
-    targets = np.full((b, length), IGNORE_INDEX, np.int32)
-    token_index = np.full((b, length), -1, np.int32)
-    image_slot = np.full((b, length), -1, np.int64)  # merged-feature index for image tokens
-    pixels: List[np.ndarray] = []
-    grids: List[np.ndarray] = []
-    n_feat, sample_id = 0, 0
+    out = {"input_ids": np.zeros((b, length), np.int32), "position_ids": np.zeros((b, 3, length), np.int32),
+           "segment_ids": np.zeros((b, length), np.int32),
+           "embed_index": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
+           "targets": np.full((b, length), IGNORE_INDEX, np.int32), "token_index": np.full((b, length), -1, np.int32)}
+    row_items: List[List] = []
+    sample_id = 0
     for r, row in enumerate(rows):
-        col = 0
+        col, n_feat, items_r = 0, 0, []
         for k, s in enumerate(row):
             where = f"row {r} sample {k}"
             _check_sample(s, where)
@@ -172,42 +207,83 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig,
                 raise ValueError(f"{where}: {e}") from None
             sample_id += 1
             sl = slice(col, col + n)
-            input_ids[r, sl] = ids
-            position_ids[:, r, sl] = pos
-            segment_ids[r, sl] = sample_id
+            out["input_ids"][r, sl] = ids
+            out["position_ids"][r, :, sl] = pos
+            out["segment_ids"][r, sl] = sample_id
             if s.get("labels") is not None:
-                targets[r, sl], token_index[r, sl] = _targets(s["labels"], n, where)
+                out["targets"][r, sl], out["token_index"][r, sl] = _targets(s["labels"], n, where)
             vis_pos = np.flatnonzero((ids == config.image_token_id) | (ids == config.video_token_id))
-            for pv, g in items:
-                pixels.append(pv)
-                grids.append(g[None])
-            image_slot[r, col + vis_pos] = n_feat + np.arange(vis_pos.size)
+            out["embed_index"][r, col + vis_pos] = length + n_feat + np.arange(vis_pos.size)
+            items_r += items
             n_feat += vis_pos.size
             col += n
-    if not grids:  # dummy image: one merge unit, never gathered
-        grids.append(np.array([[1, m, m]], np.int64))
-        pixels.append(np.zeros((unit, patch_dim(config)), np.float32))
-    grid_all = np.concatenate(grids)
-    meta = vision_metadata(grid_all, v.window_size, v.patch_size, m)
-    flat_slot = image_slot.reshape(-1)
-    embed_index = np.where(flat_slot >= 0, b * length + flat_slot, np.arange(b * length)).astype(np.int32)
-    out = {
-        "input_ids": input_ids,
-        "position_ids": position_ids,
-        "segment_ids": segment_ids,
-        "pixel_values": np.concatenate(pixels).astype(np.float32),
-        **meta,
-        "embed_index": embed_index,
-        "window_gather": block_gather(meta["window_segment_ids"]),
-        "full_gather": block_gather(meta["full_segment_ids"]),
-        "actual_seq_len": llm_actual_seq_len(segment_ids),
-        "targets": targets,
-        "token_index": token_index,
-        "num_samples": np.int32(sample_id),
-        "image_grid_thw": grid_all.astype(np.int32),
-    }
+        row_items.append(items_r)
+    out["num_samples"] = np.int32(sample_id)
+    return out, row_items
+
+
+def _row_vision(items, patches: int, config: MindVLConfig) -> Dict[str, np.ndarray]:
+    """One row's visual items [(patches float32[n, K], grid [3])] padded to `patches` -> its row-local ViT
+    arrays. The padding is a chain of window-sized blank frames (`rope_index.pad_grids`)."""
+    v = config.vision
+    m = v.spatial_merge_size
+    real = sum(pv.shape[0] for pv, _ in items)
+    if real > patches:
+        raise ValueError(f"a row holds {real} vision patches, more than its budget of {patches}")
+    grids = [np.asarray(g, np.int64).reshape(3) for _, g in items]
+    grids += list(pad_grids((patches - real) // (m * m), m, v.window_size // m // v.patch_size))
+    meta = vision_metadata(np.stack(grids), v.window_size, v.patch_size, m)
+    pixels = np.zeros((patches, patch_dim(config)), np.float32)
+    if items:
+        pixels[:real] = np.concatenate([pv for pv, _ in items])
+    meta["pixel_values"] = pixels
+    meta["window_gather"] = block_gather(meta["window_segment_ids"])
+    meta["full_gather"] = block_gather(meta["full_segment_ids"])
+    return meta
+
+
+def _stack_blocks(gathers: Sequence[np.ndarray], fill: int, size, what: str) -> np.ndarray:
+    """Rows' block gathers [S_r, W_r] -> int32[B, S, W] padded with `fill` (empty blocks at the end of a
+    row, every slot a padding slot); (S, W) = the largest, or `size` when fixed."""
+    s = max(g.shape[0] for g in gathers)
+    w = max(g.shape[1] for g in gathers)
+    if size is not None:
+        if s > size[0] or w > size[1]:
+            raise ValueError(f"a row needs {s} {what} blocks of up to {w} patches, over the budget {size}")
+        s, w = size
+    out = np.full((len(gathers), s, w), fill, np.int32)
+    for r, g in enumerate(gathers):
+        out[r, :g.shape[0], :g.shape[1]] = g
     return out
 
+
+def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig, pad_to: Optional[int] = None,
+                       budget: Optional[RowBudget] = None) -> Dict[str, np.ndarray]:
+    """See the module docstring; returns INPUT_NAMES arrays plus targets, token_index, num_samples and
+    image_grid_thw (the batch's real grids). `budget` fixes every size (it sets L, overriding `pad_to`)."""
+    unit = config.vision.spatial_merge_size ** 2
+    length = max([sum(len(np.asarray(s["input_ids"]).reshape(-1)) for s in row) for row in rows] + [0])
+    pad_to = budget.seq_length if budget is not None else pad_to
+    if pad_to is not None:
+        if length > pad_to:
+            raise ValueError(f"a row holds {length} tokens, more than pad_to={pad_to}")
+        length = pad_to
+    out, row_items = _text_arrays(rows, config, length)
+    real = [sum(pv.shape[0] for pv, _ in items) for items in row_items]
+    patches = budget.patches if budget is not None else max(real + [unit])
+    metas = [_row_vision(items, patches, config) for items in row_items]
+    for key in ("pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
+                "full_segment_ids"):
+        out[key] = np.stack([meta[key] for meta in metas])
+    fixed = budget is not None
+    out["window_gather"] = _stack_blocks([meta["window_gather"] for meta in metas], patches,
+                                         (budget.window_blocks, budget.window_width) if fixed else None, "window")
+    out["full_gather"] = _stack_blocks([meta["full_gather"] for meta in metas], patches,
+                                       (budget.full_blocks, budget.full_width) if fixed else None, "frame")
+    out["actual_seq_len"] = llm_actual_seq_len(out["segment_ids"], budget.slots if fixed else None)
+    grids = [np.asarray(g, np.int64).reshape(1, 3) for items in row_items for _, g in items]
+    out["image_grid_thw"] = (np.concatenate(grids) if grids else np.zeros((0, 3))).astype(np.int32)
+    return out
 
 def model_args(batch: Dict[str, np.ndarray]):
     """The positional model inputs (as MindSpore Tensors) in INPUT_NAMES order."""

@@ -140,6 +140,18 @@ def vision_metadata(grid_thw: np.ndarray, window_size: int, patch_size: int,
     }
 
 
+def pad_grids(units: int, spatial_merge_size: int, window_units: int) -> List[np.ndarray]:
+    """Grids (t, h, w) of blank frames that cover `units` padding merge units of a row's patch budget:
+    frames of one attention window (window_units^2 units) and a 1-unit-high strip for the rest, so each
+    padding block (window or frame) is at most one window wide and none joins a real image's blocks."""
+    m, w = spatial_merge_size, window_units
+    whole, rest = divmod(int(units), w * w)
+    grids = [np.array([1, m * w, m * w], np.int64) for _ in range(whole)]
+    if rest:
+        grids.append(np.array([1, m, m * rest], np.int64))
+    return grids
+
+
 def merged_tokens(grid_thw: Sequence[int], spatial_merge_size: int = 2) -> int:
     """Number of LLM tokens (<|image_pad|>) one image of grid (t, h, w) becomes."""
     t, h, w = (int(x) for x in grid_thw)

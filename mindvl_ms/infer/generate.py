@@ -138,10 +138,10 @@ def full_inputs(config, sample: Dict, generated: Sequence[int]) -> Dict[str, np.
     n = len(np.asarray(sample["input_ids"]).reshape(-1))
     k = len(generated)
     batch = build_model_inputs([[dict(sample, labels=None)]], config, pad_to=n + k)
-    start = int(batch["position_ids"][:, 0, :n].max()) + 1
+    start = int(batch["position_ids"][0, :, :n].max()) + 1
     batch["input_ids"][0, n:] = np.asarray(generated, np.int32)
     batch["segment_ids"][0, n:] = batch["segment_ids"][0, 0]
-    batch["position_ids"][:, 0, n:] = start + np.arange(k, dtype=np.int32)
+    batch["position_ids"][0, :, n:] = start + np.arange(k, dtype=np.int32)
     batch["actual_seq_len"] = llm_actual_seq_len(batch["segment_ids"])  # the row is one segment now
     return batch  # embed_index of the appended columns already points at their own text embeddings
 

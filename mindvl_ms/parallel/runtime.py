@@ -37,7 +37,7 @@ import signal
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -45,6 +45,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.communication import get_group_size, get_rank, init
 
 from mindvl_ms.config.base import ConfigError
+from mindvl_ms.data.collate import INPUT_NAMES, INPUT_RANKS
 from mindvl_ms.parallel.layout import Layout
 from mindvl_ms.parallel.moe_validate import validate_moe_parallel
 
@@ -106,12 +107,32 @@ def apply_parallel_speed_up(ctx) -> str:
     return path
 
 
+SUPERVISED_GRIDS = 4  # the sparse head's row-local [B, n, c] inputs (train.loss_head.supervised_layout)
+STEP_SCALARS = 3  # token_norm, num_samples, scale (train.forward_loss.ForwardLoss)
+
+
+def dataset_strategy(dp: int, pipeline: bool = False) -> Tuple[Tuple[int, ...], ...]:
+    """The `dataset_strategy` of the train step's inputs, in their order: the model inputs (data.collate
+    INPUT_NAMES), the sparse head's four grids, the three scalars. Every array carries the micro-batch rows
+    first with row-local indices (data.collate's contract), so it is split dp ways on the row dimension and
+    whole on every other: the TP and pipeline peers of a data-parallel rank read the same rows, which is
+    what each rank's loader hands it. Under pipeline stages the feeds are stacked micro-batches
+    [micro_batch_num, B, ...] (parallel.pipeline_step.pipeline_feeds): the rows are then dimension 1."""
+    lead = (1, dp) if pipeline else (dp,)
+    ranks = [INPUT_RANKS[name] for name in INPUT_NAMES] + [3] * SUPERVISED_GRIDS
+    return tuple(lead + (1,) * (r - 1) for r in ranks) + ((),) * STEP_SCALARS
+
+
 def auto_parallel_settings(run_cfg, world: int) -> dict:
-    """`ms.set_auto_parallel_context` keywords for an Ascend run of `world` ranks."""
+    """`ms.set_auto_parallel_context` keywords for an Ascend run of `world` ranks. Under semi/auto parallel
+    every rank loads its own rows (`full_batch` false) and the graph learns which by `dataset_strategy`."""
     sizes, par = run_cfg.parallel_config, run_cfg.parallel
     modes = {0: "data_parallel", 1: "semi_auto_parallel", 2: "auto_parallel", 3: "hybrid_parallel"}
     kw = dict(parallel_mode=modes[par.parallel_mode], device_num=world, gradients_mean=par.gradients_mean,
               full_batch=par.full_batch, enable_parallel_optimizer=par.enable_parallel_optimizer)
+    if par.parallel_mode in (1, 2):
+        kw["full_batch"] = False
+        kw["dataset_strategy"] = dataset_strategy(sizes.data_parallel, sizes.pipeline_stage > 1)
     if par.parallel_mode == 2:
         kw["search_mode"] = par.search_mode
     if sizes.pipeline_stage > 1:

@@ -39,11 +39,24 @@ def has_sparse_head(model: nn.Cell) -> bool:
     return len(inspect.signature(hs).parameters) == len(names)
 
 
+def supervised_chunks(hidden, targets, seg, tok, index):
+    """hidden [B, L, D] and each row's chunk grid [B, n, c] (`loss_head.supervised_layout`, row-local) ->
+    (hidden at the supervised positions [B*n, c, D], targets, segment ids, token index [B*n, c]): a per-row
+    gather, and the rows' sample numbers made unique across rows (row r's sample j -> r*n*c + j; a row has
+    at most n*c supervised samples), so whichever rank built a row, it means the same in the global batch."""
+    b, n, c = index.shape
+    d = hidden.shape[-1]
+    kept = ops.gather(hidden, index.reshape(b, n * c), 1, 1).reshape(b * n, c, d)     # [B*n, c, D]
+    offset = (ops.arange(b, dtype=ms.int32) * (n * c)).reshape(b, 1, 1)
+    seg = ops.where(seg > 0, seg + offset, ops.zeros_like(seg))
+    return kept, targets.reshape(b * n, c), seg.reshape(b * n, c), tok.reshape(b * n, c)
+
+
 class ForwardLoss(nn.Cell):
     """(*model_inputs, *loss_inputs, token_norm, num_samples, scale) -> (loss share * scale, expert load).
 
     loss_inputs: sparse head (`has_sparse_head`): sup_targets, sup_segment_ids, sup_token_index,
-    logit_index, all [n, c] (`head.supervised_layout`); otherwise targets, token_index [B, L] (the model
+    logit_index, all [B, n, c] and row-local (`loss_head.supervised_layout`, see `supervised_chunks`); otherwise targets, token_index [B, L] (the model
     returns full [B, L, V] logits and segment_ids is the model input at `seg_pos`).
 
     `row_grads` {table Parameter name: accumulator} (sparse head only, `row_grad_tables`): the embedding
@@ -75,7 +88,7 @@ class ForwardLoss(nn.Cell):
         self.aux_weight = float(aux_weight)  # 1 / (micro-batches x ranks): the MoE aux loss is a batch mean
 
     def ce_and_aux(self, *args):
-        """-> (ce, mask, segment_ids, token_index [n, c] or [B, L], model output tuple or None)."""
+        """-> (ce, mask, segment_ids, token_index [B*n, c] or [B, L], model output tuple or None)."""
         model_args = args[:self.n_model]
         n = self.n_model
         if self.sparse:
@@ -85,13 +98,11 @@ class ForwardLoss(nn.Cell):
                 hidden, aux, load = self.net.hidden_states_from_embeds(text, *model_args[1:])
             else:
                 hidden, aux, load = self.net.hidden_states(*model_args)          # [B, L, D]
-            d = hidden.shape[-1]
-            kept = ops.gather(hidden.reshape(-1, d), index.reshape(-1), 0)    # [n*c, D]
-            kept = kept.reshape(index.shape[0], index.shape[1], d)            # [n, c, D]
+            kept, targets, seg, tok = supervised_chunks(hidden, targets, seg, tok, index)  # [B*n, c(, D)]
             if self.row_head:
-                ce = self.head(kept, self.net.head_weight(), targets, self.head_acc, self.token)  # [n, c]
+                ce = self.head(kept, self.net.head_weight(), targets, self.head_acc, self.token)  # [B*n, c]
             else:
-                ce = self.head(kept, self.net.head_weight(), targets)         # [n, c]
+                ce = self.head(kept, self.net.head_weight(), targets)         # [B*n, c]
             return ce, (targets != IGNORE).astype(ms.float32), seg, tok, (aux, load)
         out = self.model(*model_args)
         logits = out[0] if isinstance(out, tuple) else out                   # [B, L, V]

@@ -5,12 +5,15 @@ equal-sized log-softmax and its gradient: 20 GB at 32k tokens, 80 GB at 131k. On
 target need logits (prompts, image tokens and padding have none), and no more than
 `loss.logits_chunk_tokens` of them need to exist at once.
 
-Host side (`supervised_layout`, numpy): the flat positions (into B*L) of the supervised targets of a
-micro-batch, padded to a static [n_chunks, chunk] grid:
-  - n_sup <= C (C = logits_chunk_tokens): one chunk of min(round_up(n_sup, 8), C) slots;
+Host side (`supervised_layout`, numpy): per row of a micro-batch, the positions (within the row) of its
+supervised targets, padded to a static [n_chunks, chunk] grid shared by the rows (row-local, so the grid
+splits by rows under data parallelism like every model input):
+  - n_sup <= C (C = logits_chunk_tokens, n_sup = the most supervised targets in a row): one chunk of
+    min(round_up(n_sup, 8), C) slots;
   - n_sup > C: ceil(n_sup / C) chunks of exactly C slots.
   So a chunk never holds more than C positions. Padding slots point at position 0 with target IGNORE,
-  segment 0 and token index -1; they contribute nothing to either loss.
+  segment 0 and token index -1; they contribute nothing to either loss. The train step gathers each row's
+  positions from its own hidden states and runs the B*n chunks one after another.
 
 Graph side (`ChunkedHeadCE`): hidden [n, c, D] gathered at those positions, the head weight [V, D]
 and targets [n, c] -> per-position cross entropy [n, c] (0 at IGNORE). A `while` loop over the n
@@ -50,25 +53,28 @@ def chunk_grid(n_sup: int, chunk: int) -> Tuple[int, int]:
 
 def supervised_layout(targets: np.ndarray, segment_ids: np.ndarray, token_index: np.ndarray,
                       chunk: int, min_slots: int = 0) -> Dict[str, np.ndarray]:
-    """Host side: targets/segment_ids/token_index [B, L] -> the compact chunk grid (see module doc),
-    sized for at least `min_slots` positions (pipeline micro-batches share one grid).
+    """Host side: targets/segment_ids/token_index [B, L] -> each row's compact chunk grid (see module doc),
+    sized for the row with the most supervised positions and at least `min_slots` (pipeline micro-batches
+    and fixed stage shapes share one grid).
 
-    Returns logit_index int32 [n, c] (flat positions into B*L), sup_targets int32 [n, c],
-    sup_segment_ids int32 [n, c], sup_token_index int32 [n, c]."""
-    flat_t = np.asarray(targets).reshape(-1)
-    pos = np.flatnonzero(flat_t != IGNORE)
-    n, c = chunk_grid(max(pos.size, min_slots), chunk)
-    size = n * c
-    index = np.zeros(size, np.int32)
-    out_t = np.full(size, IGNORE, np.int32)
-    out_s = np.zeros(size, np.int32)
-    out_i = np.full(size, -1, np.int32)
-    index[:pos.size] = pos
-    out_t[:pos.size] = flat_t[pos]
-    out_s[:pos.size] = np.asarray(segment_ids).reshape(-1)[pos]
-    out_i[:pos.size] = np.asarray(token_index).reshape(-1)[pos]
-    return {"logit_index": index.reshape(n, c), "sup_targets": out_t.reshape(n, c),
-            "sup_segment_ids": out_s.reshape(n, c), "sup_token_index": out_i.reshape(n, c)}
+    Returns, each int32 [B, n, c]: logit_index (positions within the row), sup_targets, sup_segment_ids
+    (the row's supervised samples numbered 1, 2, ... within the row; the train step makes them unique
+    across rows) and sup_token_index."""
+    t = np.asarray(targets)
+    b = t.shape[0]
+    pos = [np.flatnonzero(row != IGNORE) for row in t]
+    n, c = chunk_grid(max([p.size for p in pos] + [min_slots]), chunk)
+    index = np.zeros((b, n * c), np.int32)
+    out_t = np.full((b, n * c), IGNORE, np.int32)
+    out_s = np.zeros((b, n * c), np.int32)
+    out_i = np.full((b, n * c), -1, np.int32)
+    for r, p in enumerate(pos):
+        index[r, :p.size] = p
+        out_t[r, :p.size] = t[r, p]
+        out_s[r, :p.size] = np.unique(np.asarray(segment_ids)[r, p], return_inverse=True)[1].reshape(-1) + 1
+        out_i[r, :p.size] = np.asarray(token_index)[r, p]
+    return {"logit_index": index.reshape(b, n, c), "sup_targets": out_t.reshape(b, n, c),
+            "sup_segment_ids": out_s.reshape(b, n, c), "sup_token_index": out_i.reshape(b, n, c)}
 
 
 def _cast(x, dtype):

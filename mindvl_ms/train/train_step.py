@@ -88,8 +88,8 @@ def local_counts(micro_batches: Sequence[Dict[str, np.ndarray]]) -> Tuple[int, i
         sup += int((t != IGNORE).sum())
         samples += int(np.unique(seg[(t != IGNORE) & (seg > 0)]).size)
         toks += int((mb.get("attn_segment_ids", seg) > 0).sum())  # all tokens, also for compact-logit models
-        pv = mb.get("pixel_values")
-        patches += 0 if pv is None else int(pv.shape[0])
+        grid, pv = mb.get("image_grid_thw"), mb.get("pixel_values")  # real patches (the rows pad to a budget)
+        patches += int(np.prod(grid, 1).sum()) if grid is not None else 0 if pv is None else int(pv.shape[0])
     return sup, samples, toks, patches
 
 
@@ -185,7 +185,7 @@ class TrainStep:
         then share one head grid)."""
         feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
         if self.pipeline is not None:
-            slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)
+            slots = max(int((mb["targets"] != IGNORE).sum(1).max()) for mb in micro_batches)  # per-row grids
             arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
             feeds = pipeline_feeds(arrays, self.pipeline[1])
         return feeds, arrays

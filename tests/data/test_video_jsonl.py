@@ -79,9 +79,9 @@ def test_mixed_sample_builds_a_model_batch(data):
     batch = build_model_inputs([samples], cfg)  # both samples packed into one row
     n_vis = sum(int(((s["input_ids"] == cfg.image_token_id) | (s["input_ids"] == cfg.video_token_id)).sum())
                 for s in samples)
-    flat = batch["embed_index"]
-    assert int((flat >= batch["input_ids"].size).sum()) == n_vis  # every visual token gathers a feature
-    assert batch["pixel_values"].shape[0] == sum(
+    flat = batch["embed_index"]  # row-local: into the row's concat(text [L], visual features)
+    assert int((flat >= batch["input_ids"].shape[1]).sum()) == n_vis  # every visual token gathers a feature
+    assert batch["pixel_values"].shape[1] == sum(
         s["pixel_values_videos"].shape[0] + (0 if s["pixel_values"] is None else s["pixel_values"].shape[0])
         for s in samples)
 

@@ -49,7 +49,7 @@ def test_vision_tower_matches_hf(hf_pair):
     batch = build_model_inputs([[s]], model.config)
     names = ["pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
              "full_segment_ids"]
-    ours = model.visual(*[Tensor(batch[k]) for k in names]).asnumpy()
+    ours = model.visual(*[Tensor(batch[k][0]) for k in names]).asnumpy()  # the one row's arrays
     with torch.no_grad():
         ref = hf.model.visual(torch.tensor(s["pixel_values"]), torch.tensor(s["image_grid_thw"])).numpy()
     assert ours.shape == ref.shape == (int(s["image_grid_thw"].prod(1).sum()) // 4, 64)

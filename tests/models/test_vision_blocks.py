@@ -23,6 +23,7 @@ def pair(tmp_path_factory):
     ids, pv, grid = hf_tiny.image_sample(np.random.default_rng(3), SIZES)
     model = load_pretrained(MindVLModel, path)
     batch = build_model_inputs([[{"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}]], model.config)
+    batch = {k: batch[k][0] for k in META + ["window_gather", "full_gather"]}  # the one row: the ViT's inputs
     return hf, model, batch, pv, grid
 
 

@@ -103,6 +103,8 @@ def test_tower_feeds_the_listed_blocks():
     sample = {"input_ids": np.array([cfg.image_token_id] * 24), "pixel_values": rng.standard_normal((96, pd)),
               "image_grid_thw": grid}
     b = build_model_inputs([[sample]], cfg)
+    b = {k: v[0] for k, v in b.items() if k in ("pixel_values", "vision_pos_ids", "window_index", "reverse_index",
+                                              "window_segment_ids", "full_segment_ids")}  # the one row
     names = ["pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
              "full_segment_ids"]
     out = vit(*[Tensor(b[k]) for k in names]).asnumpy()

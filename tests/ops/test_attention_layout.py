@@ -15,13 +15,21 @@ from tests.support.paths import ROOT
 TINY = os.path.join(ROOT, "configs", "model", "tiny.yaml")
 
 
+def _flat_ends(lens):
+    """Row-local ends [B, K] -> the ends in the flattened [B*L] tokens (as models.mindvl adds them)."""
+    return (lens + 6 * np.arange(lens.shape[0])[:, None]).reshape(-1)
+
+
 def test_segment_ends_and_llm_pack():
     assert segment_ends([1, 1, 2, 2, 2, 0]).tolist() == [2, 5, 6]
     assert segment_ends([7]).tolist() == [1]
     # row 0: samples of 3 and 2 tokens + 1 padding; row 1: one sample of 4 + 2 padding; rows are 6 long
     seg = np.array([[1, 1, 1, 2, 2, 0], [3, 3, 3, 3, 0, 0]], np.int32)
-    assert llm_actual_seq_len(seg).tolist() == [3, 5, 6, 10, 12, 12]
-    assert llm_actual_seq_len(seg, slots=4).tolist() == [3, 5, 6, 6, 10, 12, 12, 12]
+    assert llm_actual_seq_len(seg).tolist() == [[3, 5, 6], [4, 6, 6]]  # row-local ends
+    assert llm_actual_seq_len(seg, slots=4).tolist() == [[3, 5, 6, 6], [4, 6, 6, 6]]
+    # the model's flattened [B*L] ends: each row's plus its start r*L
+    assert _flat_ends(llm_actual_seq_len(seg)).tolist() == [3, 5, 6, 10, 12, 12]
+    assert _flat_ends(llm_actual_seq_len(seg, slots=4)).tolist() == [3, 5, 6, 6, 10, 12, 12, 12]
     with pytest.raises(ValueError, match="3 segments"):
         llm_actual_seq_len(seg, slots=2)
 
@@ -31,7 +39,7 @@ def test_build_model_inputs_gives_the_pack_lengths():
     rows = [[{"input_ids": np.arange(1, 4)}, {"input_ids": np.arange(1, 3)}], [{"input_ids": np.arange(1, 5)}]]
     batch = build_model_inputs(rows, cfg, pad_to=6)
     assert batch["segment_ids"].tolist() == [[1, 1, 1, 2, 2, 0], [3, 3, 3, 3, 0, 0]]
-    assert batch["actual_seq_len"].tolist() == [3, 5, 6, 10, 12, 12]
+    assert _flat_ends(batch["actual_seq_len"]).tolist() == [3, 5, 6, 10, 12, 12]
 
 
 def test_block_gather_hand_case():
@@ -49,7 +57,8 @@ def test_vit_windows_and_images_of_a_pack():
     k = 3 * 2 * 14 * 14
     s = {"input_ids": np.array([cfg.image_token_id] * 13), "pixel_values": np.zeros((52, k), np.float32),
          "image_grid_thw": np.array([[1, 4, 12], [1, 2, 2]])}
-    b = build_model_inputs([[s]], cfg)
+    b = {k: v[0] for k, v in build_model_inputs([[s]], cfg).items() if k in ("window_gather", "full_gather",
+                                                                             "window_segment_ids", "full_segment_ids")}
     n = 52
     want_win = np.full((3, 32), n)
     want_win[0] = np.arange(32)
@@ -104,7 +113,7 @@ def test_tnd_semantics_equal_cpu_path_llm(heads, kv, d, dv):
     v = rng.standard_normal((2, kv, 8, dv)).astype(np.float32)
     core = CoreAttention(heads, kv, d, v_head_dim=dv)
     ours = core(Tensor(q), Tensor(k), Tensor(v), segment_bias(Tensor(seg), Tensor(seg), True)).asnumpy()
-    lens = llm_actual_seq_len(seg)
+    lens = (llm_actual_seq_len(seg) + 8 * np.arange(2)[:, None]).reshape(-1)  # flattened [B*L] ends
     ref = tnd_reference(_to_tnd(q), _to_tnd(k), _to_tnd(v), lens, lens, core.scale, True)
     valid = (seg > 0).reshape(-1)  # padding rows: the kernel makes them a segment, the CPU mask none
     assert np.abs(_to_tnd(ours)[valid] - ref[valid]).max() < 1e-5

@@ -133,7 +133,7 @@ def test_vision_tower_with_and_without_kernel_bitwise(tmp_path):
                 op.drop_kernel()
         batch = build_model_inputs([[{"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}]],
                                    model.config)
-        args = [Tensor(batch[k]) for k in keys]
+        args = [Tensor(batch[k][0]) for k in keys]  # the one row's arrays: the ViT's inputs
         w = Tensor(np.random.default_rng(4).standard_normal((int(np.prod(grid, 1).sum()) // 4, 64))
                    .astype(np.float32))
         visual = model.visual

@@ -41,15 +41,17 @@ def test_supervised_layout_against_a_loop():
     seg = rng.integers(1, 4, (3, 20)).astype(np.int32)
     tok = rng.integers(0, 9, (3, 20)).astype(np.int32)
     lay = supervised_layout(t, seg, tok, chunk=4)
-    pos = [r * 20 + p for r in range(3) for p in range(20) if t[r, p] != IGNORE]
-    n, c = lay["logit_index"].shape
-    assert c == 4 and n == -(-len(pos) // 4)
-    flat = {k: v.reshape(-1) for k, v in lay.items()}
-    assert list(flat["logit_index"][:len(pos)]) == pos
-    assert list(flat["sup_targets"][:len(pos)]) == [t.reshape(-1)[p] for p in pos]
-    assert list(flat["sup_segment_ids"][:len(pos)]) == [seg.reshape(-1)[p] for p in pos]
-    assert list(flat["sup_token_index"][:len(pos)]) == [tok.reshape(-1)[p] for p in pos]
-    assert (flat["sup_targets"][len(pos):] == IGNORE).all() and (flat["sup_segment_ids"][len(pos):] == 0).all()
+    rows = [[p for p in range(20) if t[r, p] != IGNORE] for r in range(3)]  # each row's own positions
+    b, n, c = lay["logit_index"].shape
+    assert b == 3 and c == 4 and n == -(-max(len(p) for p in rows) // 4)
+    for r, pos in enumerate(rows):
+        flat = {k: v[r].reshape(-1) for k, v in lay.items()}
+        assert list(flat["logit_index"][:len(pos)]) == pos
+        assert list(flat["sup_targets"][:len(pos)]) == [t[r, p] for p in pos]
+        ids = sorted({int(seg[r, p]) for p in pos})  # the row's supervised samples, numbered 1, 2, ...
+        assert list(flat["sup_segment_ids"][:len(pos)]) == [ids.index(seg[r, p]) + 1 for p in pos]
+        assert list(flat["sup_token_index"][:len(pos)]) == [tok[r, p] for p in pos]
+        assert (flat["sup_targets"][len(pos):] == IGNORE).all() and (flat["sup_segment_ids"][len(pos):] == 0).all()
 
 
 def _numpy_ce_and_grads(h, w, t, coef):
@@ -131,7 +133,7 @@ def test_sparse_chunked_forward_equals_the_full_logits_path(kind):
                Tensor(1.0, ms.float32)]
     model_in = [Tensor(batch[k]) for k in names]
     lay = supervised_layout(batch["targets"], batch["segment_ids"], batch["token_index"], chunk=5)
-    assert lay["logit_index"].shape[0] > 2
+    assert lay["logit_index"].shape[1] > 2
     params = model.trainable_params()
     out = {}
     for sparse in (False, True):
@@ -151,10 +153,11 @@ def test_train_step_reads_the_chunk_size_from_the_loss_config():
     cfg = load(MindVLConfig, MODEL, "test")
     model = MindVLModel(cfg)
     batch = build_model_inputs(_batch(1), cfg)
-    n_sup = int((batch["targets"] != IGNORE).sum())
-    for chunk, expect in ((3, (-(-n_sup // 3), 3)), (4096, (1, -(-n_sup // 8) * 8))):
+    n_sup = int((batch["targets"] != IGNORE).sum(1).max())  # the row with the most targets
+    rows = batch["targets"].shape[0]
+    for chunk, expect in ((3, (rows, -(-n_sup // 3), 3)), (4096, (rows, 1, -(-n_sup // 8) * 8))):
         st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
                                 "max_steps": 1, "loss": {"logits_chunk_tokens": chunk}})
         eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st)
         arrays = eng._micro_arrays(batch)
-        assert arrays[-1].shape == expect  # logit_index [n, c]
+        assert arrays[-1].shape == expect  # logit_index [B, n, c]

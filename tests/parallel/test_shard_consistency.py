@@ -1,0 +1,178 @@
+"""CPU emulation of semi-auto parallel's data semantics: with `full_batch` false each rank loads its own
+rows and the graph sees the global batch as the ranks' local arrays concatenated along the
+`dataset_strategy` dimensions (parallel/runtime.dataset_strategy: rows split data_parallel ways, TP
+peers reading the same rows; rank = dp_rank * tp + tp_rank, the coordinates of runtime.fill_coords).
+
+- Shard consistency: for dp=2 and dp2 x tp2, each rank builds its inputs from a real mixed image + video
+  set as the loader does (processed samples, packed rows, its slice of the global batch, collated under the
+  stage's fixed `RowBudget`); the concatenation, run stand-alone on CPU through the model and the train
+  step's loss (`ForwardLoss`, sparse head, balanced loss), gives the logits and loss of the global batch
+  built at once, for the tiny dense model and the tiny MoE.
+- Equal local shapes: every rank's local input shapes are equal at every step of a stage, over a real
+  mixed data set read by the per-rank loaders.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import mindspore as ms
+from mindspore import Tensor
+
+from tests.support.data import write_images
+from tests.support.video import write_video
+from mindvl_ms.config import load_model_config
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs, row_budget
+from mindvl_ms.data.dataset import DataLoader
+from mindvl_ms.data.offline import pack_file
+from mindvl_ms.data.processor import MindVLProcessor
+from mindvl_ms.data.schema import parse_line
+from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.parallel.runtime import SUPERVISED_GRIDS, dataset_strategy
+from mindvl_ms.train.batches import rank_slice
+from mindvl_ms.train.forward_loss import ForwardLoss
+from mindvl_ms.train.loss import TrainLoss
+from mindvl_ms.train.loss_head import supervised_layout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEQ, VISUAL, CHUNK = 160, 128, 64
+TOL = 1e-6
+LOSS_NAMES = ("sup_targets", "sup_segment_ids", "sup_token_index", "logit_index")
+
+
+def _data_config(**kw):
+    return DataConfig(seq_length=SEQ, max_image_tokens=VISUAL,
+                      image=ImageConfig(min_pixels=8 * 784, max_pixels=64 * 784),
+                      video=VideoConfig(video_min_pixels=8 * 784, video_max_pixels=16 * 784,
+                                        video_total_pixels=64 * 784), **kw)
+
+
+def _lines():
+    say = lambda q, a: [{"role": "user", "content": q}, {"role": "assistant", "content": a}]  # noqa: E731
+    return [
+        {"images": ["img/astro.png"], "messages": say("<image>Who is this?", "an astronaut in a white suit")},
+        {"videos": ["a.mkv"], "messages": say("<video>\nWhich way does the square move?", "to the right")},
+        {"images": ["img/coffee.jpg"], "videos": ["b.mkv"],
+         "messages": say([{"type": "image"}, {"type": "text", "text": " then "}, {"type": "video"},
+                          {"type": "text", "text": " same colour?"}], "no, the video changes colour")},
+        {"messages": say("Name three colours.", "red, green and blue")},
+        {"images": ["img/cat.png", "img/rocket.jpg"], "messages": say("<image><image>Compare.", "a cat, a rocket")},
+        {"videos": ["b.mkv"], "messages": say("<video>What moves?", "a white square")},
+        {"images": ["img/page.png"], "messages": say("<image>Read it.", "some printed text")},
+        {"messages": say("Count to five.", "one two three four five") + say("And back?", "five four three two one")},
+    ]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shard")
+    write_images(str(d / "img"))
+    write_video(d / "a.mkv", frames=30, fps=10, width=96, height=64)
+    write_video(d / "b.mkv", frames=12, fps=6, width=64, height=64)
+    lines = [dict(o, id=f"s{i}") for i, o in enumerate(_lines())]
+    path = d / "mixed.jsonl"
+    path.write_text("".join(json.dumps(o) + "\n" for o in lines))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rows(data_file):
+    """The global batch: 4 packed rows of processed image, video, image + video and text samples."""
+    proc = MindVLProcessor(config=_data_config())
+    text = open(data_file).read().splitlines()
+    s = [proc.process_sample(parse_line(t, data_file, i + 1)) for i, t in enumerate(text)]
+    assert any("pixel_values_videos" in x for x in s) and any("pixel_values" in x for x in s)
+    return [[s[0], s[3]], [s[1], s[6]], [s[2], s[7]], [s[4], s[5]]]
+
+
+def _model(name):
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", name))
+    ms.set_seed(0)
+    return MindVLModel(cfg)
+
+
+def _arrays(rows, model, budget):
+    """One rank's graph inputs as its loader and train step build them: model inputs + the head's grids."""
+    batch = build_model_inputs(rows, model.config, budget=budget)
+    lay = supervised_layout(batch["targets"], batch["segment_ids"], batch["token_index"], CHUNK, SEQ)
+    return [batch[k] for k in INPUT_NAMES] + [lay[k] for k in LOSS_NAMES], batch
+
+
+def _assemble(local, dp, tp):
+    """The global arrays the graph sees: ranks' local arrays concatenated along the dimension each
+    dataset_strategy entry splits; TP peers must hold the same arrays."""
+    strategy = dataset_strategy(dp)
+    assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS + 3
+    out = []
+    for i, st in enumerate(strategy[:len(local[0])]):
+        assert st == (dp,) + (1,) * (local[0][i].ndim - 1)
+        for d in range(dp):
+            for t in range(1, tp):
+                np.testing.assert_array_equal(local[d * tp + t][i], local[d * tp][i])
+        out.append(np.concatenate([local[d * tp][i] for d in range(dp)], axis=0))
+    return out
+
+
+def _run(model, arrays, num_samples):
+    n = len(INPUT_NAMES)
+    logits = model(*[Tensor(a) for a in arrays[:n]])[0].asnumpy()
+    step = ForwardLoss(model, TrainLoss("balanced"), n, INPUT_NAMES.index("segment_ids"), sparse=True)
+    scalars = [Tensor(-1.0, ms.float32), Tensor(float(num_samples), ms.float32), Tensor(1.0, ms.float32)]
+    loss = step(*[Tensor(a) for a in arrays], *scalars)[0].asnumpy()
+    return logits, float(loss)
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny-moe.yaml"])
+def test_ranks_concatenated_equal_the_global_batch(rows, name):
+    model = _model(name)
+    budget = row_budget(model.config, _data_config())
+    glob, batch = _arrays(rows, model, budget)
+    num_samples = int(batch["num_samples"])
+    ref_logits, ref_loss = _run(model, glob, num_samples)
+    assert np.isfinite(ref_loss) and ref_loss > 0
+    for dp, tp in ((2, 1), (2, 2)):
+        local = [_arrays(rank_slice(rows, r // tp, dp), model, budget)[0] for r in range(dp * tp)]
+        assert {tuple(a.shape for a in arrs) for arrs in local} == {tuple(a.shape[:0] + (a.shape[0] // dp,)
+                                                                          + a.shape[1:] for a in glob)}
+        logits, loss = _run(model, _assemble(local, dp, tp), num_samples)
+        diff = float(np.abs(logits - ref_logits).max())
+        assert diff <= TOL, f"dp{dp} x tp{tp}: logits differ from the global batch by {diff}"
+        assert abs(loss - ref_loss) <= TOL, f"dp{dp} x tp{tp}: loss {loss} vs global {ref_loss}"
+
+
+def test_every_rank_has_equal_local_shapes_at_every_step(data_file, tmp_path):
+    """Per-rank loaders over a real mixed set (offline packing, balanced ranks; the stage's fixed budget): at every step
+    every rank's arrays have one shape, the budget's."""
+    lines = open(data_file).read().splitlines()
+    big = tmp_path / "many.jsonl"
+    img = os.path.join(os.path.dirname(data_file), "img")
+    os.symlink(img, tmp_path / "img")
+    for v in ("a.mkv", "b.mkv"):
+        os.symlink(os.path.join(os.path.dirname(data_file), v), tmp_path / v)
+    big.write_text("".join(json.dumps(dict(json.loads(t), id=f"r{k}-{i}")) + "\n"
+                           for k in range(3) for i, t in enumerate(lines)))
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
+    dp = 2
+    pack_file(str(big), str(tmp_path / "packed"), _data_config(dp_size=dp), workers=1, progress=False)
+    data = [_data_config(packed_dir=str(tmp_path / "packed"), micro_batch_size=2, dp_size=dp, dp_rank=r)
+            for r in range(dp)]
+    budget = row_budget(cfg, data[0])
+    loaders = [DataLoader.from_config(d, model_config=cfg,
+                                      collate=lambda rows: build_model_inputs(rows, cfg, budget=budget))
+               for d in data]
+    steps = [list(loader) for loader in loaders]
+    assert len(steps[0]) == len(steps[1]) >= 2
+    patches = 0
+    for per_rank in zip(*steps):
+        shapes = [{k: b[k].shape for k in INPUT_NAMES} for b in per_rank]
+        assert shapes[0] == shapes[1], shapes
+        assert shapes[0]["input_ids"][1:] == (budget.seq_length,)
+        assert shapes[0]["pixel_values"][1:] == (budget.patches, 1176)
+        assert shapes[0]["window_gather"][1:] == (budget.window_blocks, budget.window_width)
+        assert shapes[0]["full_gather"][1:] == (budget.full_blocks, budget.full_width)
+        assert shapes[0]["actual_seq_len"][1:] == (budget.slots,)
+        patches += sum(int(np.prod(b["image_grid_thw"], 1).sum()) for b in per_rank)
+    assert patches > 0  # images and videos were read
