@@ -13,7 +13,9 @@ Design:
   arrays: a clone of an abstract (`initializer`) parameter stays abstract until the graph allocates it
   on the device, so building the step adds no parameter-sized host memory, and the clone carries the
   parameter's identity (`param_info.cloned_obj`), by which MindSpore gives it the parameter's tensor-
-  and optimizer-parallel layout. Figures: docs/PERFORMANCE.md, ## train.
+  and optimizer-parallel layout. Figures: docs/PERFORMANCE.md, ## train. That list holds its clones
+  alive, so a new step (the next training stage) replaces the clones of the same name (`zero_clone`)
+  rather than keeping the previous step's state in memory.
 - `AdamWUpdate` runs MindSpore's fused in-place AdamWeightDecay kernel per parameter (bias correction
   folded into its scalar inputs), so the update holds no optimizer-sized temporaries. It is an
   `nn.Optimizer` with moments cloned from the parameters, so `parallel.enable_parallel_optimizer`
@@ -67,20 +69,27 @@ def lr_coefficient(name: str, coefs: Dict[str, float]) -> float:
     return val
 
 
+def zero_clone(p: Parameter, prefix: str) -> Parameter:
+    """A lazy zero clone `<prefix>.<param name>` of `p` (same shape, dtype and layout; not trainable). An
+    earlier clone of that name (a previous step's state) leaves `p`'s clone list, which would keep it alive."""
+    name = f"{prefix}.{p.name}"
+    info = p.param_info
+    if getattr(info, "cloned_obj", None):
+        info.cloned_obj = [c for c in info.cloned_obj if c.name != name]
+        p.param_info = info
+    x = p.clone(init="zeros")
+    x.name = name
+    x.requires_grad = False
+    return x
+
+
 def zeros_like_params(params: Sequence[Parameter], prefix: str) -> ParameterTuple:
-    """fp32 zero accumulators `<prefix>.<param name>`, one per parameter, cloned from it (lazy, same layout).
+    """fp32 zero accumulators `<prefix>.<param name>`, one per parameter, cloned from it (`zero_clone`).
     A parameter that is not float32 (none under the trainer: AMP O2 keeps float32 master weights) gets a
     lazy float32 `initializer` tensor instead, since a clone keeps its parameter's dtype."""
-    out = []
-    for p in params:
-        if p.dtype == ms.float32:
-            acc = p.clone(init="zeros")
-            acc.name = f"{prefix}.{p.name}"
-        else:
-            acc = Parameter(initializer("zeros", p.shape, ms.float32), name=f"{prefix}.{p.name}")
-        acc.requires_grad = False
-        out.append(acc)
-    return ParameterTuple(out)
+    return ParameterTuple(zero_clone(p, prefix) if p.dtype == ms.float32 else
+                          Parameter(initializer("zeros", p.shape, ms.float32), name=f"{prefix}.{p.name}",
+                                    requires_grad=False) for p in params)
 
 
 _adamw = ops.MultitypeFuncGraph("adamw")
@@ -149,7 +158,7 @@ class AdamWUpdate(nn.Optimizer):
     Written in place, one parameter at a time, so the update needs no optimizer-sized temporaries.
 
     An `nn.Optimizer` subclass (declared `_support_parallel_optimizer`) with its moments cloned from the
-    parameters (`ParameterTuple.clone`, names `adam_m.<param>` / `adam_v.<param>`), which is what
+    parameters (`zero_clone`, names `adam_m.<param>` / `adam_v.<param>`), which is what
     MindSpore's optimizer parallel (`parallel.enable_parallel_optimizer`) recognises to shard optimizer
     states: under semi/auto parallel the compiler splits the cloned states like their parameters; in
     data-parallel mode on Ascend the base class assigns each parameter to one rank (`optim_filter`),
@@ -164,10 +173,8 @@ class AdamWUpdate(nn.Optimizer):
         super().__init__(0.0, list(params), 0.0)  # LR and decay come in per call (bias-corrected scalars)
         self.params = self._parameters
         self.accum = accum
-        self.m = self._parameters.clone(prefix="adam_m", init="zeros")
-        self.v = self._parameters.clone(prefix="adam_v", init="zeros")
-        for p in list(self.m) + list(self.v):
-            p.requires_grad = False
+        self.m = ParameterTuple(zero_clone(p, "adam_m") for p in self._parameters)
+        self.v = ParameterTuple(zero_clone(p, "adam_v") for p in self._parameters)
         self.step = Parameter(Tensor(0, ms.int32), name="adam_step", requires_grad=False)
         self.coefs = tuple(Tensor(lr_coefficient(p.name, lr_coefs), ms.float32) for p in params)
         self.wd_on = tuple(Tensor(1.0 if decays(p) else 0.0, ms.float32) for p in params)
