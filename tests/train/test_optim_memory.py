@@ -6,9 +6,11 @@ figure is not blurred by what other tests allocated.
 
     python -m pytest -q tests/train/test_optim_memory.py
 """
+import gc
 import json
 import subprocess
 import sys
+import weakref
 
 import mindspore as ms
 import numpy as np
@@ -58,8 +60,24 @@ def test_accumulators_are_zero_float32_clones_named_by_their_parameter():
     assert [a.shape for a in acc] == [(3, 4), (5,)]
     assert not any(a.requires_grad for a in acc)
     assert all(not a.asnumpy().any() for a in acc)
-    clones = w.param_info.cloned_obj
-    assert any(c is acc[0] for c in clones)  # a clone of its parameter (its layout follows the parameter's)
+    assert any(c is acc[0] for c in w.param_info.cloned_obj)  # a clone of its parameter (the layout follows it)
     upd = AdamWUpdate([w], acc[:1], {}, 0.1, 0.9, 0.95, 1e-8)
+    clones = w.param_info.cloned_obj
     assert any(c is upd.m[0] for c in clones) and any(c is upd.v[0] for c in clones)
+    assert any(c is acc[0] for c in clones)
     np.testing.assert_array_equal(w.asnumpy(), np.arange(12, dtype=np.float32).reshape(3, 4))  # untouched
+
+
+def test_a_new_step_replaces_the_previous_steps_clones():
+    """The parameter's clone list (which MindSpore's parallel layout reads) holds its clones alive: the next
+    stage's accumulators and moments take the place of the previous stage's, which are then freed."""
+    w = Parameter(initializer("zeros", (3, 4), ms.float32), name="model.w")
+    acc = zeros_like_params([w], "accum")
+    upd = AdamWUpdate([w], acc, {}, 0.1, 0.9, 0.95, 1e-8)
+    old = [weakref.ref(x) for x in (acc[0], upd.m[0], upd.v[0])]
+    del acc, upd
+    acc = zeros_like_params([w], "accum")
+    upd = AdamWUpdate([w], acc, {}, 0.1, 0.9, 0.95, 1e-8)
+    gc.collect()
+    assert all(r() is None for r in old)
+    assert sorted(c.name for c in w.param_info.cloned_obj) == ["accum.model.w", "adam_m.model.w", "adam_v.model.w"]
