@@ -2,7 +2,8 @@
 strategies are checked here): counts of primitives with and without a strategy, and per-parameter shard
 shapes derived from the strategies.
 
-- `strategy_of(prim)`: the in_strategy tuple (or the `in_layout` attribute for Layout-based shards), or None.
+- `strategy_of(prim)`: the in_strategy tuple (or the `in_layout` attribute for Layout-based shards), or None;
+  `split_of(prim)` gives Layout-based shards as integer splits too (`layout_splits`).
 - `primitive_census(model)`: per primitive type, how many instances carry a strategy and how many do not.
   Reshape / Shape-like primitives take no strategy and are left out (`NO_STRATEGY`).
 - `parameter_shards(model)`: for every parameter consumed by a sharded primitive we know the operand of
@@ -31,6 +32,25 @@ def strategy_of(prim: Primitive):
     if attrs.get("in_layout") is not None:
         return attrs["in_layout"]
     return None
+
+
+def layout_splits(layout) -> Tuple[Tuple[int, ...], ...]:
+    """A Layout-based strategy (the `in_layout` / `out_layout` attribute: per input a dict with `device_matrix`
+    and `tensor_map`) -> the split of each dim, as an integer strategy (MindFormers' `to_tuple_strategy`:
+    tensor_map entry -1 is whole, entry i is device_matrix[len - 1 - i])."""
+    out = []
+    for one in layout:
+        dm, tm = one["device_matrix"], one["tensor_map"]
+        out.append(tuple(1 if i == -1 else int(dm[len(dm) - 1 - i]) for i in tm))
+    return tuple(out)
+
+
+def split_of(prim: Primitive):
+    """The integer in_strategy of `prim`, from its tuple strategy or its Layouts (`layout_splits`); None."""
+    if prim.attrs.get("in_strategy") is not None:
+        return prim.attrs["in_strategy"]
+    layout = prim.attrs.get("in_layout")
+    return None if layout is None else layout_splits(layout)
 
 
 def iter_primitives(model: nn.Cell):

@@ -79,9 +79,11 @@ def transformer_config(num_experts: int, top_k: int, hidden: int, layout=None, s
     return _mindformers().TransformerConfig(**kw)
 
 
-def mindformers_dispatcher(num_experts: int, top_k: int, hidden: int, layout: Layout, seq_length: int = 4096):
+def mindformers_dispatcher(num_experts: int, top_k: int, hidden: int, layout: Layout, seq_length: int):
     """MindFormers' MoEAlltoAllTokenDispatcher for these sizes (its EP group is created from the rank when
-    the parallel mode is not stand-alone)."""
+    the parallel mode is not stand-alone). `seq_length` is the tokens per row of the micro-batches it
+    dispatches (the stage's seq_length): the dispatcher derives its AlltoAllV split sizes and the batch size
+    of its token rows from it (token_dispatcher.py: `seq_length // (tp * cp) * topk`), so it has no default."""
     cfg = transformer_config(num_experts=num_experts, top_k=top_k, hidden=hidden, layout=layout,
                              seq_length=seq_length)
     return _mindformers().MoEAlltoAllTokenDispatcher(cfg)

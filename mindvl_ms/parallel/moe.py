@@ -1,7 +1,13 @@
 """Semi-auto parallel strategies for the DeepSeek-V3 MoE layer (`mindvl_ms.models.moe.DeepseekV3MoE`).
 
-    shard_moe(moe_cell, layout)      # layout: mindvl_ms.parallel.layout.Layout; returns moe_cell
-    use_mindformers(moe_cell, moe)   # MindFormers' selection + dispatcher on one device (returns moe_cell)
+    shard_moe(moe_cell, layout, seq_length=L)     # layout: mindvl_ms.parallel.layout.Layout; returns moe_cell
+    use_mindformers(moe_cell, moe, seq_length=L)  # MindFormers' selection + dispatcher on one device
+    set_moe_seq_length(model, L)                  # a later stage's seq_length for every dispatcher
+
+The dispatcher's `seq_length` is the stage's (the tokens per row it dispatches, from which MindFormers
+derives its AlltoAllV sizes): `parallelize` passes the run's first stage's, the trainer sets each stage's
+with `set_moe_seq_length` before it builds the stage's step; `DEFAULT_SEQ_LENGTH` is for callers with no
+stage (inference, tests).
 
 Conventions are MindFormers' (parallel_core/training_graph/transformer/moe and device_matrix.py), which are
 known to compile on Ascend:
@@ -38,6 +44,9 @@ from mindvl_ms.parallel.layout import Layout
 from mindvl_ms.parallel.mindformers_moe import MindFormersSelect, mindformers_dispatcher
 
 
+DEFAULT_SEQ_LENGTH = 4096  # MindFormers' TransformerConfig default: the dispatcher of a caller with no stage
+
+
 def moe_device_layout(layout: Layout) -> DeviceLayout:
     """MindSpore Layout over one stage's devices: device matrix (dp*tp/ep, ep), aliases (dp_ex_ep, ep)."""
     stage = layout.dp * layout.tp
@@ -58,15 +67,17 @@ class EPExperts(nn.Cell):
     (`parallel.mindformers_moe.mindformers_dispatcher`).
     """
 
-    def __init__(self, experts, layout: Layout, top_k: int, dispatcher=None):
+    def __init__(self, experts, layout: Layout, top_k: int, dispatcher=None, seq_length: int = None):
         super().__init__()
+        seq_length = DEFAULT_SEQ_LENGTH if seq_length is None else int(seq_length)
         e, d, inter = experts.gate_proj.shape
         if e % layout.ep:
             raise ValueError(f"expert_parallel {layout.ep} must divide the {e} routed experts")
         self.stage = layout.dp * layout.tp
         self.hidden = d
         self.dispatcher = dispatcher if dispatcher is not None else mindformers_dispatcher(
-            e, top_k, d, layout)
+            e, top_k, d, layout, seq_length)
+        self.seq_length = seq_length
         self.gmm = GroupedMatmul()
         self.swiglu = SwiGLU()
         self.morph = Morph(self.dispatch_and_compute, _infer_first, _infer_first).add_prim_attr(
@@ -105,7 +116,7 @@ def shard_mlp(mlp, layout: Layout) -> None:
         mlp.down_proj.matmul.shard(((dp, tp), (1, tp)))
 
 
-def shard_moe(moe_cell, layout: Layout, dispatcher=None):
+def shard_moe(moe_cell, layout: Layout, dispatcher=None, seq_length: int = None):
     """Declare the semi-auto strategies of one DeepseekV3MoE cell for `layout`; returns the cell.
 
     With ep == 1 the routed experts are still declared through EPExperts (the all-to-all then stays inside
@@ -116,23 +127,36 @@ def shard_moe(moe_cell, layout: Layout, dispatcher=None):
     select = moe_cell.gate.mindformers_select
     if select is not None and select.layout != layout:  # MindFormers' selection: its tokens over the stage
         moe_cell.gate.mindformers_select = MindFormersSelect(select.moe_config, layout)
-    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout, moe_cell.top_k, dispatcher)
+    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout, moe_cell.top_k, dispatcher, seq_length)
     if moe_cell.has_shared:
         shard_mlp(moe_cell.shared_experts, layout)
     return moe_cell
 
 
-def use_mindformers(moe_cell, moe_config, layout: Layout = None):
+def use_mindformers(moe_cell, moe_config, layout: Layout = None, seq_length: int = None):
     """Route and dispatch a DeepseekV3MoE with MindFormers' MoE code (what `apply_ep` does on Ascend):
     TopKRouter's expert selection and MoEAlltoAllTokenDispatcher + GroupedMatmul experts (EPExperts,
     all-to-all inside the EP group of `layout`, default a single device). Parameters stay the cell's;
     returns the cell."""
     moe_cell.gate.mindformers_select = MindFormersSelect(moe_config, layout)
-    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k)
+    moe_cell.experts.parallel_experts = EPExperts(moe_cell.experts, layout or Layout(), moe_cell.top_k,
+                                                  seq_length=seq_length)
     return moe_cell
 
 
-def bind_mindformers_moe(model: nn.Cell, layout: Layout = None) -> List[str]:
+def set_moe_seq_length(model: nn.Cell, seq_length: int) -> List[str]:
+    """Set every expert-parallel dispatcher of `model` to `seq_length` tokens per row (a stage's); returns the
+    names of the cells changed. MindFormers' dispatcher reads `seq_length` when its graph is traced, so the
+    next compiled step uses it."""
+    names = []
+    for name, cell in model.cells_and_names():
+        if isinstance(cell, EPExperts) and cell.seq_length != int(seq_length):
+            cell.seq_length = cell.dispatcher.seq_length = int(seq_length)
+            names.append(name)
+    return names
+
+
+def bind_mindformers_moe(model: nn.Cell, layout: Layout = None, seq_length: int = None) -> List[str]:
     """`use_mindformers` on every DeepSeek-V3 MoE layer of `model` (any depth); returns their names.
 
     MindFormers' router and dispatcher are this project's default MoE path on Ascend, also without a
@@ -145,7 +169,7 @@ def bind_mindformers_moe(model: nn.Cell, layout: Layout = None) -> List[str]:
     names = []
     for name, cell in cells:
         if isinstance(cell, DeepseekV3MoE):
-            use_mindformers(cell, lms[0].config.moe, layout)
+            use_mindformers(cell, lms[0].config.moe, layout, seq_length)
             names.append(name)
     return names
 
@@ -202,5 +226,5 @@ def parameter_shards(moe_cell) -> Dict[str, dict]:
     return out
 
 
-__all__ = ["EPExperts", "moe_device_layout", "parameter_shards", "shard_mlp", "shard_moe", "split_counts",
-           "use_mindformers"]
+__all__ = ["EPExperts", "moe_device_layout", "parameter_shards", "set_moe_seq_length", "shard_mlp", "shard_moe",
+           "split_counts", "use_mindformers"]

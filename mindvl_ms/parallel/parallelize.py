@@ -126,13 +126,14 @@ def apply_plan(model: nn.Cell, plan: Dict[str, object], ctx: ShardContext, prefi
 
 
 def apply_ep(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: ParallelReport,
-             mindformers: Optional[bool] = None) -> List[str]:
+             mindformers: Optional[bool] = None, seq_length: Optional[int] = None) -> List[str]:
     """Expert parallel on every MoE layer; returns their names. `mindformers` (default: on Ascend) binds
-    MindFormers' expert selection first (`parallel.mindformers_moe.MindFormersSelect`)."""
+    MindFormers' expert selection first (`parallel.mindformers_moe.MindFormersSelect`); the dispatchers are
+    built for `seq_length` tokens per row (the stage's; `parallel.moe.DEFAULT_SEQ_LENGTH` when None)."""
     lm = language_model(model)
     mindformers = is_ascend() if mindformers is None else mindformers
     moe_config = lm.config.moe if isinstance(lm, DeepseekV3Model) else None
-    plan = dict.fromkeys(EP_MODULES, ExpertParallel(moe_config, mindformers))
+    plan = dict.fromkeys(EP_MODULES, ExpertParallel(moe_config, mindformers, seq_length))
     apply_plan(model, plan, ShardContext(axes, layout, report), skip=("visual",))
     return [name for name, kind in report.delegated.items() if kind == "moe"]
 
@@ -188,16 +189,20 @@ def _knobs(config, vision_parallel, offset, group):
 
 def parallelize(model: nn.Cell, layout, *, vision_parallel: Optional[str] = None,
                 offset: Optional[List[int]] = None, gradient_aggregation_group: Optional[int] = None,
-                recompute=None, mindformers: Optional[bool] = None) -> ParallelReport:
+                recompute=None, mindformers: Optional[bool] = None, seq_length: Optional[int] = None) -> ParallelReport:
     """Shard `model` for `layout` (a Layout, or a RunConfig whose `parallel_config` gives the layout and the
     knobs below); returns what was done.
 
     Keyword arguments override what a RunConfig says (and give the values for a Layout). `recompute` (a
-    RecomputeConfig) also applies activation recomputation; `mindformers` is `apply_ep`'s."""
+    RecomputeConfig) also applies activation recomputation; `mindformers` is `apply_ep`'s; `seq_length` (a
+    RunConfig: its first stage's) sizes the MoE dispatchers (`parallel.moe.set_moe_seq_length` for a later
+    stage's)."""
+    if seq_length is None and not isinstance(layout, Layout) and layout.stages:
+        seq_length = layout.stages[0].seq_length
     layout, vp, off, group = _knobs(layout, vision_parallel, offset, gradient_aggregation_group)
     axes = S.axes_for(layout, int(language_model(model).embed_tokens.weight.shape[0]), vp)
     report = ParallelReport(layout=layout, vision_parallel=vp, vocab_split=axes["vt"])
-    moe = apply_ep(model, layout, axes, report, mindformers)
+    moe = apply_ep(model, layout, axes, report, mindformers, seq_length)
     apply_vision(model, layout, axes, report, vp)
     apply_tp(model, layout, axes, report, skip=moe)
     apply_pipeline(model, layout, off, report)

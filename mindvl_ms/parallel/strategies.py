@@ -15,7 +15,8 @@ parallel_core/training_graph/tensor_parallel/layers.py), which are known to comp
   loss head         ((dp, 1), (vt, 1)) on its logits MatMul, (dp, vt) on its [c, V] blocks (`HEAD_CE`)
   norms, residuals  hidden [B, L, D]: (dp, sp, 1), sp = tp under use_seq_parallel (else 1)
                     per-head q/k norm [B, L, H, hd]: (dp, 1, tp, 1); MLA latents [B, L, r]: (dp, 1, 1)
-  rotary            q/k [B, H, L, d]: (dp, tp, 1, 1) with cos/sin [B, 1, L, d]: (dp, 1, 1, 1)
+  rotary            q/k [B, H, L, d]: (dp, tp, 1, 1) with cos/sin [B, 1, L, d]: (dp, 1, 1, 1); the fused
+                    RotaryPositionEmbedding as MindFormers: Layouts in and out, `self_define_shard`
   SwiGLU            [B, L, I]: (dp, 1, tp)
 
 Symbols in the tables: "dp", "tp", "sp" (tp under sequence parallel, else 1), "dptp" (dp * tp), "vt"
@@ -116,9 +117,23 @@ def add_norm_strategies(s: Tuple[int, ...]) -> Dict[str, tuple]:
 
 
 def rotary_strategies(q: Tuple[int, ...], cos: Tuple[int, ...]) -> Dict[str, tuple]:
-    """ApplyRotary primitive -> in_strategy (see ops/rotary.py)."""
-    return {"rope": (q, cos, cos), "split": (q,), "neg": (q,), "concat": (q, q), "mul_cos": (q, cos),
-            "mul_sin": (q, cos), "add": (q, q)}
+    """ApplyRotary's composite primitives -> in_strategy (see ops/rotary.py); the fused kernel takes
+    `rope_layout_names` instead."""
+    return {"split": (q,), "neg": (q,), "concat": (q, q), "mul_cos": (q, cos), "mul_sin": (q, cos), "add": (q, q)}
+
+
+ROPE_DEVICE_AXES = ("dp", "tp")  # MindFormers' device matrix names (device_matrix.py (dp, cp, tp); no cp here)
+
+
+def rope_layout_names(template: Template, axes: Dict[str, int]) -> Tuple[str, ...]:
+    """A rotary template -> the Layout alias of each dim, MindFormers' form for the fused RotaryPositionEmbedding
+    (rope_utils.ApplyRotaryPosEmb.shard: layout("cp", "dp", "tp", "None") and the like): "dp" for a dp split,
+    "tp" for a tp / vtp split, "None" for a whole dim (a symbol of size 1 included)."""
+    names = []
+    for sym in template:
+        size = 1 if isinstance(sym, int) else axes[sym]
+        names.append("None" if size == 1 else ("dp" if sym == "dp" else "tp"))
+    return tuple(names)
 
 
 def glu_strategies(s: Tuple[int, ...]) -> Dict[str, tuple]:

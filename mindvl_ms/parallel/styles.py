@@ -9,7 +9,8 @@ Each style declares the strategies of `parallel/strategies.py` (MindFormers' con
 primitive instances with `Primitive.shard`, and records what it did in a `ParallelReport`:
 - `Linear(role)`: nn.Dense matmul (+ bias add) by linear role; a row-parallel linear reduce-scatters its
   output onto the tokens under sequence parallel (`row_sp`).
-- `Norm(template)`, `Rotary(q, cos)`: RMSNorm and RoPE primitives; both drop their CPU C++ kernels
+- `Norm(template)`, `Rotary(q, cos)`: RMSNorm and RoPE primitives (the fused Ascend RoPE as MindFormers:
+  `self_define_shard` with Layouts in and out); both drop their CPU C++ kernels
   (`ops/cpu_kernels.py`) so that the composite primitives, which carry the strategies, are what runs: a
   parallel layout compiles for Ascend, where the fused kernels run instead. An `AddRMSNorm` (a decoder
   layer's residual add + post-attention norm) runs its add as its own primitive (`unfuse_add`): MindSpore's
@@ -26,8 +27,9 @@ primitive instances with `Primitive.shard`, and records what it did in a `Parall
 - `Attention()`: the attention core (`parallel/attention.py: shard_core_attention`) under the layout of the
   part it belongs to (the ViT keeps its heads whole unless `vision_parallel: tp`).
 - `DropKernel()`: the ViT's CPU block path (`models/vision.py: QkvBiasRope`) keeps its composite ops.
-- `ExpertParallel(mindformers)`: a DeepSeek-V3 MoE layer (`parallel/moe.py: shard_moe`), with MindFormers'
-  expert selection bound first when `mindformers`, and the shared experts' SwiGLU as a dense FFN.
+- `ExpertParallel(mindformers, seq_length)`: a DeepSeek-V3 MoE layer (`parallel/moe.py: shard_moe`, its
+  dispatcher built for the stage's seq_length), with MindFormers' expert selection bound first when
+  `mindformers`, and the shared experts' SwiGLU as a dense FFN.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 from mindspore import nn
+from mindspore.parallel import Layout as MsLayout
 
 from mindvl_ms.models.moe import DeepseekV3DecoderLayer, DeepseekV3MoE
 from mindvl_ms.models.text import DecoderLayer, TiedHead as TiedHeadCell
@@ -149,7 +152,19 @@ class Rotary(Style):
     def apply(self, name, cell, ctx):
         cell.drop_kernel()  # the CPU C++ RoPE: the composite primitives carry the strategy
         _shard_prims(cell, S.rotary_strategies(S.resolve(self.q, ctx.axes), S.resolve(self.cos, ctx.axes)))
+        _shard_fused_rope(cell.rope, self.q, self.cos, ctx.axes)
         ctx.report.cells[name] = "rotary"
+
+
+def _shard_fused_rope(rope, q, cos, axes) -> None:
+    """The fused RotaryPositionEmbedding (x, cos, sin) -> x as MindFormers 1.9 shards it
+    (parallel_core/training_graph/base_models/common/embeddings/rope_utils.py, ApplyRotaryPosEmb.shard): the
+    primitive marked `self_define_shard`, Layouts over the (dp, tp) device matrix for its three inputs and its
+    output, the output laid out as x."""
+    lay = MsLayout((axes["dp"], axes["tp"]), S.ROPE_DEVICE_AXES)
+    x, c = lay(*S.rope_layout_names(q, axes)), lay(*S.rope_layout_names(cos, axes))
+    rope.add_prim_attr("self_define_shard", True)
+    rope.shard(in_strategy=(x, c, c), out_strategy=(x,))
 
 
 class Glu(Style):
@@ -237,14 +252,14 @@ class ExpertParallel(Style):
 
     types = (DeepseekV3MoE,)
 
-    def __init__(self, moe_config=None, mindformers: bool = False):
-        self.moe_config, self.mindformers = moe_config, mindformers
+    def __init__(self, moe_config=None, mindformers: bool = False, seq_length: int = None):
+        self.moe_config, self.mindformers, self.seq_length = moe_config, mindformers, seq_length
 
     def apply(self, name, cell, ctx):
         ctx.report.delegated[name] = "moe"
         if self.mindformers and cell.gate.mindformers_select is None:
             cell.gate.mindformers_select = MindFormersSelect(self.moe_config, ctx.layout)
-        shard_moe(cell, ctx.layout)
+        shard_moe(cell, ctx.layout, seq_length=self.seq_length)  # the dispatcher for the stage's rows
         glu = cell.shared_experts.swiglu if cell.has_shared else None
         if glu is not None and glu.silu.attrs.get("in_strategy") is None:  # shard_moe leaves it to the FFN rule
             _shard_glu(glu, S.resolve(S.FFN, ctx.axes))

@@ -54,7 +54,7 @@ from mindvl_ms.data.vocab_subset import follow_vocab_subset
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.ops.dispatch import is_ascend
 from mindvl_ms.parallel import apply_recompute, parallelize
-from mindvl_ms.parallel.moe import bind_mindformers_moe
+from mindvl_ms.parallel.moe import bind_mindformers_moe, set_moe_seq_length
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
 from mindvl_ms.parallel.validate import refuse_unsharded
 from mindvl_ms.train.batches import LoaderSource, micro_batches, rank_slice
@@ -207,6 +207,7 @@ class Trainer:
     def _build_step(self, resuming: bool):
         """(driver, engine): the SFT step, or a DPO / GRPO step driver with its own step (train/post/stage.py)."""
         c, stage = self.chain, self.stage
+        set_moe_seq_length(c.model, stage.seq_length)  # expert-parallel dispatchers: this stage's rows
         if stage.type != "sft":
             driver = make_step_driver(dict(run_cfg=self.run_cfg, stage=stage, dist=self.dist, model=c.model,
                                            net=c.net, params=self.params, names=c.names, source=self.source,

@@ -17,7 +17,7 @@ from mindvl_ms.config import load_model_config
 from mindvl_ms.config.train import load_run_config
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.parallel import Layout, parallelize
-from mindvl_ms.parallel.audit import parameter_shards, primitive_census, strategy_of
+from mindvl_ms.parallel.audit import layout_splits, parameter_shards, primitive_census, split_of, strategy_of
 
 
 def _abstract(path):
@@ -102,7 +102,7 @@ def test_8b_llm_strategies(model_8b, dp, tp, sp, vocab_dp):
     assert strategy_of(m.model.norm.rms_norm) == (hid, (1,))
     assert strategy_of(layer.add) == (hid, hid)                        # residual adds
     assert strategy_of(layer.self_attn.q_norm.rms_norm) == ((dp, 1, tp, 1), (1,))
-    assert strategy_of(layer.self_attn.rotary.rope) == ((dp, tp, 1, 1), (dp, 1, 1, 1), (dp, 1, 1, 1))
+    assert split_of(layer.self_attn.rotary.rope) == ((dp, tp, 1, 1), (dp, 1, 1, 1), (dp, 1, 1, 1))
     assert strategy_of(layer.mlp.glu.silu) == ((dp, 1, tp),)
     assert layer.mlp.glu.fused is (tp == 1)  # the fused kernel's concat cannot take a split FFN dim
     _, wo, _ = _census(f"8B dp{dp} tp{tp} sp{sp} vocab_dp{vocab_dp}", m, "model.")
@@ -157,8 +157,8 @@ def test_671b_moe_llm_strategies():
     # MTP eh_proj; lm_head
     assert n == 5 * (n_layers + mtp) + 3 * dense_layers + 3 * (n_layers - dense_layers + mtp) + mtp + 1
     attn = m.model.layers[10].self_attn
-    assert strategy_of(attn.rotary.rope)[0] == (8, 8, 1, 1)
-    assert strategy_of(attn.rotary_k.rope)[0] == (8, 1, 1, 1)   # the one shared rope key: no head split
+    assert split_of(attn.rotary.rope)[0] == (8, 8, 1, 1)
+    assert split_of(attn.rotary_k.rope)[0] == (8, 1, 1, 1)   # the one shared rope key: no head split
     assert strategy_of(attn.kv_a_layernorm.rms_norm) == ((8, 1, 1), (1,))
     assert sorted(set(rep.delegated.values())) == ["attention", "moe"]
     for name, (full, split, shard) in parameter_shards(m).items():
@@ -184,3 +184,26 @@ def test_nn_dense_in_llm_all_matched(model_8b):
     assert rep.unmatched_linear == []
     dense = [n for n, c in m.cells_and_names() if isinstance(c, nn.Dense)]
     assert sorted(dense) == sorted(rep.linear)
+
+
+def test_fused_rope_self_defined_shard_as_mindformers():
+    """The fused RotaryPositionEmbedding as MindFormers 1.9's ApplyRotaryPosEmb.shard: self_define_shard, Layouts
+    over (dp, tp) for x, cos, sin and for the output (laid out as x); the shared MLA rope key and the ViT
+    (vision_parallel dp: heads whole, patches split dp) get theirs."""
+    cfg = load_model_config("configs/model/tiny.yaml")
+    m = MindVLModel(cfg)
+    parallelize(m, Layout(dp=2, tp=2), vision_parallel="dp")
+    rope = m.model.layers[0].self_attn.rotary.rope
+    assert rope.attrs["self_define_shard"] is True
+    assert layout_splits(rope.attrs["in_layout"]) == ((2, 2, 1, 1), (2, 1, 1, 1), (2, 1, 1, 1))
+    assert layout_splits(rope.attrs["out_layout"]) == ((2, 2, 1, 1),)
+    assert rope.attrs["in_layout"][0]["device_matrix"] == (2, 2)
+    assert rope.attrs["in_layout"][0]["alias_name"] == ("dp", "tp")
+    vit = m.visual.blocks[0].attn.rotary.rope
+    assert vit.attrs["self_define_shard"] is True
+    assert layout_splits(vit.attrs["in_layout"]) == ((1, 1, 2, 1), (1, 1, 2, 1), (1, 1, 2, 1))
+    moe = MindVLModel(load_model_config("configs/model/tiny-moe.yaml"))
+    parallelize(moe, Layout(dp=2, tp=2))
+    attn = next(layer.self_attn for layer in moe.model.layers if hasattr(layer.self_attn, "rotary_k"))
+    assert layout_splits(attn.rotary_k.rope.attrs["in_layout"])[0] == (2, 1, 1, 1)
+    assert layout_splits(attn.rotary.rope.attrs["out_layout"]) == ((2, 2, 1, 1),)
