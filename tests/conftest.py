@@ -13,6 +13,20 @@ ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
 
+if os.environ.get("MINDVL_TEST_COMPILES"):  # graph compiles per test (tests/support/compile_count.py)
+    from tests.support import compile_count
+
+    compile_count.install()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        compile_count.set_test(item.nodeid)
+        yield
+
+    def pytest_terminal_summary(terminalreporter):
+        compile_count.summary(terminalreporter)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     np.random.seed(0)
