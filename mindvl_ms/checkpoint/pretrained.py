@@ -117,13 +117,17 @@ def build_unfilled(cls, cfg: MindVLConfig):
         return cls(cfg)
 
 
-def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None):
+def load_pretrained(cls, path: str, config: Optional[MindVLConfig] = None, dtype=None):
     """`cls(config)` with the weights of a native or HF directory (`config` defaults to the directory's),
     streamed tensor by tensor into a model built without random weights (peak memory: docs/PERFORMANCE.md,
-    ## checkpoint)."""
+    ## checkpoint). `dtype` (e.g. ms.float16): every parameter in that dtype, each tensor cast to it on
+    its way in (no float32 copy of the model)."""
     cfg, sources = open_checkpoint(path, config)
     try:
         model = build_unfilled(cls, cfg)
+        if dtype is not None:
+            for p in model.get_parameters():
+                p.set_dtype(dtype)
         stream_into(model, sources)
     finally:
         if isinstance(sources, Sources):

@@ -7,6 +7,7 @@
     out/prefill.mindir   prompt ids, M-RoPE positions, image_embeds, gather index, cache slots, cache in
                          -> last-token logits float32[B, V], cache out
     out/decode.mindir    one token per row, positions, slot, cache in -> logits float32[B, V], cache out
+    out/weights/data_*   every weight once, shared by the four graphs (their parameters name offsets in it)
     out/export.json      every graph's inputs/outputs (name, shape with -1 = dynamic, dtype), file sizes,
                          the host-side model facts (EngineSpec), special token ids, the KV-cache layout and
                          the image preprocessing, so a runner (mindir_runner.py) needs nothing else
@@ -17,29 +18,112 @@ them. `--fp16` casts the weights to float16 first (the KV cache is then float16 
 The graphs hold only MindSpore's own operators: the model's CPU C++ kernels are dropped first (their
 composite ops give the same values), so a MindIR runs wherever MindSpore or Lite does.
 The output directory is written atomically.
+
+Weights are written once: the four graphs use the same parameters (prefill and decode the whole
+language model, both vision graphs the vision tower), and `mindspore.export` would embed them in each
+file (or in a `<graph>_variables/` directory each, above 1 GB), four copies of the vision tower's and
+two of the language model's weights. Each graph is serialized instead with its parameters pointing
+into `weights/` (MindIR's external data: file, offset, length; the 64-byte file header MindSpore's
+loader checks), where a weight is appended the first time a graph uses it; `mindspore.load` reads the
+graphs as it reads its own split exports. The size against the checkpoint: docs/PERFORMANCE.md,
+## checkpoint. `--fp16` loads the checkpoint straight into float16 parameters (no float32 copy).
 """
 import dataclasses
-import json
 import os
+import sys
 from typing import Dict, Optional
 
 from tqdm import tqdm
 
 import mindspore as ms
+from mindspore.train.mind_ir_pb2 import ModelProto
+from mindspore.train.serialization import _cell_info
 
 from mindvl_ms.checkpoint.integrity import atomic_dir
 from mindvl_ms.checkpoint.io import write_json
+from mindvl_ms.checkpoint.pretrained import load_pretrained
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.data.processor import carry_processor, save_processor
 from mindvl_ms.data.processor_files import read_image_config, read_system_prompt
 from mindvl_ms.infer.engine import EngineSpec
-from mindvl_ms.infer.generate import load_model
 from mindvl_ms.infer.kv_cache import DECODE_NAMES, PREFILL_NAMES, VISION_META, Decode, Prefill, VisionEncoder, param_dtype, \
     supports_cache
+from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.ops.cpu_kernels import drop_kernels
 
 EXPORT_JSON = "export.json"
 FORMAT = "mindvl-mindir"
+WEIGHTS = "weights"
+WEIGHT_FILE_BYTES = 1 << 30  # a new weights/data_N past this, as MindSpore splits its own exports
+_ALIGN = 64  # MindSpore pads each weight to 64 bytes and starts a data file with a 64-byte header
+
+
+class SharedWeights:
+    """The `weights/` files of an export: each parameter appended once, its (file, offset, length) kept for
+    every graph that uses it."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        os.makedirs(os.path.join(directory, WEIGHTS), exist_ok=True)
+        self.where: Dict[str, tuple] = {}
+        self._index, self._file, self._offset = -1, None, 0
+
+    def _next_file(self) -> None:
+        self.close()
+        self._index += 1
+        self._file = open(os.path.join(self.directory, self._location()), "wb")
+        self._file.write(bytes([sys.byteorder == "little"]) + bytes(_ALIGN - 1))  # the loader's check byte
+        self._offset = _ALIGN
+
+    def _location(self) -> str:
+        return f"{WEIGHTS}/data_{self._index}"
+
+    def place(self, name: str, param) -> tuple:
+        """(location, offset, length) of `name`'s bytes, written on first use."""
+        if name not in self.where:
+            raw = param.data.get_bytes()
+            pad = -len(raw) % _ALIGN
+            if self._file is None or (self._offset > _ALIGN and self._offset + len(raw) > WEIGHT_FILE_BYTES):
+                self._next_file()
+            self._file.write(raw)
+            self._file.write(bytes(pad))
+            self.where[name] = (self._location(), self._offset, len(raw))
+            self._offset += len(raw) + pad
+        return self.where[name]
+
+    @property
+    def bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.directory, WEIGHTS, f))
+                   for f in os.listdir(os.path.join(self.directory, WEIGHTS)))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def save_graph(cell, inputs, path: str, weights: SharedWeights) -> None:
+    """Serialize `cell` compiled on `inputs` as MindIR at `path`, its parameters as external data in
+    `weights` (see the module doc): what `mindspore.export(..., file_format="MINDIR")` does, but sharing
+    the weight files across graphs."""
+    syntax = ms.get_context("jit_syntax_level")
+    ms.set_context(jit_syntax_level=ms.STRICT)  # as mindspore.export compiles
+    try:
+        stream, params = _cell_info(cell, False, *inputs)
+    finally:
+        ms.set_context(jit_syntax_level=syntax)
+    model = ModelProto()
+    model.ParseFromString(stream)
+    for proto in model.graph.parameter:
+        name = proto.name[proto.name.find(":") + 1:]
+        if name not in params:
+            raise ValueError(f"graph parameter {name!r} is not a parameter of {type(cell).__name__}")
+        location, offset, length = weights.place(name, params[name])
+        proto.external_data.location = location
+        proto.external_data.offset = offset
+        proto.external_data.length = length
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
 
 
 def _dtype_name(d) -> str:
@@ -98,14 +182,17 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
                            **dataclasses.asdict(img)},
             "model_config": dataclasses.asdict(cfg), **(extra or {})}
     with atomic_dir(out) as tmp:
+        weights = SharedWeights(tmp)
         for name, cell, names, inputs, outs in tqdm(graphs, desc="export", unit="graph"):
             cell.set_inputs(*inputs)
-            ms.export(cell, *inputs, file_name=os.path.join(tmp, name), file_format="MINDIR")
             fn = name + ".mindir"
+            save_graph(cell, inputs, os.path.join(tmp, fn), weights)
             meta["graphs"][name] = {
-                "file": fn, "bytes": _size(tmp, name), "inputs": _describe(names, inputs),
+                "file": fn, "bytes": os.path.getsize(os.path.join(tmp, fn)), "inputs": _describe(names, inputs),
                 "outputs": [{"name": n, "shape": s, "dtype": d} for n, s, d in (outs or lm_out)]}
-        meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values())
+        weights.close()
+        meta["weights"] = {"directory": WEIGHTS, "bytes": weights.bytes, "tensors": len(weights.where)}
+        meta["total_bytes"] = sum(g["bytes"] for g in meta["graphs"].values()) + weights.bytes
         meta["processor_files"] = (carry_processor(tmp, processor_from) if processor_from else
                                    save_processor(tmp, data_cfg=DataConfig(image=img)))
         meta["system_prompt"] = read_system_prompt(tmp)
@@ -113,21 +200,8 @@ def export_model(model, out: str, image_config=None, extra: Optional[Dict] = Non
     return meta
 
 
-def _size(directory: str, name: str) -> int:
-    """Bytes of a graph file plus any external-weight files MindSpore wrote next to it."""
-    total = 0
-    for entry in os.listdir(directory):
-        p = os.path.join(directory, entry)
-        if entry == name + ".mindir" or entry.startswith(name + "_variables") or entry.startswith(name + "_graph"):
-            if os.path.isdir(p):
-                total += sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(p) for f in fs)
-            else:
-                total += os.path.getsize(p)
-    return total
-
-
 def export(ckpt: str, out: str, fp16: bool = False) -> Dict:
     """Load `ckpt` (native or HF directory), export to `out`; returns the export.json dict."""
-    model = load_model(ckpt, fp16)
+    model = load_pretrained(MindVLModel, ckpt, dtype=ms.float16 if fp16 else None)
     return export_model(model, out, image_config_for(ckpt), extra={"source_checkpoint": os.path.abspath(ckpt)},
                         processor_from=ckpt)
