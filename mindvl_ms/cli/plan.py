@@ -24,13 +24,15 @@ def _run_plan(args) -> int:
     from mindvl_ms.data.vocab_subset import follow_vocab_subset
     from mindvl_ms.parallel.layout import Layout
     from mindvl_ms.parallel.plan import check, format_host_plan, format_plan, host_plan, parse_memory, plan_run
-    from mindvl_ms.parallel.runtime import validate_strategy
+    from mindvl_ms.parallel.runtime import auto_parallel_settings, validate_strategy
+    from mindvl_ms.parallel.validate import validate_parallel
 
     try:
         cfg = load_run_config(resolve_config(args.config)[0], args.set)
         follow_vocab_subset(cfg)
         lay = Layout.from_run_config(cfg)
         validate_strategy(cfg.model, cfg.parallel_config, lay.world)
+        validate_parallel(cfg, lay.world, auto_parallel_settings(cfg, lay.world), args.config)
         limit = parse_memory(cfg.context.max_device_memory)
         plans = plan_run(cfg)
         hosts = host_plan(cfg)

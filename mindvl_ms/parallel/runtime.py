@@ -21,7 +21,8 @@
   `set_context(ascend_config={"parallel_speed_up_json_path": FILE})`, FILE a JSON of those keys written here
   (MindSpore reads them from a file only); the file stays until the process exits, as the context names it.
 - `validate_strategy` checks divisibility (heads, KV heads, hidden, FFN, vocab, layers, experts)
-  before any graph is built.
+  before any graph is built; on Ascend `parallel/validate.py` then refuses a semi/auto run whose loader,
+  `dataset_strategy` or micro-batch count does not match.
 - Started by scripts/msrun_train.sh, the workers and the scheduler die with msrun (`end_with_launcher`), so
   a killed launcher leaves no process behind; a worker that dies is handled by msrun and the scheduler
   (README, "Data parallel and worker failures").
@@ -48,6 +49,7 @@ from mindvl_ms.config.base import ConfigError
 from mindvl_ms.data.collate import INPUT_NAMES, INPUT_RANKS
 from mindvl_ms.parallel.layout import Layout
 from mindvl_ms.parallel.moe_validate import validate_moe_parallel
+from mindvl_ms.parallel.validate import validate_parallel
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +255,9 @@ def setup(run_cfg) -> DistInfo:
     validate_strategy(run_cfg.model, sizes, info.world)
     fill_coords(info, run_cfg)
     if not cpu and info.world > 1:
-        ms.set_auto_parallel_context(**auto_parallel_settings(run_cfg, info.world))
+        settings = auto_parallel_settings(run_cfg, info.world)
+        validate_parallel(run_cfg, info.world, settings)  # loader, dataset_strategy, micro-batches
+        ms.set_auto_parallel_context(**settings)
     return info
 
 

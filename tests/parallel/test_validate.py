@@ -5,9 +5,12 @@ and the audit finding a primitive without a strategy in the language model or th
 
 The shipped 671B layout (dp 8, tp 8, pp 8, micro_batch_num 32; stages of 1024 and 512 rows) is the base.
 """
+import glob
+
 import pytest
 from mindspore import ops
 
+from mindvl_ms.cli import main
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.config.train import load_run_config
@@ -15,6 +18,7 @@ from mindvl_ms.data.collate import INPUT_NAMES
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.parallel import Layout, parallelize
 from mindvl_ms.parallel.parallelize import shard_loss_head
+from mindvl_ms.parallel.runtime import auto_parallel_settings
 from mindvl_ms.parallel.validate import refuse_unsharded, unsharded, validate_parallel
 from mindvl_ms.train.loss_head import ChunkedHeadCE
 
@@ -108,3 +112,22 @@ def test_audit_refuses_a_primitive_without_a_strategy():
     head.exp = ops.Exp()
     with pytest.raises(ConfigError, match=r"Exp \(e\.g\. loss head exp\)"):
         refuse_unsharded(head=head)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/run/*.yaml")))
+def test_shipped_runs_pass_with_the_runtime_dataset_strategy(path):
+    """What `setup` and `mindvl plan` check: the shipped Ascend runs with the dataset_strategy the runtime
+    gives set_auto_parallel_context (parallel.runtime.dataset_strategy)."""
+    cfg = load_run_config(path)
+    world = Layout.from_run_config(cfg).world
+    settings = auto_parallel_settings(cfg, world)
+    assert cfg.parallel.parallel_mode == 1 and settings["full_batch"] is False
+    validate_parallel(cfg, world, settings, path)
+
+
+def test_mindvl_plan_refuses(capsys):
+    assert main(["plan", "--config", "configs/run/mindvl-8b-64npu.yaml", "--set", "parallel.full_batch=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("config error: configs/run/mindvl-8b-64npu.yaml: parallel.full_batch is true, but each rank loads "
+                   "only its 1/16 data-parallel shard of the global batch (there is no global loader); expected "
+                   "full_batch: false")
