@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.support import msrun
 from tests.support.paths import ROOT
@@ -16,6 +17,7 @@ from tests.support.paths import ROOT
 WORKER = os.path.join(ROOT, "tests", "workers", "moe_msrun.py")
 
 
+@pytest.mark.slow  # msrun data parallel: tests/parallel/test_msrun_dp.py; MoE training: tests/train/test_moe_train.py
 def test_two_msrun_workers_train_moe_like_one_process(tmp_path):
     single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
     # each run in its own working directory: MindSpore writes graph dumps (rank_0/...) into the cwd

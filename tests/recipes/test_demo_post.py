@@ -26,6 +26,7 @@ def _files(tmp):
     (tmp / "pairs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pairs))
 
 
+@pytest.mark.slow  # each step alone: tests/train/post/test_dpo_train.py, test_grpo_train.py, test_ntp_mix.py
 def test_post_yaml_smoke(tmp_path):
     _files(tmp_path)
     small = ["model.vision.depth=1", "model.vision.fullatt_block_indexes=[0]", "model.vision.hidden_size=32",

@@ -5,6 +5,8 @@ Rows hold one response each in both runs: with different packings the same math 
 AdamW's normalisation magnifies the float differences of near-zero gradients (docs/PERFORMANCE.md, ## train)."""
 import os
 
+import pytest
+
 from tests.support import msrun
 from tests.support.paths import ROOT
 from tests.workers import post_msrun as post_msrun_worker
@@ -12,6 +14,7 @@ from tests.workers import post_msrun as post_msrun_worker
 WORKER = os.path.join(ROOT, "tests", "workers", "post_msrun.py")
 
 
+@pytest.mark.slow  # msrun data parallel: tests/parallel/test_msrun_dp.py; GRPO steps: tests/train/post/test_grpo_train.py
 def test_grpo_two_workers_match_single_process(tmp_path):
     single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
     with msrun.launch(2, WORKER, [dp], tmp_path / "logs", cluster_timeout=300) as job:
