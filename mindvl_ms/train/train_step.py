@@ -74,9 +74,25 @@ def ms_dtype(a: np.ndarray):
             np.dtype(np.float16): ms.float16, np.dtype(np.bool_): ms.bool_}[a.dtype]
 
 
-def dynamic_like(arrays: Sequence[np.ndarray]) -> List[Tensor]:
-    """Placeholder Tensors with every dimension dynamic, in the arrays' dtypes (for `set_inputs`)."""
-    return [Tensor(shape=[None] * a.ndim, dtype=ms_dtype(a)) for a in arrays]
+def dynamic_like(arrays: Sequence[np.ndarray], constant: Sequence[Sequence] = ()) -> List[Tensor]:
+    """Placeholder Tensors in the arrays' dtypes (for `set_inputs`): every dimension dynamic except the
+    constant ones `constant` gives (per array, a shape with None where dynamic: the model's
+    `dynamic_inputs`), aligned to the array's last dimensions (pipeline feeds stack micro-batches in front)."""
+    out = []
+    for i, a in enumerate(arrays):
+        shape = [None] * a.ndim
+        if i < len(constant) and constant[i]:
+            shape[a.ndim - len(constant[i]):] = constant[i]
+        out.append(Tensor(shape=shape, dtype=ms_dtype(a)))
+    return out
+
+
+def constant_dims(model: nn.Cell) -> List[List]:
+    """The model inputs' constant dimensions (None where dynamic), from its `dynamic_inputs` if it has one."""
+    net = getattr(model, "_backbone", model)  # AMP wraps the model
+    if not callable(getattr(net, "dynamic_inputs", None)):
+        return []
+    return [[None if d is None or d < 0 else int(d) for d in t.shape] for t in net.dynamic_inputs()]
 
 
 def local_counts(micro_batches: Sequence[Dict[str, np.ndarray]]) -> Tuple[int, int, int, int]:
@@ -134,6 +150,8 @@ class TrainStep:
         self.dp, self.clip = dp, float(stage.grad_clip)
         self.allreduce_host = allreduce_host or (lambda x: x)
         self._shaped = False
+        self.static = compiler_reduces  # semi/auto parallel: a stage's RowBudget fixes every input shape
+        self.constant = constant_dims(model)
         self.compiles = 0
         self.bias_updater = find_bias_updater(model)
 
@@ -163,9 +181,12 @@ class TrainStep:
 
     # -- one optimizer step --------------------------------------------------------------------
     def _set_inputs(self, feed: List[np.ndarray], arrays: List[np.ndarray]) -> None:
-        scalar = Tensor(shape=[], dtype=ms.float32)
-        self.micro.set_inputs(*dynamic_like(feed), scalar, scalar, scalar)
-        self.weight_sum.set_inputs(*dynamic_like(arrays))
+        """Dynamic shapes (constant dims excepted) for CPU training; static ones, compiled as fed, under
+        semi/auto parallel, where every rank's arrays have the stage's fixed shapes (data.collate.RowBudget)."""
+        if not self.static:
+            scalar = Tensor(shape=[], dtype=ms.float32)
+            self.micro.set_inputs(*dynamic_like(feed, self.constant), scalar, scalar, scalar)
+            self.weight_sum.set_inputs(*dynamic_like(arrays, self.constant))
         self._shaped = True
 
     def _micro_arrays(self, mb: Dict[str, np.ndarray], min_slots: int = 0) -> List[np.ndarray]:

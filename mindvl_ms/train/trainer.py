@@ -46,7 +46,7 @@ from mindvl_ms.checkpoint.hf import config_from_dir
 from mindvl_ms.checkpoint.io import write_json
 from mindvl_ms.checkpoint.pretrained import load_into, load_pretrained
 from mindvl_ms.config.base import to_dict
-from mindvl_ms.data.collate import build_model_inputs
+from mindvl_ms.data.collate import build_model_inputs, row_budget
 from mindvl_ms.data.dataset import DataLoader, PackedShardSource
 from mindvl_ms.data.processor import ProcessorWriter
 from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
@@ -84,7 +84,11 @@ def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     """The data pipeline's per-rank loader for a stage: the run's `data` section merged with the stage's
     `data` overrides, with seq_length / micro batch / data-parallel rank and size taken from the stage."""
     cfg = dataclasses.replace(run_cfg.stage_data(stage), dp_size=dist.dp, dp_rank=dist.dp_rank)
-    loader = DataLoader.from_config(cfg, model_config=run_cfg.model)
+    collate = None
+    if dist.semi_auto:  # static shapes: every rank's arrays sized by the stage's fixed budget
+        budget = row_budget(run_cfg.model, cfg)
+        collate = lambda rows: build_model_inputs(rows, run_cfg.model, budget=budget)  # noqa: E731
+    loader = DataLoader.from_config(cfg, model_config=run_cfg.model, collate=collate)
     rows = None
     if isinstance(loader.source, PackedShardSource):
         rows = len(loader.source.offsets) * dist.dp
