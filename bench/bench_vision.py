@@ -89,8 +89,8 @@ def measure(size: str, hf_visual, model, repeats: int, dense: bool):
     batch = build_model_inputs([[{"input_ids": ids, "pixel_values": pv, "image_grid_thw": grid}]], model.config)
     meta = ["pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
             "full_segment_ids"]
-    args_blk = [Tensor(batch[k]) for k in meta + ["window_gather", "full_gather"]]
-    args_dense = [Tensor(batch[k]) for k in meta]
+    args_blk = [Tensor(batch[k][0]) for k in meta + ["window_gather", "full_gather"]]  # the one row
+    args_dense = [Tensor(batch[k][0]) for k in meta]
     w = np.random.default_rng(1).standard_normal((n_tok, VISION["out_hidden_size"])).astype(np.float32)
 
     class Probe(nn.Cell):
@@ -118,7 +118,7 @@ def measure(size: str, hf_visual, model, repeats: int, dense: bool):
         "bwd": (lambda: grad(*args_blk)[0].asnumpy(), t_bwd, lambda: grad(*args_dense)[0].asnumpy()),
     }
     dense = dense and len(pv) <= 2048
-    out = {"patches": len(pv), "windows": int(batch["window_gather"].shape[0])}
+    out = {"patches": len(pv), "windows": int(batch["window_gather"].shape[1])}
     for kind, (ours, ref, old) in calls.items():
         ours(), ref()  # warm-up: graph compile, torch allocator
         if dense:

@@ -5,8 +5,9 @@ paper's Conv3d replacement; the converter reshapes the Conv3d weight [E, C, T, P
 optional learned absolute positions (off by default, as in Qwen2.5-ViT; see VisionAbsPosEmbed for when
 they help), 2D rotary embedding, MLP, attention, block, patch merger, the encoder.
 
-All images of a batch are one packed sequence of N patches. Everything that depends on image sizes is
-computed host-side (`mindvl_ms.data.collate.vision_metadata`) and passed in:
+All images of a batch are one packed sequence of N patches (`models.mindvl.flat_vision_inputs` packs the
+rows of a batch, each padded to its patch budget, into it). Everything that depends on image sizes is
+computed host-side (`mindvl_ms.data.rope_index.vision_metadata`) and passed in:
   vision_pos_ids     int32[N, 2]   (row, col) of each patch, already in window order
   window_index       int32[N/4]    merge-unit order that groups units by attention window
   reverse_index      int32[N/4]    argsort(window_index), restores image order after the merger

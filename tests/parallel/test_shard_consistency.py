@@ -10,6 +10,8 @@ peers reading the same rows; rank = dp_rank * tp + tp_rank, the coordinates of r
   built at once, for the tiny dense model and the tiny MoE.
 - Equal local shapes: every rank's local input shapes are equal at every step of a stage, over a real
   mixed data set read by the per-rank loaders.
+- The shipped Ascend layouts set full_batch false and that dataset_strategy.
+- Static shapes: constant dims are never dynamic; a stage's RowBudget fixes every dim.
 """
 import json
 import os
@@ -19,6 +21,7 @@ import pytest
 
 import mindspore as ms
 from mindspore import Tensor
+from mindspore.nn.utils import no_init_parameters
 
 from tests.support.data import write_images
 from tests.support.video import write_video
@@ -31,11 +34,13 @@ from mindvl_ms.data.offline import pack_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import parse_line
 from mindvl_ms.models.mindvl import MindVLModel
-from mindvl_ms.parallel.runtime import SUPERVISED_GRIDS, dataset_strategy
+from mindvl_ms.config.train import load_run_config
+from mindvl_ms.parallel.runtime import SUPERVISED_GRIDS, auto_parallel_settings, dataset_strategy
 from mindvl_ms.train.batches import rank_slice
 from mindvl_ms.train.forward_loss import ForwardLoss
 from mindvl_ms.train.loss import TrainLoss
 from mindvl_ms.train.loss_head import supervised_layout
+from mindvl_ms.train.train_step import constant_dims, dynamic_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, VISUAL, CHUNK = 160, 128, 64
@@ -176,3 +181,39 @@ def test_every_rank_has_equal_local_shapes_at_every_step(data_file, tmp_path):
         assert shapes[0]["actual_seq_len"][1:] == (budget.slots,)
         patches += sum(int(np.prod(b["image_grid_thw"], 1).sum()) for b in per_rank)
     assert patches > 0  # images and videos were read
+
+
+@pytest.mark.parametrize("run", ["mindvl-8b-64npu.yaml", "mindvl-671b-512npu.yaml", "openpangu-vl-7b-64npu.yaml"])
+def test_shipped_ascend_runs_split_rows_by_dataset_strategy(run):
+    """Every shipped Ascend layout: each rank loads its own rows (full_batch false) and the graph is told
+    which (dataset_strategy: rows split data_parallel ways, one entry per train-step input)."""
+    cfg = load_run_config(os.path.join(ROOT, "configs", "run", run))
+    sizes = cfg.parallel_config
+    world = sizes.data_parallel * sizes.model_parallel * sizes.pipeline_stage
+    kw = auto_parallel_settings(cfg, world)
+    assert kw["parallel_mode"] == "semi_auto_parallel" and kw["full_batch"] is False
+    assert cfg.parallel.full_batch is False
+    strategy = kw["dataset_strategy"]
+    assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS + 3
+    lead = (1, sizes.data_parallel) if sizes.pipeline_stage > 1 else (sizes.data_parallel,)
+    for st in strategy[:-3]:
+        assert st[:len(lead)] == lead and set(st[len(lead):]) <= {1}
+    assert strategy[-3:] == ((), (), ())
+
+
+def test_static_shapes_keep_constant_dims_and_fix_every_dim_per_stage(rows):
+    """Constant dims (M-RoPE's 3, the patch width, the (row, col) pair) are never declared dynamic, neither
+    by the model's placeholders nor by the train step's; under a stage's RowBudget every dim is fixed and
+    equals what the collate builds."""
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
+    with no_init_parameters():
+        model = MindVLModel(cfg)
+    dyn = {k: tuple(t.shape) for k, t in zip(INPUT_NAMES, model.dynamic_inputs())}
+    assert dyn["position_ids"] == (-1, 3, -1) and dyn["pixel_values"] == (-1, -1, 1176)
+    assert dyn["vision_pos_ids"] == (-1, -1, 2)
+    budget = row_budget(cfg, _data_config())
+    batch = build_model_inputs(rows[:2], cfg, budget=budget)
+    fixed = [tuple(t.shape) for t in model.dynamic_inputs((budget, 2))]
+    assert fixed == [batch[k].shape for k in INPUT_NAMES]
+    step = [tuple(t.shape) for t in dynamic_like([batch[k] for k in INPUT_NAMES], constant_dims(model))]
+    assert step == list(dyn.values())
