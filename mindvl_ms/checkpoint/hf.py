@@ -26,7 +26,7 @@ import numpy as np
 from mindvl_ms.config import MindVLConfig, TextConfig, from_hf_dict, load, to_hf_dict
 from mindvl_ms.config.model import text_from_hf, vision_from_hf
 from mindvl_ms.checkpoint import hf_deepseek
-from mindvl_ms.checkpoint.integrity import atomic_dir, verify_checkpoint
+from mindvl_ms.checkpoint.integrity import atomic_dir, tensor_checksums, verify_checkpoint, verify_except_tensors
 from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, FileSpan, RawTensor, TensorFile, TensorSpec, read_tensors, \
     weight_files, write_json, write_sharded, write_tensors
 
@@ -105,8 +105,10 @@ class Sources:
     """The tensors of a checkpoint as another layout names them (`specs`), read one at a time (`read`,
     `items`) from files kept open until `close`. Memory: the tensor being read."""
 
-    def __init__(self, path: str, rename: Callable[[str, tuple], Tuple[str, tuple]]):
+    def __init__(self, path: str, rename: Callable[[str, tuple], Tuple[str, tuple]],
+                 checksums: Optional[Dict[str, Dict[str, str]]] = None):
         self._files: Dict[str, TensorFile] = {}
+        self.checksums = checksums or {}  # absolute file -> {tensor: CRC32C}: copies verify against them
         self.by_name: Dict[str, Source] = {}
         for name, fn in weight_files(path).items():
             info = self._open(fn).header[name]
@@ -129,7 +131,10 @@ class Sources:
     def span(self, out_name: str) -> FileSpan:
         """Where the bytes of `out_name` are (unchanged by the rename and reshape): a writer copies them."""
         src = self.by_name[out_name]
-        return self._open(src.file).span(src.name)
+        span = self._open(src.file).span(src.name)
+        span.crc32c = self.checksums.get(os.path.abspath(src.file), {}).get(src.name)
+        span.where = f"{src.file}: tensor '{src.name}'"
+        return span
 
     def items(self) -> Iterator[Tuple[str, RawTensor]]:
         """(output name, RawTensor) in file order (each file read front to back)."""
@@ -173,10 +178,11 @@ def _keep(name: str, shape: tuple) -> Tuple[str, tuple]:
     return name, shape
 
 
-def open_sources(path: str, d: dict, to: str, cfg: Optional[MindVLConfig] = None) -> Optional[Sources]:
+def open_sources(path: str, d: dict, to: str, cfg: Optional[MindVLConfig] = None,
+                 checksums: Optional[Dict[str, Dict[str, str]]] = None) -> Optional[Sources]:
     """Streamed `Sources` of the checkpoint `path` (config.json `d`) in layout `to` ('native' or 'hf'); None
     for DeepSeek-V3 language models, whose experts are stacked/unstacked across tensors (those go through
-    the in-memory `hf_to_native` / `native_to_hf`)."""
+    the in-memory `hf_to_native` / `native_to_hf`). `checksums`: what copied spans are verified against."""
     text_only = is_text_only(d)
     if text_only:
         model_type = (d.get("config") or {}).get("model_type") if is_native(d) else d.get("model_type")
@@ -186,10 +192,12 @@ def open_sources(path: str, d: dict, to: str, cfg: Optional[MindVLConfig] = None
     if model_type == "deepseek_v3":
         return None
     if is_native(d) == (to == "native"):
-        return Sources(path, _keep)
-    if to == "native":
-        return Sources(path, lambda n, s: (normalize_hf_name(n), s) if text_only else _hf_rename(n, s))
-    return Sources(path, _keep if text_only else _native_rename(cfg))
+        rename = _keep
+    elif to == "native":
+        rename = (lambda n, s: (normalize_hf_name(n), s)) if text_only else _hf_rename
+    else:
+        rename = _keep if text_only else _native_rename(cfg)
+    return Sources(path, rename, checksums)
 
 
 # -- checkpoint directories <-> native-named tensors ------------------------------------------------
@@ -288,14 +296,16 @@ def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = DEFAUL
     further files (the processor) into the output before its checksums.
 
     Streamed: the output headers come from the input headers (renames and the patch embedding's reshape
-    need no data), then each tensor is read and written once, so memory holds one tensor whatever the
-    checkpoint's size. DeepSeek-V3 language models, whose experts are restacked, are converted in memory."""
-    verify_checkpoint(src)
+    need no data), then each tensor's bytes are copied once through a 16 MB buffer, checked against the
+    input's per-tensor checksums and checksummed for the output's manifest on the way, so the input is
+    read once, the output never read back, and memory stays a buffer whatever the checkpoint's size. DeepSeek-V3 language models, whose experts are restacked, are converted in memory."""
+    manifest = verify_except_tensors(src)  # the tensor bytes are verified as they are copied
     d = read_config_json(src)
     if is_native(d) == (to == "native"):
         raise ValueError(f"{src} is already a {'native' if is_native(d) else 'Hugging Face'} checkpoint")
-    sources = open_sources(src, d, to)
+    sources = open_sources(src, d, to, checksums=tensor_checksums(src, manifest))
     if sources is None:
+        verify_checkpoint(src)
         return _convert_in_memory(src, dst, to, d, max_shard_bytes, extra)
     with sources, atomic_dir(dst) as tmp:
         write_json(os.path.join(tmp, "config.json"), _converted_config(d, to, src))

@@ -44,7 +44,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import crc32c
 
-from mindvl_ms.checkpoint.io import OPTIM, STATE, CheckpointError, verified_header
+from mindvl_ms.checkpoint.io import OPTIM, STATE, CheckpointError, verified_header, written_entry
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,12 @@ def safetensors_checksums(path: str) -> Tuple[int, int, Dict[str, int]]:
 
 
 def file_entry(path: str) -> dict:
-    """The manifest entry of one file (see the module doc)."""
+    """The manifest entry of one file (see the module doc); a safetensors file streamed by this process
+    (`io.write_stream`) comes with the checksums computed while it was written, so it is not read again."""
     if path.endswith(".safetensors"):
+        known = written_entry(path)
+        if known is not None:
+            return known
         value, size, tensors = safetensors_checksums(path)
         return {"bytes": size, "checksum": _hex(value), "tensors": {k: _hex(v) for k, v in tensors.items()}}
     value, size = file_checksum(path)
@@ -192,6 +196,36 @@ def verify_checkpoint(path: str, model_only: bool = True) -> Optional[dict]:
             continue
         check_file(os.path.join(directory, *rel.split("/")), entry)
     return manifest
+
+
+def verify_except_tensors(path: str) -> Optional[dict]:
+    """What a streamed copy (`hf.convert`) verifies before it starts: every listed file but the
+    safetensors files' tensor bytes, which the copy checks against the manifest's per-tensor CRC32C as it
+    reads them (`io.FileSpan.crc32c`), so the input is read once. The safetensors files must exist with
+    their recorded size. Returns the manifest (None: none, or verification skipped)."""
+    if not _state["verify"] or not os.path.isdir(path):
+        return verify_checkpoint(path)
+    manifest = read_manifest(path)
+    if manifest is None:
+        return verify_checkpoint(path)  # logs the unverified directory once
+    for rel, entry in manifest["files"].items():
+        if rel in TRAINING_STATE:
+            continue
+        full = os.path.join(path, *rel.split("/"))
+        if rel.endswith(".safetensors") and "tensors" in entry:
+            if not os.path.isfile(full) or os.path.getsize(full) != entry["bytes"]:
+                check_file(full, entry)  # names the missing or truncated file
+            continue
+        check_file(full, entry)
+    return manifest
+
+
+def tensor_checksums(path: str, manifest: Optional[dict]) -> Dict[str, Dict[str, str]]:
+    """{absolute file path: {tensor: CRC32C hex}} of the safetensors files a manifest lists."""
+    if manifest is None:
+        return {}
+    return {os.path.abspath(os.path.join(path, *rel.split("/"))): entry["tensors"]
+            for rel, entry in manifest["files"].items() if "tensors" in entry}
 
 
 def check_file(path: str, entry: dict) -> None:

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
+import crc32c
 import numpy as np
 
 class CheckpointError(ValueError):
@@ -163,38 +164,53 @@ def read_file(path: str) -> Dict[str, RawTensor]:
 
 @dataclass
 class FileSpan:
-    """Bytes of an open file (`fd`, `offset`, `nbytes`): a tensor copied as it is stored."""
+    """Bytes of an open file (`fd`, `offset`, `nbytes`): a tensor copied as it is stored. `crc32c`, when
+    known (the source's checksum manifest), is what the bytes must checksum to: the copy verifies the
+    source on the way, so a streamed conversion reads its input once (`where` names it in an error)."""
 
     fd: int
     offset: int
     nbytes: int
+    crc32c: Optional[str] = None
+    where: str = ""
 
 
-COPY_CHUNK = 64 << 20  # bytes per copy_file_range call (or per read when the kernel cannot copy)
+COPY_CHUNK = 16 << 20  # bytes per read of a copied span, into one reused buffer
 
 
-def copy_span(span: FileSpan, out) -> None:
-    """Append `span`'s bytes to the open file `out`, copied by the kernel (`os.copy_file_range`: the bytes
-    never enter this process) where it can, else through one reused buffer."""
-    out.flush()
-    fd, pos, left = out.fileno(), span.offset, span.nbytes
-    dst = os.lseek(fd, 0, os.SEEK_CUR)
-    while left > 0 and hasattr(os, "copy_file_range"):
-        try:
-            n = os.copy_file_range(span.fd, fd, min(left, COPY_CHUNK), pos, dst)
-        except OSError:
-            break  # e.g. across file systems on old kernels: copy through memory below
-        if n <= 0:
-            break
-        pos, dst, left = pos + n, dst + n, left - n
-    os.lseek(fd, dst, os.SEEK_SET)
-    buf = memoryview(bytearray(min(left, COPY_CHUNK))) if left > 0 else None
+def copy_span(span: FileSpan, out, file_crc: int, buf: memoryview) -> tuple:
+    """Append `span`'s bytes to the open file `out` through `buf`, checksumming them as they pass;
+    returns (the file's CRC32C so far, the span's CRC32C). A span whose CRC32C differs from the one it
+    carries is a CheckpointError naming the source."""
+    pos, left, crc = span.offset, span.nbytes, 0
     while left > 0:
         n = os.preadv(span.fd, [buf[:min(left, len(buf))]], pos)
         if n <= 0:
-            raise CheckpointError(f"tensor data ends early at byte {pos:,} (the file changed while copied)")
-        out.write(buf[:n])
+            raise CheckpointError(f"{span.where}: data ends early at byte {pos:,} (the file changed while copied)")
+        chunk = buf[:n]
+        crc = crc32c.crc32c(chunk, crc)
+        file_crc = crc32c.crc32c(chunk, file_crc)
+        out.write(chunk)
         pos, left = pos + n, left - n
+    if span.crc32c is not None and f"{crc:08x}" != span.crc32c:
+        raise CheckpointError(f"{span.where} fails its checksum (crc32c {crc:08x}, checksums.json records "
+                              f"{span.crc32c}): the bytes changed after it was written (disk or copy corruption); "
+                              f"re-copy or re-save the checkpoint, or pass --no-verify to load it anyway")
+    return file_crc, crc
+
+
+_WRITTEN: Dict[str, tuple] = {}  # abspath -> (bytes, mtime_ns, manifest entry) of files write_stream wrote
+
+
+def written_entry(path: str) -> Optional[dict]:
+    """The checksum-manifest entry (`integrity.file_entry`'s format) of a safetensors file this process
+    wrote with `write_stream` and has not changed since, computed from the bytes as they were written:
+    the manifest of a streamed checkpoint needs no second read of its files. None otherwise."""
+    known = _WRITTEN.get(os.path.abspath(path))
+    if known is None:
+        return None
+    st = os.stat(path)
+    return known[2] if (st.st_size, st.st_mtime_ns) == known[:2] else None
 
 
 @dataclass
@@ -214,7 +230,8 @@ def write_stream(path: str, specs: List[TensorSpec], fetch: Callable[[str], Unio
                  metadata: Optional[Dict[str, str]] = None) -> None:
     """Write one safetensors file as a stream: the header from `specs`, then each tensor's bytes from
     `fetch(name)` in header order, so at most one tensor is in memory (no second copy of the file); a
-    `FileSpan` is copied file to file without entering memory. A fetched tensor of another byte size (or
+    `FileSpan` is copied through a small buffer (and verified, `FileSpan.crc32c`). The CRC32C of the file
+    and of each tensor are computed on the way (`written_entry`). A fetched tensor of another byte size (or
     array of another shape) than its spec is a ValueError."""
     header, offset = {}, 0
     for s in specs:
@@ -225,23 +242,31 @@ def write_stream(path: str, specs: List[TensorSpec], fetch: Callable[[str], Unio
         header["__metadata__"] = metadata
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
+    head = struct.pack("<Q", len(hb)) + hb
+    file_crc, tensors, buf = crc32c.crc32c(head), {}, None
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
+        f.write(head)
         for s in specs:
             got = fetch(s.name)
             if isinstance(got, FileSpan):
                 if got.nbytes != s.nbytes:
                     raise ValueError(f"{path}: tensor '{s.name}' has {got.nbytes} bytes, its header says {s.nbytes}")
-                copy_span(got, f)
+                buf = buf if buf is not None else memoryview(bytearray(COPY_CHUNK))
+                file_crc, tensors[s.name] = copy_span(got, f, file_crc, buf)
                 continue
             arr = np.asarray(got)
             arr = arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d arrays 0-d
             if arr.nbytes != s.nbytes or tuple(arr.shape) != tuple(s.shape):
                 raise ValueError(f"{path}: tensor '{s.name}' is {list(arr.shape)} ({arr.nbytes} bytes), its header "
                                  f"says {list(s.shape)} {s.dtype}")
-            f.write(memoryview(arr.reshape(-1)).cast("B"))
-            del arr
+            raw = memoryview(arr.reshape(-1)).cast("B")
+            tensors[s.name] = crc32c.crc32c(raw)
+            file_crc = crc32c.crc32c(raw, file_crc)
+            f.write(raw)
+            del arr, raw
+    st = os.stat(path)
+    _WRITTEN[os.path.abspath(path)] = (st.st_size, st.st_mtime_ns, {
+        "bytes": st.st_size, "checksum": f"{file_crc:08x}", "tensors": {k: f"{v:08x}" for k, v in tensors.items()}})
 
 
 def write_file(path: str, tensors: Dict[str, RawTensor], metadata: Optional[Dict[str, str]] = None) -> None:
