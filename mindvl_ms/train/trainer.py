@@ -4,7 +4,8 @@ Stages run in order on one model object, so stage k starts from stage k-1's fina
 saved as OUT/<stage>/checkpoint-<last>). `StageChain` holds what every stage shares (the model and its
 prepared network, the process group, the metrics log, the resume point) and drives one `Trainer` per
 stage. A `Trainer` owns the stage's trainable parameters, its compiled step with the optimizer
-(`train_step.TrainStep`, or a DPO / GRPO step driver's), its data source and its checkpoints; `train_step()`
+(`train_step.TrainStep`; under semi/auto parallel `mf_step.MFStep`, one graph per optimizer step; or a
+DPO / GRPO step driver's), its data source and its checkpoints; `train_step()`
 is one optimizer step (next global batch -> this rank's rows -> micro-batches (`build_model_inputs`,
 padded to the stage's seq_length) -> forward, backward, update -> step record) and `train()` runs the
 stage to its end.
@@ -61,6 +62,7 @@ from mindvl_ms.train.batches import LoaderSource, micro_batches, rank_slice
 from mindvl_ms.train.callbacks import (MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version,
                                        summarize)
 from mindvl_ms.train.lr import WarmupCosine
+from mindvl_ms.train.mf_step import MFStep
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.post.sampler import ResponseSampler
 from mindvl_ms.train.post.sources import post_data_factory
@@ -219,6 +221,10 @@ class Trainer:
                                            resuming=resuming, sampler=c.sampler))
             return driver, driver.engine
         ctx = self.run_cfg.context
+        if self.dist.semi_auto:  # one compiled graph per optimizer step, MindFormers' wrappers (train/mf_step.py)
+            return None, MFStep(c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce,
+                                ctx.precision, ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
+                                pipeline_stages=self.run_cfg.parallel_config.pipeline_stage)
         return None, TrainStep(c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce,
                                ctx.precision, ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
                                gradients_mean=self.run_cfg.parallel.gradients_mean,
