@@ -264,6 +264,12 @@ def write_stream(path: str, specs: List[TensorSpec], fetch: Callable[[str], Unio
             file_crc = crc32c.crc32c(raw, file_crc)
             f.write(raw)
             del arr, raw
+    record_written(path, file_crc, tensors)
+
+
+def record_written(path: str, file_crc: int, tensors: Dict[str, int]) -> None:
+    """Keep the checksums of a safetensors file just written and closed, computed from its bytes on the way
+    out, for its manifest entry (`written_entry`)."""
     st = os.stat(path)
     _WRITTEN[os.path.abspath(path)] = (st.st_size, st.st_mtime_ns, {
         "bytes": st.st_size, "checksum": f"{file_crc:08x}", "tensors": {k: f"{v:08x}" for k, v in tensors.items()}})

@@ -45,13 +45,15 @@ import struct
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import crc32c
 import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
 from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
 from mindvl_ms.checkpoint.integrity import MANIFEST, atomic_dir, verify_checkpoint
-from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, INDEX, TensorSpec, plan_shards, shard_name, weight_files
+from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, INDEX, TensorSpec, plan_shards, record_written, shard_name, \
+    weight_files
 from mindvl_ms.data.processor import carry_processor
 from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
@@ -198,7 +200,8 @@ def check_compatible(inputs: List[Checkpoint], base: Optional[Checkpoint], selec
 
 
 class StreamWriter:
-    """Write one .safetensors file as a stream: the header first, then tensor bytes in header order."""
+    """Write one .safetensors file as a stream: the header first, then tensor bytes in header order, their
+    CRC32C (file and per tensor) computed on the way for the output's manifest (`io.record_written`)."""
 
     def __init__(self, path: str, entries: List[Tuple[str, str, List[int]]], metadata: Optional[dict]):
         header, off = {}, 0
@@ -210,15 +213,24 @@ class StreamWriter:
             off += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
+        head = struct.pack("<Q", len(raw)) + raw
+        self.path = path
         self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.f.write(head)
         self.total = off
+        self.crc = crc32c.crc32c(head)
+        self.tensors: Dict[str, int] = {key: 0 for key, _, _ in entries}
 
-    def write(self, arr: np.ndarray) -> None:
-        self.f.write(np.ascontiguousarray(arr).tobytes())
+    def write(self, arr: np.ndarray, key: str) -> None:
+        """Append the next bytes of tensor `key`."""
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        self.crc = crc32c.crc32c(raw, self.crc)
+        self.tensors[key] = crc32c.crc32c(raw, self.tensors[key])
+        self.f.write(raw)
 
     def close(self) -> None:
         self.f.close()
+        record_written(self.path, self.crc, self.tensors)
 
 
 def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray],
@@ -331,18 +343,18 @@ def _write_tensor(wr: StreamWriter, key: str, cks: List[Checkpoint], bck: Option
     for a in range(0, max(numel, 1), CHUNK):
         b = min(numel, a + CHUNK)
         if key not in sel:
-            wr.write(ref.read(key, a, b))
+            wr.write(ref.read(key, a, b), key)
         elif dtype not in FLOATS:
             x0 = ref.read(key, a, b)
             for c in cks[1:]:
                 if not np.array_equal(c.read(key, a, b), x0):
                     raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
                                      f"between {ref.path} and {c.path}")
-            wr.write(x0)
+            wr.write(x0, key)
         else:
             bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
             read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
-            wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype, reuse=True))
+            wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype, reuse=True), key)
     return numel
 
 
