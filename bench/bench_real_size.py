@@ -108,8 +108,12 @@ def make(path: str, scale: float, shard_bytes: int = 2 * 10 ** 9) -> None:
 
 
 def weight_bytes(path: str) -> int:
+    """Bytes of a checkpoint's safetensors files, or of an export's graphs and weights (export.json)."""
+    if os.path.isfile(os.path.join(path, "export.json")):
+        with open(os.path.join(path, "export.json")) as f:
+            return json.load(f)["total_bytes"]
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs
-               if f.endswith((".safetensors", ".mindir")) or "_variables" in r or f.endswith(".data"))
+               if f.endswith(".safetensors"))
 
 
 def inputs(cfg) -> Dict[str, np.ndarray]:
@@ -226,9 +230,11 @@ def main() -> None:
             rows.append(_io_row("`mindvl merge ms ms --out merged`", merged, wall, rss, rc))
         elif step == "export":
             info, wall, rss, rc = run(cli + ["export", "--ckpt", ms_dir, "--out", export, "--fp16"])
-            size, ck = weight_bytes(export) if os.path.isdir(export) else 0, weight_bytes(ms_dir)
+            size = weight_bytes(export) if rc == 0 and os.path.isdir(export) else 0
+            ck = weight_bytes(ms_dir)
             rows.append(("`mindvl export --ckpt ms --out export --fp16`", wall, rss, rc,
-                         f"{size / 1e9:.2f} GB written, {size / max(ck, 1):.2f}x the {ck / 1e9:.2f} GB bf16 checkpoint"))
+                         f"{size / 1e9:.2f} GB written (4 graphs + shared weights), {size / max(ck, 1):.3f}x the "
+                         f"{ck / 1e9:.2f} GB bf16 checkpoint"))
         else:
             info, wall, rss, rc = run(me + ["--child", step, "--ms", ms_dir, "--hf", hf])
             rows.append(_model_row(step, info, wall, rss, rc))
