@@ -297,14 +297,14 @@ def test_rank_coords_reach_the_loader_and_grad_reduce_flag(monkeypatch):
     class FakeLoader:
         source = None
 
-    def from_config(c, model_config=None):
-        seen.update(dp_rank=c.dp_rank, dp_size=c.dp_size)
+    def from_config(c, model_config=None, collate=None):
+        seen.update(dp_rank=c.dp_rank, dp_size=c.dp_size, fixed_shapes=collate is not None)
         return FakeLoader()
 
     monkeypatch.setattr(dataset.DataLoader, "from_config", staticmethod(from_config))
     info = D.fill_coords(D.DistInfo(rank=23, world=64), cfg)
     trainer.default_data_factory(cfg, cfg.stages[0], 0, info)
-    assert seen == {"dp_rank": 5, "dp_size": 16}
+    assert seen == {"dp_rank": 5, "dp_size": 16, "fixed_shapes": True}  # semi-auto: the stage's RowBudget
 
 
 def test_trainer_applies_parallelize_only_under_semi_auto():
