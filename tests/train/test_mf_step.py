@@ -49,6 +49,20 @@ def rows(n, seed, cfg):
     return out
 
 
+def skip_nonfinite(eng, model, mbs):
+    """A step whose gradients are not finite (an inf pixel) is skipped inside the graph: not applied,
+    parameters, moments and the step counter bit-identical; the same compiled graph runs it."""
+    before = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
+    state = {k: v.asnumpy().copy() for k, v in eng.state_parameters().items()}
+    mbs[2]["pixel_values"][0, 0] = np.inf
+    res = eng.run(mbs, 1e-3)
+    assert not res.applied and eng.compiles == 1
+    for p in model.get_parameters():
+        assert np.array_equal(p.asnumpy(), before[p.name]), p.name
+    for k, v in eng.state_parameters().items():
+        assert np.array_equal(v.asnumpy(), state[k]), k
+
+
 def test_micro_batch_num():
     assert mf_step.micro_batch_num(1024, 8, 1) == 128
     assert mf_step.micro_batch_num(64, 2, 4) == 8
@@ -58,7 +72,8 @@ def test_micro_batch_num():
 
 def test_one_graph_step_equals_train_step(monkeypatch):
     """Same loss (to 1 float32 ulp) and parameters (to 1e-6) as TrainStep after 3 steps x 4 micro-batches,
-    with active clipping, lr coefficients (vision x0.1) and weight decay. Not bitwise: the tied embedding /
+    with active clipping, lr coefficients (vision x0.1), weight decay and the balanced loss (its token-weight
+    denominator spans the micro-batches: the forward-only pre-pass graph). Not bitwise: the tied embedding /
     head gradient of the 4 micro-batches is summed in another order (the unrolled graph's autodiff vs
     TrainStep's accumulator adds; with clipping off every other tensor is bitwise after step 1), and
     ClipGradNorm sums the squares in another order than GradNorm, which moves the clip factor by an ulp;
@@ -66,7 +81,8 @@ def test_one_graph_step_equals_train_step(monkeypatch):
     monkeypatch.setattr(mf_step._mindformers().MFTrainOneStepCell, "get_overflow_status", cpu_overflow)
     cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
     stage = load(StageConfig, dict(name="s", seq_length=24, global_batch_size=4, micro_batch_size=1, max_lr=1e-3,
-                                   max_steps=3, weight_decay=0.1, grad_clip=1.0, lr_coefficients={"vision": 0.1}))
+                                   max_steps=3, weight_decay=0.1, grad_clip=1.0, lr_coefficients={"vision": 0.1},
+                                   loss={"type": "balanced", "lambda1": 0.5, "lambda2": 1.5}))
     data = [rows(4, s, cfg) for s in range(3)]
     out = {}
     for kind in ("host", "graph"):
@@ -80,6 +96,8 @@ def test_one_graph_step_equals_train_step(monkeypatch):
             assert eng.k == 4 and type(eng.cell).__name__ == "MFTrainOneStepCell"
         res = [eng.run([build_model_inputs([row], cfg, pad_to=stage.seq_length) for row in step], 1e-3)
                for step in data]
+        if kind == "graph":
+            skip_nonfinite(eng, model, [build_model_inputs([row], cfg, pad_to=stage.seq_length) for row in data[0]])
         out[kind] = (res, {p.name: p.asnumpy().copy() for p in model.get_parameters()},
                      {k: v.asnumpy().copy() for k, v in eng.state_parameters().items() if k.startswith("adam_")},
                      eng.compiles)
