@@ -29,11 +29,12 @@ scales its sensitivity by 1 / micro_batch_num (MindFormers' shares are per-micro
 then returns micro_batch_num x share, and the reported loss is divided back.
 
 Global norm and finite check (the cells do this, not this module): MindFormers' `ClipGradNorm` sums the
-squares of the (reduced) gradients and tags its ExpandDims with `grad_scale`, the mark MindSpore's parallel
-pass uses to complete the norm over tensor-parallel shards and pipeline stages (its squared sums are
-all-reduced, repeated shards counted once), so every stage clips with one factor; the overflow flag of
-`TrainOneStepWithLossScaleCell.get_overflow_status` is all-reduced over the whole world group
-(`ops.AllReduce()` when the mode is not stand-alone), so every stage takes the same skip decision.
+squares of the (reduced) gradients per tensor and tags that ExpandDims with the `grad_scale` attribute
+(its source: "needed for enabling the parallel mode"), the mark by which MindSpore's parallel pass
+completes the norm over model-parallel shards and pipeline stages, so every stage clips with one factor
+(that pass is Ascend-only and not exercised on CPU). The overflow flag of
+`TrainOneStepWithLossScaleCell.get_overflow_status` is all-reduced over the whole world group (a plain
+`ops.AllReduce()` whenever the mode is not stand-alone), so every stage takes the same skip decision.
 
 `TrainStep` (train/train_step.py) stays the step for CPU stand-alone and CPU msrun data parallel: the
 semi/auto wrappers cannot compile on CPU ("Invalid backend: CPU"), MFTrainOneStepCell's overflow check is
