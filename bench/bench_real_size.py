@@ -59,7 +59,8 @@ def hf_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
     """HF tensor names and shapes of a Qwen2.5-VL checkpoint of `cfg` (tied embedding: no lm_head)."""
     v, t = cfg.vision, cfg.text
     m = v.hidden_size * v.spatial_merge_size ** 2
-    shapes = {"visual.patch_embed.proj.weight": (v.hidden_size, 3, 2, 14, 14), "visual.merger.ln_q.weight": (v.hidden_size,),
+    shapes = {"visual.patch_embed.proj.weight": (v.hidden_size, 3, 2, 14, 14),
+              "visual.merger.ln_q.weight": (v.hidden_size,),
               "visual.merger.mlp.0.weight": (m, m), "visual.merger.mlp.0.bias": (m,),
               "visual.merger.mlp.2.weight": (t.hidden_size, m), "visual.merger.mlp.2.bias": (t.hidden_size,),
               "model.embed_tokens.weight": (t.vocab_size, t.hidden_size), "model.norm.weight": (t.hidden_size,)}
@@ -218,8 +219,8 @@ def main() -> None:
     rows = []
     for step in a.steps:
         if step == "make":
-            info, wall, rss, rc = run([py, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import bench_real_size as b; "
-                                              f"b.make({hf!r}, {a.scale})"])
+            info, wall, rss, rc = run([py, "-c", f"import sys; sys.path.insert(0, {HERE!r}); "
+                                              f"import bench_real_size as b; b.make({hf!r}, {a.scale})"])
             rows.append((f"make the HF checkpoint (bf16, 2 GB shards), scale {a.scale}", wall, rss, rc,
                          f"{info.get('parameters', 0):,} parameters, {info.get('bytes', 0) / 1e9:.2f} GB"))
         elif step == "convert":
@@ -247,8 +248,8 @@ def _io_row(name: str, out: str, wall: float, rss: float, rc: int):
     files = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")] if os.path.isdir(out) else []
     largest = max((os.path.getsize(f) for f in files), default=0)
     total = sum(os.path.getsize(f) for f in files)
-    return (name, wall, rss, rc, f"{len(files)} shard(s), largest {largest / 1e9:.2f} GB, "
-                                 f"{total / 1e6 / wall:.0f} MB/s, peak {rss - largest / 1e9:+.2f} GB over the largest shard")
+    return (name, wall, rss, rc, f"{len(files)} shard(s), largest {largest / 1e9:.2f} GB, {total / 1e6 / wall:.0f} "
+                                 f"MB/s, peak {rss - largest / 1e9:+.2f} GB over the largest shard")
 
 
 def _model_row(step: str, info: dict, wall: float, rss: float, rc: int):

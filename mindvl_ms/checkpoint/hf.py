@@ -218,7 +218,8 @@ def open_checkpoint(path: str, cfg: Optional[MindVLConfig] = None):
 
 
 def write_checkpoint(path: str, cfg: MindVLConfig, tensors: Dict[str, RawTensor], format: str = "native",
-                     max_shard_bytes: Optional[int] = DEFAULT_SHARD_BYTES, extra: Optional[Callable[[str], None]] = None) -> None:
+                     max_shard_bytes: Optional[int] = DEFAULT_SHARD_BYTES,
+                     extra: Optional[Callable[[str], None]] = None) -> None:
     """Atomically write a checkpoint directory in native or HF layout from native-named tensors;
     `extra(tmp_dir)` writes further files (the processor) inside the same atomic directory."""
     if format not in ("native", "hf"):
@@ -298,7 +299,8 @@ def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = DEFAUL
     Streamed: the output headers come from the input headers (renames and the patch embedding's reshape
     need no data), then each tensor's bytes are copied once through a 16 MB buffer, checked against the
     input's per-tensor checksums and checksummed for the output's manifest on the way, so the input is
-    read once, the output never read back, and memory stays a buffer whatever the checkpoint's size. DeepSeek-V3 language models, whose experts are restacked, are converted in memory."""
+    read once, the output never read back, and memory stays a buffer whatever the checkpoint's size.
+    DeepSeek-V3 language models, whose experts are restacked, are converted in memory."""
     manifest = verify_except_tensors(src)  # the tensor bytes are verified as they are copied
     d = read_config_json(src)
     if is_native(d) == (to == "native"):

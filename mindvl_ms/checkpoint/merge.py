@@ -303,7 +303,8 @@ def plan_output(ref: Checkpoint, max_shard_bytes: Optional[int]) -> List[Tuple[s
     """(file name, tensor names, __metadata__) of each output file: the first input's shards when none is
     larger than `max_shard_bytes` (None: always), else the tensors regrouped into HF-named shards of at
     most that size (a merge of one large file is written sharded, as convert writes)."""
-    mirror = [(shard, [k for k in f.tensors if ref.where.get(k) == shard], f.metadata) for shard, f in ref.files.items()]
+    mirror = [(shard, [k for k in f.tensors if ref.where.get(k) == shard], f.metadata)
+              for shard, f in ref.files.items()]
     specs = {k: TensorSpec(k, *ref.info(k)) for k in ref.where}
     if not max_shard_bytes or all(sum(specs[k].nbytes for k in keys) <= max_shard_bytes for _, keys, _ in mirror):
         return mirror
