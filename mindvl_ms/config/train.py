@@ -7,6 +7,10 @@ Design:
   stage's weights) and the `context`, `parallel`, `parallel_config`, `recompute_config` sections,
   whose key names mirror MindSpore's `set_context`/`set_auto_parallel_context` and MindFormers'
   YAML so a MindFormers user recognises them.
+- A stage may declare `variants` (MindVL section 5.3: SFT at 2K/4K/8K tokens with their own pixel budgets):
+  each variant is the stage with some keys overridden, all start from the weights the stage starts from,
+  and their `merge` (checkpoint/merge.py) is the stage's result. `RunConfig.schedule()` lists the stages
+  as they train, variants expanded.
 - A stage carries its whole recipe (MindVL Table 1 / openPangu-VL Table 2 columns): trainable
   modules, per-module LR coefficients, sequence length, global/micro batch, warm-up ratio, max/min
   LR, epochs or token budget, loss. Batch arithmetic is checked when the data-parallel size is known
@@ -21,7 +25,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from mindvl_ms.config.base import ConfigError, F, deep_merge, load, read_yaml, set_dotted, sub, to_dict
 from mindvl_ms.config.model import MindVLConfig
@@ -33,6 +37,8 @@ from mindvl_ms.config.data import DataConfig
 
 PROJECTOR_PREFIX = "visual.merger."
 REPORT_TARGETS = ("tensorboard",)  # accepted values of `report_to`
+MERGE_METHODS = ("linear", "task_arithmetic", "ties")  # checkpoint/merge.py's methods (a layer below: not importable)
+NOT_IN_VARIANT = ("name", "variants", "merge")  # stage keys a variant cannot override
 MODULE_PREFIXES = {  # names usable in `trainable` / `lr_coefficients`
     "projector": ["visual.merger."],
     "vision": ["visual."],
@@ -63,6 +69,35 @@ class LossConfig:
             raise ConfigError(f"loss tau1={self.tau1}, tau2={self.tau2}: must be >= 0")
         if self.logits_chunk_tokens < 1:
             raise ConfigError(f"loss.logits_chunk_tokens {self.logits_chunk_tokens}: must be >= 1")
+
+
+@dataclass
+class MergeConfig:
+    """`merge:` of a stage with `variants`: how the variants' final checkpoints become the stage's result, the
+    weights the next stage starts from (checkpoint/merge.py). MindVL (section 5.3) averages its 2K/4K/8K SFT
+    variants uniformly: the default."""
+
+    method: str = F("linear", "linear (weighted average), task_arithmetic or ties (task vectors taken against the "
+                              "checkpoint the variants start from)")
+    weights: Dict[str, float] = F({}, "weight per variant name, e.g. {sft_2k: 1, sft_4k: 1, sft_8k: 2}; {}: 1 each "
+                                      "(linear, ties) or 1/N each (task_arithmetic); linear normalises them")
+    density: float = F(0.2, "ties: fraction of each task vector kept (by magnitude, per tensor)")
+    scale: float = F(1.0, "task_arithmetic / ties: factor on the merged task vector")
+    out: str = F("", "directory of the merged checkpoint, relative to the run's output directory (empty: "
+                     "<stage>/merged)")
+
+    def check(self, stage: str, variants: List[str]) -> None:
+        if self.method not in MERGE_METHODS:
+            raise ConfigError(f"stage '{stage}': merge.method '{self.method}': expected one of "
+                              f"{', '.join(MERGE_METHODS)}")
+        if self.weights and sorted(self.weights) != sorted(variants):
+            raise ConfigError(f"stage '{stage}': merge.weights names {sorted(self.weights)}; give one weight per "
+                              f"variant {sorted(variants)} or none (equal weights)")
+        if self.method != "task_arithmetic" and self.weights and (
+                min(self.weights.values()) < 0 or sum(self.weights.values()) <= 0):
+            raise ConfigError(f"stage '{stage}': merge.weights must be >= 0 with a positive sum")
+        if not 0 < self.density <= 1:
+            raise ConfigError(f"stage '{stage}': merge.density {self.density}: expected 0 < density <= 1")
 
 
 @dataclass
@@ -98,6 +133,35 @@ class StageConfig:
     type: str = F("sft", "sft (next-token loss), dpo (preference pairs) or grpo (RL with verifiable rewards)")
     dpo: DPOConfig = sub(DPOConfig, "DPO / MPO settings (type: dpo)")
     grpo: GRPOConfig = sub(GRPOConfig, "GRPO settings (type: grpo)")
+    # ---- variants merged into one result (MindVL section 5.3) -------------------------------------------------
+    variants: Dict[str, Dict[str, Any]] = F({}, "train this stage as several variants instead, each from the "
+                                                "weights the stage starts from: variant name -> overrides of this "
+                                                "stage's keys, e.g. {sft_2k: {seq_length: 2048, data: {image: "
+                                                "{max_pixels: 1003520}}}}; a variant's checkpoints go to "
+                                                "OUT/<variant>/, their merge (`merge`) to OUT/<stage>/merged and is "
+                                                "what the next stage starts from")
+    merge: MergeConfig = sub(MergeConfig, "how the variants are merged (a stage with `variants`)")
+
+    def variant_stages(self) -> List["StageConfig"]:
+        """The stages the variants train: this stage's keys with each variant's overrides (deep-merged, so
+        `data: {image: {max_pixels: N}}` changes one key of the stage's data overrides), named after the
+        variant. A stage without variants gives []."""
+        base = {k: v for k, v in to_dict(self).items() if k not in ("variants", "merge")}
+        return [load(StageConfig, deep_merge(base, {**over, "name": name}),
+                     source=f"stage '{self.name}' variant '{name}'") for name, over in self.variants.items()]
+
+    def validate_variants(self) -> None:
+        if not self.variants:
+            return
+        if len(self.variants) < 2:
+            raise ConfigError(f"stage '{self.name}': variants {sorted(self.variants)}: give at least two to merge")
+        for name, over in self.variants.items():
+            fixed = sorted(set(over or {}) & set(NOT_IN_VARIANT))
+            if fixed:
+                raise ConfigError(f"stage '{self.name}': variant '{name}' sets {fixed}: a variant's name is its key, "
+                                  f"and variants and merge belong to the stage")
+        self.merge.check(self.name, list(self.variants))
+    # ---- end of the variants block ------------------------------------------------------------------------
 
     def validate_post(self) -> None:
         if self.type not in ("sft", "dpo", "grpo"):
@@ -110,6 +174,7 @@ class StageConfig:
 
     def validate(self) -> None:
         self.validate_post()
+        self.validate_variants()
         for k in ("seq_length", "global_batch_size", "micro_batch_size", "max_nonfinite", "log_every"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"stage '{self.name}': {k} must be >= 1, got {getattr(self, k)}")
@@ -295,7 +360,8 @@ class RunConfig:
     model: MindVLConfig = sub(MindVLConfig, "the model (often `_include_`d from configs/model/*.yaml)")
     init_from: str = F("", "checkpoint directory to start from (empty: random init from `model`)")
     data: DataConfig = sub(DataConfig, "data shared by all stages (a stage's `data` overrides keys)")
-    stages: List[StageConfig] = F([], "stages, run in order; each starts from the previous one's weights")
+    stages: List[StageConfig] = F([], "stages, run in order; each starts from the previous one's weights (a stage "
+                                      "with `variants`: from the merge of its variants)")
     context: ContextConfig = sub(ContextConfig, "MindSpore context and precision")
     parallel: AutoParallelContext = sub(AutoParallelContext, "MindSpore auto-parallel context")
     parallel_config: ParallelConfig = sub(ParallelConfig, "parallel sizes (data/tensor/pipeline/expert)")
@@ -309,15 +375,28 @@ class RunConfig:
     def validate(self) -> None:
         if not self.stages:
             raise ConfigError("`stages` is empty: a run needs at least one stage")
-        names = [s.name for s in self.stages]
+        names = [s.name for s in self.stages] + [v for s in self.stages for v in s.variants]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
-            raise ConfigError(f"stage names must be unique, repeated: {sorted(dup)}")
+            raise ConfigError(f"stage and variant names must be unique (each names a directory), repeated: "
+                              f"{sorted(dup)}")
+        if self.stages[0].variants and not self.init_from:
+            raise ConfigError(f"stage '{self.stages[0].name}': variants start from the checkpoint of the stage "
+                              f"before them; as the first stage it needs `init_from`")
+        self.schedule()  # every variant loads
         unknown = [t for t in self.report_to if t not in REPORT_TARGETS]
         if unknown:
             raise ConfigError(f"report_to: unknown {unknown}; accepted values: {list(REPORT_TARGETS)} (or [] for none)")
         if self.context.precision == "bfloat16" and self.context.device_target == "CPU":
             raise ConfigError("context.precision bfloat16 needs Ascend (no bf16 matmul on CPU); use float16 or float32")
+
+    def schedule(self) -> List[Tuple[StageConfig, Optional[StageConfig]]]:
+        """The stages as they train, in order: (stage, None) for a plain stage, and for a stage with
+        `variants` one (variant, stage) per variant. Stage indices in checkpoints and metrics count here."""
+        out: List[Tuple[StageConfig, Optional[StageConfig]]] = []
+        for st in self.stages:
+            out += [(v, st) for v in st.variant_stages()] if st.variants else [(st, None)]
+        return out
 
     def stage_data(self, stage: StageConfig) -> DataConfig:
         """The data config one stage reads: the run's `data`, the stage's `data` overrides, and the stage's

@@ -10,6 +10,14 @@ is one optimizer step (next global batch -> this rank's rows -> micro-batches (`
 padded to the stage's seq_length) -> forward, backward, update -> step record) and `train()` runs the
 stage to its end.
 
+Variants (MindVL section 5.3): the stages train in `RunConfig.schedule()` order, where a stage with
+`variants` is one stage per variant. Before each variant the model gets the weights (and RNG state) that
+the group starts from, the checkpoint that ended the stage before it (or `init_from`), so every variant
+starts from the same parameters whatever ran before it; its checkpoints record that start
+(`branch_from`). After the last variant, `checkpoint.merge.merge` writes their merge (OUT/<stage>/merged,
+or `merge.out`) and the model continues from it. A resume after a variant's end starts the next variant
+from the recorded start, or redoes the merge (it is deterministic) when the last variant had ended.
+
 Faults and resume:
 - a non-finite loss/gradient skips the update (parameters untouched), is counted and logged;
   `max_nonfinite` in a row raises `TrainingStopped` without writing a checkpoint, so the last good
@@ -31,6 +39,7 @@ Python use (the `mindvl demo` command calls this):
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -44,8 +53,10 @@ from mindspore import Tensor
 
 from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.checkpoint.hf import config_from_dir
-from mindvl_ms.checkpoint.io import write_json
-from mindvl_ms.checkpoint.pretrained import load_into, load_pretrained
+from mindvl_ms.checkpoint.integrity import verify_checkpoint
+from mindvl_ms.checkpoint.io import STATE, read_tensors, write_json
+from mindvl_ms.checkpoint.merge import merge
+from mindvl_ms.checkpoint.pretrained import load_into, load_pretrained, model_tensors
 from mindvl_ms.config.base import to_dict
 from mindvl_ms.data.collate import build_model_inputs, row_budget
 from mindvl_ms.data.dataset import DataLoader, PackedShardSource
@@ -168,6 +179,19 @@ def restore_optimizer(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
         p.set_data(Tensor(np.asarray(optim[k]).reshape(p.shape)))  # 0-d state is stored as [1]
 
 
+def stage_end(stage_dir: str) -> str:
+    """The checkpoint that ended the stage of `stage_dir` (the newest complete one whose trainer state says so)."""
+    names = sorted((d for d in os.listdir(stage_dir) if d.startswith("checkpoint-")), reverse=True) \
+        if os.path.isdir(stage_dir) else []
+    for path in (os.path.join(stage_dir, d) for d in names):
+        if ts.is_complete(path):
+            with open(os.path.join(path, STATE), encoding="utf-8") as f:
+                if json.load(f).get("stage_done"):
+                    return path
+    raise FileNotFoundError(f"{stage_dir}: no checkpoint that ended the stage (checkpoint-*/{STATE} with "
+                            f"stage_done)")
+
+
 @dataclass
 class ResumePoint:
     """A checkpoint inside a stage: its trainer state (step, data position, counters) and optimizer tensors."""
@@ -184,7 +208,7 @@ class Trainer:
     def __init__(self, chain: "StageChain", stage_index: int, resume: Optional[ResumePoint] = None):
         self.chain, self.si = chain, stage_index
         self.run_cfg, self.dist = chain.run_cfg, chain.dist
-        self.stage = stage = self.run_cfg.stages[stage_index]
+        self.stage = stage = chain.stages[stage_index]
         self.stage_dir = os.path.join(chain.out_dir, stage.name)
         ts.clean_partial(self.stage_dir)
         self.source = self._make_source()
@@ -262,6 +286,8 @@ class Trainer:
               "stage_done": done, "data": self._data_states(), "skipped": self.skipped,
               "nonfinite_run": self.nonfinite_run, "seed": self.run_cfg.seed, "data_fingerprint": self.fingerprint,
               "data_changes": self.chain.data_changes}
+        if self.chain.schedule[self.si][1] is not None:  # a variant: its start is the next variant's start
+            st["branch_from"] = os.path.relpath(self.chain.base, self.chain.out_dir)
         path = os.path.join(self.stage_dir, f"checkpoint-{step_now:06d}")
         if self.dist.is_main:
             ts.save_checkpoint(path, self.chain.model, self.engine.state_parameters(), st, self.chain.out_dir,
@@ -380,7 +406,10 @@ class StageChain:
     def __init__(self, run_cfg, out_dir: str, model=None, data_factory: Optional[Callable] = None,
                  collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None):
         self.run_cfg, self.out_dir, self.progress, self.sampler = run_cfg, out_dir, progress, sampler
-        check_post_stages(run_cfg.stages, sampler)
+        self.schedule = run_cfg.schedule()  # (stage as it trains, the stage it is a variant of or None)
+        self.stages = [st for st, _ in self.schedule]
+        self.base = run_cfg.init_from or None  # the checkpoint the next group of variants starts from
+        check_post_stages(self.stages, sampler)
         self.dist = setup(run_cfg)
         os.makedirs(out_dir, exist_ok=True)
         np.random.seed(run_cfg.seed % 2**32)
@@ -399,7 +428,7 @@ class StageChain:
         """Stop (before anything is changed) when the stage's data differ from the checkpoint's, unless
         allowed; an allowed change is logged and recorded in later checkpoints."""
         diff = fingerprint_diff(state["data_fingerprint"],
-                                stage_fingerprint(self.run_cfg, self.run_cfg.stages[state["stage_index"]]))
+                                stage_fingerprint(self.run_cfg, self.stages[state["stage_index"]]))
         if diff and not allow_data_change:
             raise TrainingStopped(f"--resume {resume}: the data of stage '{state['stage']}' is not the data "
                                   f"of {ck} ({diff}); resuming would continue its saved position on other "
@@ -421,10 +450,57 @@ class StageChain:
         self.metrics.truncate_after(start_stage, start_step - 1 if not state["stage_done"] else start_step)
         ts.set_rng_state(state["rng"])
         point = ResumePoint(state, optim)
+        self.base = os.path.join(self.out_dir, state["branch_from"]) if "branch_from" in state else ck
         if state["stage_done"]:
             start_stage, start_step, point = start_stage + 1, 0, None
         log.info("resumed from %s (stage %d, step %d)", ck, start_stage, start_step)
         return start_stage, point
+
+    # -- variants --------------------------------------------------------------------------------
+    def _ends_group(self, si: int) -> bool:
+        """True when schedule entry `si` is the last variant of its stage."""
+        if si < 0 or self.schedule[si][1] is None:
+            return False
+        return si + 1 == len(self.schedule) or self.schedule[si + 1][1] is not self.schedule[si][1]
+
+    def branch(self, si: int) -> None:
+        """Give the model the weights the variant at schedule entry `si` starts from (`self.base`): a
+        training checkpoint with its RNG state, or `init_from` with the RNG seeded as a fresh run seeds it."""
+        if self.base is None:
+            raise TrainingStopped(f"variant '{self.stages[si].name}' has no checkpoint to start from: put a stage "
+                                  f"before it or set init_from")
+        if os.path.isfile(os.path.join(self.base, STATE)):
+            verify_checkpoint(self.base)  # the weights (the optimizer state is not read)
+            with open(os.path.join(self.base, STATE), encoding="utf-8") as f:
+                ts.set_rng_state(json.load(f)["rng"])
+            tensors = read_tensors(self.base)
+        else:
+            np.random.seed(self.run_cfg.seed % 2**32)
+            random.seed(self.run_cfg.seed)
+            tensors = model_tensors(load_pretrained(type(self.model), self.base))  # native or HF layout
+        load_into(self.model, tensors)
+        log.info("variant %s starts from %s", self.stages[si].name, self.base)
+
+    def merge_variants(self, last: int) -> Dict[str, Any]:
+        """Merge the final checkpoints of the variants whose group ends at schedule entry `last` through
+        `checkpoint.merge.merge` (rank 0 writes it, every rank waits) and continue from the merge; returns
+        what was merged."""
+        group = self.schedule[last][1]
+        names = list(group.variants)
+        inputs = [stage_end(os.path.join(self.out_dir, n)) for n in names]
+        out = os.path.join(self.out_dir, group.merge.out or os.path.join(group.name, "merged"))
+        weights = [group.merge.weights[n] for n in names] if group.merge.weights else None
+        base = self.base if group.merge.method != "linear" else None  # task vectors against the variants' start
+        if self.dist.is_main:
+            merge(inputs, out, method=group.merge.method, weights=weights, base=base, density=group.merge.density,
+                  scale=group.merge.scale, overwrite=True, progress=self.progress)
+        if self.dist.world > 1:
+            gather_json(None, self.dist.world)  # the other ranks wait for rank 0's merge
+        load_into(self.model, read_tensors(out))
+        self.base = out  # a later stage's variants start from the merge
+        log.info("stage %s: variants %s merged (%s) into %s", group.name, names, group.merge.method, out)
+        return {"stage": group.name, "checkpoint": out, "method": group.merge.method, "inputs": inputs,
+                "weights": weights}
 
     def run(self, t_start: float, resume: Optional[str] = None, allow_data_change: bool = False) -> Dict[str, Any]:
         """Every stage from the resume point (or the first); returns the summary (also OUT/summary.json)."""
@@ -439,14 +515,25 @@ class StageChain:
                                         self.run_cfg.context.precision)
         log.info("MFU peak: %.2f TFLOP/s per device (%s)", peak / 1e12, peak_source)
         counts = param_counts(self.model)
-        reports, compile_time = [], 0.0
-        for si in range(start_stage, len(self.run_cfg.stages)):
+        reports, merges, compile_time = [], [], 0.0
+        if resume and point is None and self._ends_group(start_stage - 1):  # resumed after the last variant
+            merges.append(self.merge_variants(start_stage - 1))
+        for si in range(start_stage, len(self.stages)):
+            group = self.schedule[si][1]
+            if group is not None and not (si == start_stage and point is not None):
+                self.branch(si)
             trainer = Trainer(self, si, point if si == start_stage else None)
             reports.append(trainer.train())
             compile_time += trainer.compile_time
+            if group is not None:
+                reports[-1]["variant_of"] = group.name
+            if self._ends_group(si):
+                merges.append(self.merge_variants(si))
+            elif group is None:
+                self.base = reports[-1]["checkpoint"]
         summary = summarize(self.metrics.read(), counts, peak, self.dist.world, time.perf_counter() - t_start,
                             compile_time, peak_source)
-        summary.update({"stages": reports, "out_dir": self.out_dir, "ranks": self.dist.world,
+        summary.update({"stages": reports, "merges": merges, "out_dir": self.out_dir, "ranks": self.dist.world,
                         "peak_gflops_per_device": peak / 1e9})
         self.metrics.write_summary(summary)
         if self.dist.is_main:
