@@ -22,12 +22,14 @@ def test_two_msrun_workers_train_moe_like_one_process(tmp_path):
     single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
     # each run in its own working directory: MindSpore writes graph dumps (rank_0/...) into the cwd
     os.makedirs(tmp_path / "cwd_single")
-    r = subprocess.run([sys.executable, WORKER, single], env=msrun.worker_env(), capture_output=True, text=True,
-                       timeout=400, cwd=str(tmp_path / "cwd_single"))
+    os.makedirs(tmp_path / "cwd_dp")
+    with msrun.launch(2, WORKER, [dp], tmp_path / "logs", cwd=str(tmp_path / "cwd_dp")) as job:
+        # the single-process reference meanwhile (a one-core compile next to the workers' start-up)
+        r = subprocess.run([sys.executable, WORKER, single], env=msrun.worker_env(), capture_output=True,
+                           text=True, timeout=400, cwd=str(tmp_path / "cwd_single"))
+        logs = job.finish(timeout=500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "RANKS 1" in r.stdout
-    os.makedirs(tmp_path / "cwd_dp")
-    logs = msrun.run(2, WORKER, [dp], tmp_path / "logs", timeout=500, cwd=str(tmp_path / "cwd_dp"))
     assert logs.count("RANKS 2") == 2
     ref = np.load(os.path.join(single, "params_rank0.npz"))
     init = np.load(single + "_init.npz")
