@@ -27,6 +27,8 @@ from mindvl_ms.checkpoint.io import RawTensor, to_bf16_bits
 from mindvl_ms.models.moe import DeepseekV3ForCausalLM
 from mindvl_ms.models.text import TextForCausalLM
 
+_NUMPY = {ms.float32: np.float32, ms.float16: np.float16, ms.float64: np.float64, ms.int32: np.int32,
+          ms.int64: np.int64}  # parameter dtype -> numpy dtype, without a deprecated call per parameter
 TEXT_MODELS = {"deepseek_v3": DeepseekV3ForCausalLM}  # any other model_type: TextForCausalLM (Qwen2/Qwen3)
 
 
@@ -78,7 +80,8 @@ def cast_for(t: RawTensor, dtype, owned: bool) -> np.ndarray:
 def place(param, t: RawTensor, owned: bool = False) -> None:
     """Set one parameter from one tensor, cast to the parameter's dtype. The parameter takes the cast
     array's memory (`Tensor.from_numpy`), so a tensor exists once: read, cast, placed."""
-    param.set_data(ms.Tensor.from_numpy(cast_for(t, ms.dtype_to_nptype(param.dtype), owned)))
+    np_dtype = _NUMPY.get(param.dtype) or ms.dtype_to_nptype(param.dtype)
+    param.set_data(ms.Tensor.from_numpy(cast_for(t, np_dtype, owned)))
 
 
 def load_into(model, tensors: Dict[str, RawTensor], strict: bool = True,
