@@ -16,8 +16,9 @@ it against image-blind baselines:
                <|box_start|>(x1,y1),(x2,y2)<|box_end|>, coordinates 0..999); train and held-out splits
   2. warm-up   projector only
   3. multitask all parameters, all tasks
-  4. SFT       two variants at different sequence lengths, each from the multitask checkpoint
-  5. merge     uniform weight averaging of the SFT variants
+  4. SFT       two variants at different sequence lengths and pixel budgets, each from the multitask
+               checkpoint (the sft stage's `variants`, as MindVL's 2K/4K/8K SFT)
+  5. merge     uniform weight averaging of the SFT variants into OUT/merged, by the trainer (`merge:`)
   6. evaluate  greedy generation on the held-out splits: easy-VQA exact match (vs the majority-answer
                baseline), OCR exact match and grounding Acc@IoU0.5 (vs chance: the best image-blind
                constant answer); merged vs individual SFT scores; a small test-time resolution search

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
 TASKS = ("vqa", "ocr", "grounding")
-STAGES = 4
+STAGES = 3  # warmup, multitask, sft (its two variants inherit the stage's loss)
 
 
 def loss_sets(l1, l2):

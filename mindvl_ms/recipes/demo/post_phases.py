@@ -4,6 +4,7 @@ the held-out grounding evaluation with the figures GRPO's IoU reward speaks to."
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Dict, List, Optional
 
@@ -21,17 +22,36 @@ from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.train import run_training
 from mindvl_ms.train.post.rewards import Verifier
 
+log = logging.getLogger(__name__)
+
 
 def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any], seed: int,
                   progress: bool) -> Dict[str, Any]:
     """`mindvl rollout` on the prompts with the processor the demo trained with; writes the pairs."""
     child_setup()
-    lines, summary = rollout_pairs(load_model(ckpt), MindVLProcessor(config=data_cfg), read_post_file(prompts, "prompt"),
+    proc = MindVLProcessor(config=data_cfg)
+    lines, summary = rollout_pairs(load_model(ckpt), proc, read_post_file(prompts, "prompt"),
                                    Verifier("grounding_iou"), int(ro.get("k", 4)), seed,
                                    int(ro.get("max_new_tokens", 24)), float(ro.get("temperature", 1.0)), 1.0,
                                    float(ro.get("high", 0.75)), float(ro.get("low", 0.25)), progress=progress)
-    write_pairs(lines, out)
-    return dict(summary, out=out)
+    kept = [ln for ln in lines if _encodable(proc, ln)]
+    if len(kept) < len(lines):
+        log.warning("rollout: %d of %d pairs left out: a sampled answer, written as text, encodes to a token "
+                    "outside the model's vocabulary subset (e.g. '(' then 'circle' sampled, '(circle' encoded)",
+                    len(lines) - len(kept), len(lines))
+    write_pairs(kept, out)
+    return dict(summary, pairs=len(kept), left_out=len(lines) - len(kept), out=out)
+
+
+def _encodable(proc, line: Dict[str, Any]) -> bool:
+    """Whether both answers of a pair encode within the tokenizer's vocabulary (a demo.vocab: data subset
+    refuses a token the model has no row for; DPO encodes the pair's texts)."""
+    try:
+        proc.tokenizer.encode(line["chosen"])
+        proc.tokenizer.encode(line["rejected"])
+    except ValueError:
+        return False
+    return True
 
 
 def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:

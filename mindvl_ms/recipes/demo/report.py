@@ -35,11 +35,11 @@ def format_report(r: Dict[str, Any]) -> str:
     lines.append(f"== resolution search on the OCR split (merged, {s['settings']} settings): best min_pixels="
                  f"{s['best_min_pixels']} max_pixels={s['best_max_pixels']} -> {100 * s['best_score']:.1f}% ==")
     w = r["wall_time_s"]
-    lines.append(f"== wall time {w['total'] / 60:.1f} min (data {w['data']:.0f}s, training {w['train']:.0f}s, "
-                 f"merge+eval {w['merge_eval']:.0f}s) ==")
+    lines.append(f"== wall time {w['total'] / 60:.1f} min (data {w['data']:.0f}s, training and merge "
+                 f"{w['train']:.0f}s, eval {w['eval']:.0f}s) ==")
     out = r["out_dir"]
-    lines.append(f"artefacts in {out}: data/ (JSONL + images), train/ and sft_*/ (checkpoints, metrics.jsonl, "
-                 f"loss_lr.png), merged/ (averaged SFT checkpoint), eval/ (predictions, scores), "
+    lines.append(f"artefacts in {out}: data/ (JSONL + images), {'/, '.join(r['stages'])}/ (checkpoints, "
+                 f"loss_lr.png), metrics.jsonl, merged/ (averaged SFT variants), eval/ (predictions, scores), "
                  f"resolution_search/ (table, grid plot), report.json")
     return "\n".join(lines)
 

@@ -8,15 +8,15 @@ The steps, one module each:
   config plus a `demo:` section (data sizes, model YAML, evaluation settings).
 - `prepare`: the data (`datasets`: JSONL + images, with image-blind baselines) and, with `demo.vocab:
   data`, the model's vocabulary restricted to the token ids the data uses.
-- `training`: the pre-SFT stages chained, then each `sft*` variant from their last checkpoint, on packed
-  rows (`rows.DemoRows`).
-- merge: `checkpoint.merge.merge` averages the SFT variants uniformly (here, in this process).
+- `training`: one `run_training` over the stages on packed rows (`rows.DemoRows`); the SFT stage's
+  variants each start from the multitask checkpoint and the trainer averages them uniformly into
+  OUT/merged (the stage's `variants` and `merge`, as in any run config).
 - `evaluation`: held-out scores of the variants and the merged checkpoint, and the resolution search.
-- `processes`: each phase (the pre-SFT stages, each SFT variant, evaluation) runs in its own spawned
-  process.
+- `processes`: each phase (training, evaluation) runs in its own spawned process.
 - `report`: the printed summary.
-Everything lands in OUT: data/, train/ (pre-SFT stages), sft_<name>/, merged/, eval/,
-resolution_search/ and report.json (the printed summary, machine readable).
+Everything lands in OUT: data/, a directory per trained stage (warmup/, multitask/, sft_256/, sft_512/:
+checkpoints and loss plots) with metrics.jsonl and summary.json, merged/, eval/, resolution_search/ and
+report.json (the printed summary, machine readable).
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from typing import Any, Dict, List, Optional
 
 import mindspore as ms
 
-from mindvl_ms.checkpoint.merge import merge
 from mindvl_ms.config.packaged import resolve_config
 from mindvl_ms.recipes.demo.config import config_path, load_demo_config
 from mindvl_ms.recipes.demo.evaluation import evaluate_phase, vqa_scores_by_type
@@ -51,9 +50,9 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     t_data = time.perf_counter()
     trained = train_all(run_cfg, out_dir, progress=progress)
     t_train = time.perf_counter()
-    merged = os.path.join(out_dir, "merged")
-    record = merge(list(trained["sft_checkpoints"].values()), merged, method="linear", overwrite=True,
-                   progress=progress)
+    merged = trained["merged"]
+    with open(os.path.join(merged, "merge_record.json"), encoding="utf-8") as f:
+        record = json.load(f)
     ckpts = dict(trained["sft_checkpoints"] if demo.get("eval_variants", True) else {}, merged=merged)
     scores, search = in_child(evaluate_phase, ckpts, info["files"]["heldout"], run_cfg.data, demo, out_dir,
                               progress)
@@ -64,7 +63,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
               "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"],
               "vocab": info["vocab"], "scores": scores, "vqa_by_type": scores_by_type,
               "merge": {"checkpoint": merged, "inputs": record["inputs"]}, "resolution_search": search,
-              "wall_time_s": {"data": t_data - t0, "train": t_train - t_data, "merge_eval": t_end - t_train,
+              "wall_time_s": {"data": t_data - t0, "train": t_train - t_data, "eval": t_end - t_train,
                               "total": t_end - t0}}
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, default=str)

@@ -1,14 +1,12 @@
-"""The demo's training phases, each in its own process (`processes.in_child`).
+"""The demo's training phase (in its own process, `processes.in_child`): one `run_training` over every stage.
 
-Stages whose names do not start with `sft` run chained in one `run_training` call (warm-up trains the
-projector only, multitask trains everything). Every `sft*` stage is a variant: each starts from the last
-pre-SFT checkpoint in its own run, so the variants (two sequence lengths) can be averaged by
-`checkpoint.merge.merge` like MindVL's 2K/4K/8K SFT merge. Training uses the plain MindVL model; the
-train step runs the LM head only at supervised positions, in chunks (`train.loss_head`).
+Warm-up trains the projector only, multitask trains everything, and the `sft` stage's `variants` (two row
+lengths and pixel budgets) each start from the multitask checkpoint and are merged by the trainer
+(`merge:` of the stage; MindVL's 2K/4K/8K SFT merge, section 5.3). Training uses the plain MindVL model;
+the train step runs the LM head only at supervised positions, in chunks (`train.loss_head`).
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 from typing import Any, Dict, List, Optional
@@ -47,32 +45,24 @@ def _stage_loss(summary: Dict[str, Any], metrics_path: str) -> Dict[str, Dict[st
 
 
 def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) -> Dict[str, Any]:
-    """`run_training` over run_cfg.stages from random init or `init_from`; per-stage losses and packing."""
+    """`run_training` over run_cfg.stages from random init or `init_from`: per-stage losses, packing, the
+    variants' final checkpoints and the merges."""
     child_setup()
     rows = DemoRows(progress=progress)
     summary = run_training(run_cfg, out_dir, model=train_model(run_cfg, init_from), data_factory=rows,
                            collate=rows.collate(run_cfg.model), progress=progress)
     return {"stages": _stage_loss(summary, os.path.join(out_dir, "metrics.jsonl")),
-            "checkpoint": summary["stages"][-1]["checkpoint"], "packing": rows.reports}
+            "checkpoint": summary["stages"][-1]["checkpoint"], "packing": rows.reports,
+            "variants": {s["stage"]: s["checkpoint"] for s in summary["stages"] if "variant_of" in s},
+            "merges": summary["merges"]}
 
 
 def train_all(run_cfg, out_dir: str, progress: bool = True) -> Dict[str, Any]:
-    """Pre-SFT stages chained, then each SFT variant from the last pre-SFT checkpoint (one process each)."""
-    pre = [s for s in run_cfg.stages if not s.name.startswith("sft")]
-    sft = [s for s in run_cfg.stages if s.name.startswith("sft")]
-    if not pre or len(sft) < 2:
-        raise ValueError("the demo recipe needs pre-SFT stages and at least two `sft*` stages to merge, got "
+    """Every stage in one spawned process, the run in OUT itself (OUT/<stage>/, OUT/metrics.jsonl); the
+    recipe needs SFT variants to merge."""
+    if not any(s.variants for s in run_cfg.stages):
+        raise ValueError("the demo recipe needs a stage with `variants` (the SFT variants it merges), got "
                          f"{[s.name for s in run_cfg.stages]}")
-    cfg = copy.deepcopy(run_cfg)
-    cfg.stages = pre
-    res = in_child(run_stages, cfg, os.path.join(out_dir, "train"), None, progress)
-    stages, packing, base = dict(res["stages"]), dict(res["packing"]), res["checkpoint"]
-    sft_ckpts = {}
-    for s in sft:
-        cfg = copy.deepcopy(run_cfg)
-        cfg.stages = [s]
-        res = in_child(run_stages, cfg, os.path.join(out_dir, s.name), base, progress)
-        stages.update(res["stages"])
-        packing.update(res["packing"])
-        sft_ckpts[s.name] = res["checkpoint"]
-    return {"stages": stages, "packing": packing, "pre_sft_checkpoint": base, "sft_checkpoints": sft_ckpts}
+    res = in_child(run_stages, run_cfg, out_dir, None, progress)
+    return {"stages": res["stages"], "packing": res["packing"], "sft_checkpoints": res["variants"],
+            "merged": res["merges"][-1]["checkpoint"]}
