@@ -36,6 +36,8 @@ NATIVE = "mindvl-native"
 
 def read_config_json(path: str) -> dict:
     fn = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
     if not os.path.isfile(fn):
         raise FileNotFoundError(f"{path}: no config.json (expected a checkpoint directory)")
     with open(fn, encoding="utf-8") as f:
