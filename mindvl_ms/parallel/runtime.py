@@ -110,19 +110,17 @@ def apply_parallel_speed_up(ctx) -> str:
 
 
 SUPERVISED_GRIDS = 4  # the sparse head's row-local [B, n, c] inputs (train.loss_head.supervised_layout)
-STEP_SCALARS = 3  # token_norm, num_samples, scale (train.forward_loss.ForwardLoss)
 
 
-def dataset_strategy(dp: int, pipeline: bool = False) -> Tuple[Tuple[int, ...], ...]:
-    """The `dataset_strategy` of the train step's inputs, in their order: the model inputs (data.collate
-    INPUT_NAMES), the sparse head's four grids, the three scalars. Every array carries the micro-batch rows
-    first with row-local indices (data.collate's contract), so it is split dp ways on the row dimension and
-    whole on every other: the TP and pipeline peers of a data-parallel rank read the same rows, which is
-    what each rank's loader hands it. Under pipeline stages the feeds are stacked micro-batches
-    [micro_batch_num, B, ...] (parallel.pipeline_step.pipeline_feeds): the rows are then dimension 1."""
-    lead = (1, dp) if pipeline else (dp,)
+def dataset_strategy(dp: int) -> Tuple[Tuple[int, ...], ...]:
+    """The `dataset_strategy` of the semi/auto-parallel train step's inputs, in their order: the model
+    inputs (data.collate INPUT_NAMES), then the sparse head's four grids (the step's scalars are Parameters,
+    train/mf_step.py). Every array carries the rows first (a rank's micro-batches concatenated on them) with
+    row-local indices (data.collate's contract), so it is split dp ways on the row dimension and whole on
+    every other: the TP and pipeline peers of a data-parallel rank read the same rows, which is what each
+    rank's loader hands it."""
     ranks = [INPUT_RANKS[name] for name in INPUT_NAMES] + [3] * SUPERVISED_GRIDS
-    return tuple(lead + (1,) * (r - 1) for r in ranks) + ((),) * STEP_SCALARS
+    return tuple((dp,) + (1,) * (r - 1) for r in ranks)
 
 
 def auto_parallel_settings(run_cfg, world: int) -> dict:
@@ -134,7 +132,7 @@ def auto_parallel_settings(run_cfg, world: int) -> dict:
               full_batch=par.full_batch, enable_parallel_optimizer=par.enable_parallel_optimizer)
     if par.parallel_mode in (1, 2):
         kw["full_batch"] = False
-        kw["dataset_strategy"] = dataset_strategy(sizes.data_parallel, sizes.pipeline_stage > 1)
+        kw["dataset_strategy"] = dataset_strategy(sizes.data_parallel)
     if par.parallel_mode == 2:
         kw["search_mode"] = par.search_mode
     if sizes.pipeline_stage > 1:

@@ -110,7 +110,7 @@ def _assemble(local, dp, tp):
     """The global arrays the graph sees: ranks' local arrays concatenated along the dimension each
     dataset_strategy entry splits; TP peers must hold the same arrays."""
     strategy = dataset_strategy(dp)
-    assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS + 3
+    assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS
     out = []
     for i, st in enumerate(strategy[:len(local[0])]):
         assert st == (dp,) + (1,) * (local[0][i].ndim - 1)
@@ -194,11 +194,9 @@ def test_shipped_ascend_runs_split_rows_by_dataset_strategy(run):
     assert kw["parallel_mode"] == "semi_auto_parallel" and kw["full_batch"] is False
     assert cfg.parallel.full_batch is False
     strategy = kw["dataset_strategy"]
-    assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS + 3
-    lead = (1, sizes.data_parallel) if sizes.pipeline_stage > 1 else (sizes.data_parallel,)
-    for st in strategy[:-3]:
-        assert st[:len(lead)] == lead and set(st[len(lead):]) <= {1}
-    assert strategy[-3:] == ((), (), ())
+    assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS  # the one-graph step's inputs
+    for st in strategy:
+        assert st[0] == sizes.data_parallel and set(st[1:]) <= {1}
 
 
 def test_static_shapes_keep_constant_dims_and_fix_every_dim_per_stage(rows):
