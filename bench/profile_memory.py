@@ -81,7 +81,7 @@ def child(path: str, rows: int, steps: int) -> None:
     report("imports")
     model, eng, data, length = ms_engine(path, rows, report)
     batch = build_model_inputs(data, model.config, pad_to=length)
-    eng.compile_micro(eng._micro_arrays(batch))  # as TrainStep.run's first call: compile, then release the freed heap
+    eng.compile_micro(eng._feeds([batch])[0])  # as TrainStep.run's first call: compile, then release the freed heap
     report("micro-step graph compiled")
     eng.micro = _Phase(eng.micro, "micro-step first run (forward, backward, accumulate)", report)
     eng.reduce = _Phase(eng.reduce, "gradient norm", report)

@@ -4,8 +4,8 @@ MindFormers semantics of `parallel_config.offset`: stage i runs `layers // pp + 
 decoder layers (an empty offset means an even split, which needs layers % pp == 0). The embedding, the
 vision tower and the projector run on stage 0; the final norm, the LM head and multi-token-prediction
 layers on the last stage (`STAGE_PLAN`, keyed by module path as the other plans of `parallel/`). The
-trainer wraps the step for `micro_batch_num` micro-batches (`parallel/pipeline_step.py`); this module only
-places cells.
+train step runs the rank's micro-batches through MindFormers' pipeline cell (`train/mf_step.py`); this
+module only places cells.
 """
 from __future__ import annotations
 

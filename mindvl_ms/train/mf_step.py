@@ -4,7 +4,7 @@ wrapper stack around this project's forward-loss Cell (`train.forward_loss.Forwa
 Stack (MindFormers 1.9 `mindformers.wrapper.wrapper`, imported on first use, see `_mindformers`):
 
     top cell        MFTrainOneStepCell            stand-alone, or one micro-batch per step
-                    MFPipelineWithLossScaleCell   semi/auto parallel with accumulation, or pipeline stages
+                    MFPipelineWithLossScaleCell   semi/auto parallel with accumulation or pipeline stages
       accumulation  GradAccumulationCellWithMultiOutputs(micro_batch_num)   pipeline_stage 1
                     PipelineCellWithMultiOutputs(micro_batch_num)           pipeline_stage > 1
         LossShare   ForwardLoss of one micro-batch -> its loss share (one output)
@@ -56,9 +56,8 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindvl_ms.parallel import mindformers_moe  # noqa: F401  (points MindFormers' log dir before its import)
 from mindvl_ms.train.forward_loss import ForwardLoss, WeightSumStep, has_sparse_head
 from mindvl_ms.train.loss import IGNORE, TrainLoss
-from mindvl_ms.train.loss_head import supervised_layout
 from mindvl_ms.train.optim import AdamWUpdate
-from mindvl_ms.train.train_step import StepResult, find_bias_updater, local_counts
+from mindvl_ms.train.train_step import StepResult, find_bias_updater, local_counts, step_arrays
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +101,6 @@ def concat_micro_batches(arrays: List[List[np.ndarray]]) -> List[np.ndarray]:
                              f"visual budget per row)")
         out.append(np.ascontiguousarray(np.concatenate([a[i] for a in arrays], axis=0)))
     return out
-
-
-def step_arrays(mb: Dict[str, np.ndarray], input_names: Sequence[str], sparse: bool, chunk: int,
-                min_slots: int) -> List[np.ndarray]:
-    """One micro-batch's graph inputs in ForwardLoss order: the model inputs, then the loss inputs (the
-    sparse head's chunk grid sized for `min_slots` positions, or full targets and token_index)."""
-    missing = [k for k in list(input_names) + ["targets", "token_index"] if k not in mb]
-    if missing:
-        raise KeyError(f"micro-batch lacks arrays {missing}; has {sorted(mb)}")
-    model_in = [np.ascontiguousarray(mb[k]) for k in input_names]
-    if sparse:
-        lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], chunk, min_slots)
-        return model_in + [lay["sup_targets"], lay["sup_segment_ids"], lay["sup_token_index"], lay["logit_index"]]
-    return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
 
 
 def put(param: Parameter, value) -> None:
@@ -193,9 +178,11 @@ class AdamWGrads(AdamWUpdate):
 def build_wrapped_step(loss_share_for, optimizer: nn.Optimizer, k: int, pipeline_stages: int, clip: float,
                        scale_sense):
     """(top cell, out_scale): MindFormers' wrapper stack (module docstring). `loss_share_for(out_scale)`
-    builds the LossShare."""
+    builds the LossShare. Stand-alone (the CPU tests), the accumulation or pipeline cell runs under
+    MFTrainOneStepCell: MFPipelineWithLossScaleCell refuses a stand-alone context ("ParallelMode must be one
+    of [SEMI_AUTO_PARALLEL, AUTO_PARALLEL]") and nothing would fill its `accu_grads` there."""
     mf = _mindformers()
-    accumulating = pipeline_stages > 1 or (k > 1 and semi_auto_mode())
+    accumulating = (pipeline_stages > 1 or k > 1) and semi_auto_mode()
     out_scale = float(k) if accumulating else 1.0
     net = loss_share_for(out_scale)
     if pipeline_stages > 1:
@@ -241,6 +228,10 @@ class MFStep:
                  if precision == "float16" else Tensor(1.0, ms.float32))
         self.cell, self.out_scale = build_wrapped_step(share_for, self.opt, self.k, pipeline_stages,
                                                        float(stage.grad_clip), scale)
+        # The wrapper's deepcopy of the optimizer's `learning_rate` carries its name; MindSpore resolves a
+        # duplicate name at compile by renaming every Parameter to its path in the wrapper, so the model's
+        # non-trainable ones (the MoE routing bias) would lose their checkpoint names.
+        self.cell.learning_rate.name = "mf_step.learning_rate"
         self.cell.set_train(True)
         self.need_prepass = loss_cfg.type == "balanced" and loss_cfg.lambda1 > 0
         self.weight_sum = None
@@ -298,7 +289,7 @@ class MFStep:
         applied = not bool(overflow.asnumpy())
         expert_load = None
         if self.bias_updater is not None:
-            expert_load = self.share.load.asnumpy()
+            expert_load = self.share.load.asnumpy().copy()  # asnumpy aliases the Parameter the next step zeroes
             if not semi_auto_mode():
                 expert_load = self.allreduce_host(expert_load)
             if applied:

@@ -10,7 +10,6 @@ Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompile
   accumulated gradients and the loss, and the global gradient norm. Under semi/auto parallel
   (`parallel_mode` 1/2) the compiler inserts the reduction, so this step reduces nothing
   (`compiler_reduces`).
-- `PipelineMicroStep` (parallel/pipeline_step.py) replaces `MicroStep` when pipeline stages > 1 (Ascend).
 - `AdamWUpdate` (optim.py): unscale x clip folded into one multiplier, fused in-place AdamW with
   per-parameter LR coefficients, accumulators zeroed. It runs only when loss and norm are finite;
   otherwise `ZeroAccum` clears the accumulators, so a non-finite step leaves every parameter and
@@ -43,9 +42,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, pipeline_feeds
 from mindvl_ms.train.forward_loss import ForwardLoss, WeightSumStep, has_sparse_head, row_grad_tables
-from mindvl_ms.train.grad_ops import accumulate
 from mindvl_ms.train.loss import IGNORE, TrainLoss
 from mindvl_ms.train.loss_head import supervised_layout
 from mindvl_ms.train.memory import release_heap
@@ -77,7 +74,7 @@ def ms_dtype(a: np.ndarray):
 def dynamic_like(arrays: Sequence[np.ndarray], constant: Sequence[Sequence] = ()) -> List[Tensor]:
     """Placeholder Tensors in the arrays' dtypes (for `set_inputs`): every dimension dynamic except the
     constant ones `constant` gives (per array, a shape with None where dynamic: the model's
-    `dynamic_inputs`), aligned to the array's last dimensions (pipeline feeds stack micro-batches in front)."""
+    `dynamic_inputs`), aligned to the array's last dimensions."""
     out = []
     for i, a in enumerate(arrays):
         shape = [None] * a.ndim
@@ -109,6 +106,21 @@ def local_counts(micro_batches: Sequence[Dict[str, np.ndarray]]) -> Tuple[int, i
     return sup, samples, toks, patches
 
 
+def step_arrays(mb: Dict[str, np.ndarray], input_names: Sequence[str], sparse: bool, chunk: int,
+                min_slots: int = 0) -> List[np.ndarray]:
+    """One micro-batch's graph inputs in ForwardLoss order: the model inputs, then the loss inputs (the
+    sparse head's chunk grid, train/loss_head.py, sized for at least `min_slots` positions per row, or full
+    targets and token_index). Both train steps (TrainStep, train/mf_step.MFStep) feed these."""
+    missing = [k for k in list(input_names) + ["targets", "token_index"] if k not in mb]
+    if missing:
+        raise KeyError(f"micro-batch lacks arrays {missing}; has {sorted(mb)}")
+    model_in = [np.ascontiguousarray(mb[k]) for k in input_names]
+    if sparse:  # LM head only at supervised positions, chunked
+        lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], chunk, min_slots)
+        return model_in + [lay["sup_targets"], lay["sup_segment_ids"], lay["sup_token_index"], lay["logit_index"]]
+    return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
+
+
 def find_bias_updater(model: nn.Cell):
     """The MoE language model's expert-bias update cell, when balancing by bias is on; else None."""
     net = getattr(model, "_backbone", model)  # AMP wraps the model
@@ -125,8 +137,7 @@ class TrainStep:
     def __init__(self, model: nn.Cell, params: List[Parameter], input_names: Sequence[str], loss_cfg,
                  stage, dp: int = 1, allreduce_host=None, precision: str = "float32",
                  loss_scale_value: float = 65536.0, loss_scale_factor: float = 2.0, loss_scale_window: int = 1000,
-                 gradients_mean: bool = False, compiler_reduces: bool = False, pipeline=None,
-                 row_grads: bool = True):
+                 gradients_mean: bool = False, compiler_reduces: bool = False, row_grads: bool = True):
         release_heap()  # the model is built: its loading's freed host copies go back to the OS
         self.input_names = list(input_names)
         if "segment_ids" not in self.input_names:
@@ -143,9 +154,7 @@ class TrainStep:
                                requires_grad=False)
         self.good = Parameter(Tensor(0, ms.int32), name="loss_scale_good_steps", requires_grad=False)
         self.factor, self.window = float(loss_scale_factor), int(loss_scale_window)
-        self.pipeline = pipeline  # (stages, micro_batch_num): Ascend pipeline parallel, parallel/pipeline_step.py
-        self._build_graphs(model, stage, dp, gradients_mean, compiler_reduces,
-                           row_grads and not compiler_reduces and pipeline is None)
+        self._build_graphs(model, stage, dp, gradients_mean, compiler_reduces, row_grads and not compiler_reduces)
         self.need_prepass_kind = loss_cfg.type == "balanced" and loss_cfg.lambda1 > 0
         self.dp, self.clip = dp, float(stage.grad_clip)
         self.allreduce_host = allreduce_host or (lambda x: x)
@@ -158,15 +167,12 @@ class TrainStep:
     def _build_graphs(self, model: nn.Cell, stage, dp: int, gradients_mean: bool, compiler_reduces: bool,
                       row_grads: bool) -> None:
         """The step's Cells. Row-wise table gradients (train/row_grads.py) only when `row_grads`: not
-        under a compiler-sharded layout or pipeline stages."""
+        under a compiler-sharded layout."""
         rows = row_grad_tables(model, self.params, self.accum) if row_grads else {}
         self.row_grad_tables = sorted(rows)
         fwd = ForwardLoss(model, self.loss, len(self.input_names), self.input_names.index("segment_ids"),
                           1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
-        if self.pipeline is not None:
-            self.micro = PipelineMicroStep(fwd, self.params, self.accum, self.pipeline[1], accumulate)
-        else:
-            self.micro = MicroStep(fwd, self.params, self.accum)
+        self.micro = MicroStep(fwd, self.params, self.accum)
         self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
         self.zero = ZeroAccum(self.accum)
         self.weight_sum = WeightSumStep(fwd)
@@ -180,42 +186,24 @@ class TrainStep:
         return out
 
     # -- one optimizer step --------------------------------------------------------------------
-    def _set_inputs(self, feed: List[np.ndarray], arrays: List[np.ndarray]) -> None:
+    def _set_inputs(self, feed: List[np.ndarray]) -> None:
         """Dynamic shapes (constant dims excepted) for CPU training; static ones, compiled as fed, under
         semi/auto parallel, where every rank's arrays have the stage's fixed shapes (data.collate.RowBudget)."""
         if not self.static:
             scalar = Tensor(shape=[], dtype=ms.float32)
             self.micro.set_inputs(*dynamic_like(feed, self.constant), scalar, scalar, scalar)
-            self.weight_sum.set_inputs(*dynamic_like(arrays, self.constant))
+            self.weight_sum.set_inputs(*dynamic_like(feed, self.constant))
         self._shaped = True
 
-    def _micro_arrays(self, mb: Dict[str, np.ndarray], min_slots: int = 0) -> List[np.ndarray]:
-        missing = [k for k in self.input_names + ["targets", "token_index"] if k not in mb]
-        if missing:
-            raise KeyError(f"micro-batch lacks arrays {missing}; has {sorted(mb)}")
-        model_in = [np.ascontiguousarray(mb[k]) for k in self.input_names]
-        if self.sparse:  # LM head only at supervised positions, chunked (train/loss_head.py)
-            lay = supervised_layout(mb["targets"], mb["segment_ids"], mb["token_index"], self.chunk, min_slots)
-            return model_in + [lay["sup_targets"], lay["sup_segment_ids"], lay["sup_token_index"],
-                               lay["logit_index"]]
-        return model_in + [mb["targets"].astype(np.int32), mb["token_index"].astype(np.int32)]
-
-    def _feeds(self, micro_batches: List[Dict[str, np.ndarray]]):
-        """(graph feeds, per-micro-batch arrays): one feed per micro-batch, or under pipeline stages one
-        stacked feed per micro_batch_num micro-batches, which the pipeline cell slices (all micro-batches
-        then share one head grid)."""
-        feeds = arrays = [self._micro_arrays(mb) for mb in micro_batches]
-        if self.pipeline is not None:
-            slots = max(int((mb["targets"] != IGNORE).sum(1).max()) for mb in micro_batches)  # per-row grids
-            arrays = [self._micro_arrays(mb, slots) for mb in micro_batches]
-            feeds = pipeline_feeds(arrays, self.pipeline[1])
-        return feeds, arrays
+    def _feeds(self, micro_batches: List[Dict[str, np.ndarray]]) -> List[List[np.ndarray]]:
+        """One graph feed per micro-batch (`step_arrays`)."""
+        return [step_arrays(mb, self.input_names, self.sparse, self.chunk) for mb in micro_batches]
 
     def compile_micro(self, feed: List[np.ndarray]) -> None:
         """Compile the micro-step graph for inputs like `feed` (dynamic shapes), then hand the compiler's
         freed heap back to the OS (train/memory.py) before the first run allocates activations."""
         if not self._shaped:
-            self._set_inputs(feed, feed)
+            self._set_inputs(feed)
         one = Tensor(1.0, ms.float32)
         self.micro.compile(*[Tensor(a) for a in feed], one, one, one)
         release_heap()
@@ -252,13 +240,13 @@ class TrainStep:
 
     def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
         """Accumulate over this rank's micro-batches, then apply one update. Returns floats."""
-        feeds, arrays = self._feeds(micro_batches)
+        feeds = self._feeds(micro_batches)
         if not self._shaped:
-            self._set_inputs(feeds[0], arrays[0])
+            self._set_inputs(feeds[0])
         sup, samples, toks, patches = local_counts(micro_batches)
         counts = self.allreduce_host(np.array([sup, samples], np.float32))
         g_sup, g_samples = float(counts[0]), float(counts[1])
-        token_norm = self._token_norm(arrays, g_sup)
+        token_norm = self._token_norm(feeds, g_sup)
         scalars = [Tensor(token_norm, ms.float32), Tensor(g_samples, ms.float32)]
         loss_sum, load = self._accumulate(feeds, scalars)
         loss, norm, applied = self.apply(loss_sum, lr)

@@ -161,14 +161,6 @@ def prepare_model(model, run_cfg, dist: Optional[DistInfo] = None):
     return model
 
 
-def pipeline_config(run_cfg):
-    """(pipeline stages, micro_batch_num) when pipeline parallel runs (Ascend only), else None."""
-    sizes = run_cfg.parallel_config
-    if sizes.pipeline_stage > 1 and run_cfg.context.device_target == "Ascend":
-        return sizes.pipeline_stage, sizes.micro_batch_num
-    return None
-
-
 def restore_optimizer(engine: TrainStep, optim: Dict[str, np.ndarray]) -> None:
     """Load a checkpoint's optimizer / loss-scale state into the step's Parameters."""
     params = engine.state_parameters()
@@ -252,7 +244,7 @@ class Trainer:
         return None, TrainStep(c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce,
                                ctx.precision, ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
                                gradients_mean=self.run_cfg.parallel.gradients_mean,
-                               compiler_reduces=self.dist.compiler_reduces, pipeline=pipeline_config(self.run_cfg))
+                               compiler_reduces=self.dist.compiler_reduces)
 
     def _restore(self, resume: ResumePoint) -> None:
         """Optimizer state, this rank's data position and the step counters of the checkpoint."""

@@ -159,5 +159,5 @@ def test_train_step_reads_the_chunk_size_from_the_loss_config():
         st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
                                 "max_steps": 1, "loss": {"logits_chunk_tokens": chunk}})
         eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st)
-        arrays = eng._micro_arrays(batch)
+        arrays = eng._feeds([batch])[0]
         assert arrays[-1].shape == expect  # logit_index [B, n, c]

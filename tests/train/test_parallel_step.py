@@ -1,7 +1,7 @@
 """Parallel-aware pieces of the train step on one CPU process: the gradient reduction (explicit sum,
 gradients_mean, none under semi/auto parallel), the AdamW update as an nn.Optimizer (parallel
-optimizer contract), and the pipeline micro-batch wrapper (construction, micro-batch count, and its
-stand-alone execution equal to the micro-batch loop).
+optimizer contract) and the host counts over data-parallel replicas. Pipeline stages run the one-graph
+step (train/mf_step.py; tests/train/test_pipeline_moe.py).
 
     python -m pytest -q tests/train/test_parallel_step.py
 """
@@ -12,14 +12,11 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from mindvl_ms.config.base import load
 from mindvl_ms.config.train import RunConfig, StageConfig
-from mindvl_ms.train.batches import micro_batches
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, fill_coords
 from mindvl_ms.train.optim import AdamWUpdate, select_trainable
-from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, pipeline_feeds
 from mindvl_ms.train.step_cells import ReduceStep
 from mindvl_ms.train.train_step import TrainStep
-from mindvl_ms.train.trainer import pipeline_config
-from tests.support.train_tiny import TinyVLM, collate, make_rows
+from tests.support.train_tiny import TinyVLM
 
 
 def _accum(values):
@@ -98,50 +95,6 @@ def test_adamw_update_is_an_optimizer_with_cloned_states():
     assert np.array_equal(b.asnumpy(), b0) and not upd.v[1].asnumpy().any()
     assert not np.array_equal(w.asnumpy(), w0) and upd.v[0].asnumpy().any()
     assert all(not a.asnumpy().any() for a in acc)  # both accumulators cleared
-
-
-def test_pipeline_wrapper_construction_and_equality_with_the_loop():
-    """pipeline (stages 2, micro_batch_num 2): one PipelineCell call over the stacked micro-batches gives
-    the loop's loss and parameters (stand-alone execution on CPU; the schedule itself is Ascend-only)."""
-    rows = [r for r in make_rows(40, seed=3) if len(r) == 2][:4]  # equal pixel rows per micro-batch
-    assert len(rows) == 4
-    st = load(StageConfig, dict(name="s", seq_length=28, global_batch_size=4, micro_batch_size=2, max_steps=1,
-                                max_lr=1e-2))
-    out = {}
-    for pipe in (None, (2, 2)):
-        ms.set_seed(0)
-        m = TinyVLM()
-        eng = TrainStep(m, select_trainable(m, [""]), m.INPUT_NAMES, st.loss, st, pipeline=pipe)
-        if pipe:
-            assert isinstance(eng.micro, PipelineMicroStep) and eng.micro.micro_batch_num == 2
-            assert isinstance(eng.micro.pipe, nn.PipelineCell) and eng.micro.pipe.micro_size == 2
-            assert eng.micro.reducer is None  # stand-alone mode: no pipeline gradient reducer
-        mbs = [collate(r, st) for r in micro_batches(rows, 2)]
-        res = eng.run(mbs, 1e-2)
-        out[pipe] = (res.loss, {p.name: p.asnumpy().copy() for p in m.get_parameters()})
-    assert out[(2, 2)][0] == pytest.approx(out[None][0], rel=1e-5)
-    for k, v in out[None][1].items():
-        np.testing.assert_allclose(out[(2, 2)][1][k], v, rtol=1e-4, atol=1e-6, err_msg=k)
-
-
-def test_pipeline_feeds_check_count_and_shapes():
-    a = [[np.zeros((2, 3)), np.ones(4)], [np.ones((2, 3)), np.zeros(4)]]
-    (out,) = pipeline_feeds(a, 2)
-    assert [x.shape for x in out] == [(2, 2, 3), (2, 4)]
-    with pytest.raises(ValueError, match="micro_batch_num 3"):
-        pipeline_feeds(a, 3)
-    with pytest.raises(ValueError, match="different shapes"):
-        pipeline_feeds([[np.zeros((2, 3))], [np.zeros((5, 3))]], 2)
-
-
-def test_pipeline_config_only_on_ascend():
-    def run(device, pp):
-        return load(RunConfig, {"stages": [{"name": "s", "max_steps": 1}], "context": {"device_target": device},
-                                "parallel_config": {"pipeline_stage": pp, "micro_batch_num": 4}})
-
-    assert pipeline_config(run("Ascend", 2)) == (2, 4)
-    assert pipeline_config(run("Ascend", 1)) is None
-    assert pipeline_config(run("CPU", 2)) is None
 
 
 def test_host_counts_are_summed_over_data_parallel_replicas(monkeypatch):

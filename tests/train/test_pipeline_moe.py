@@ -1,11 +1,16 @@
-"""Pipeline mode with the tiny MoE (configs/model/tiny-moe.yaml language model, stand-alone on CPU):
+"""Pipeline stages with the tiny MoE (configs/model/tiny-moe.yaml language model, stand-alone on CPU), on
+the one-graph step the trainer builds under semi/auto parallel (train/mf_step.py, pipeline_stages 2:
+MindFormers' PipelineCellWithMultiOutputs over the rank's 4 micro-batches):
 
-- the rank is given more micro-batches than one pipeline round takes (4 micro-batches, micro_batch_num 2):
-  the step runs two rounds into the same accumulators and takes one update, equal to the micro-batch loop;
-- the step's expert load has one row per MoE layer (the [1, 1] zeros it returned before made
-  ExpertBiasUpdate fail with "StridedSlice begin[0] must be in [-1, 1)"), equal to the loop's;
+- the step's expert load has one row per MoE layer, [moe layers, E] (a [1, 1] load made ExpertBiasUpdate
+  fail with "StridedSlice begin[0] must be in [-1, 1)");
 - with the layers placed on two pipeline stages, the aux-loss-free bias update runs once per step and every
-  MoE layer's bias moves as numpy predicts from that load.
+  MoE layer's bias moves as numpy predicts from that load;
+- loss, expert load, biases and parameters equal the plain micro-batch accumulation (TrainStep).
+
+Stand-alone, MFStep runs the pipeline cell under MFTrainOneStepCell (MFPipelineWithLossScaleCell needs
+semi/auto parallel); its finite check is Ascend-only, so monkeypatch swaps in the CPU check of
+tests/train/test_mf_step.py. The pipeline schedule itself is Ascend-only.
 
     python -m pytest -q tests/train/test_pipeline_moe.py
 """
@@ -22,10 +27,11 @@ from mindvl_ms.config.base import load
 from mindvl_ms.config.train import StageConfig
 from mindvl_ms.models.moe import DeepseekV3ForCausalLM
 from mindvl_ms.parallel.pipeline import assign_pipeline_stages
-from mindvl_ms.parallel.pipeline_step import PipelineMicroStep, expert_load_shape, pipeline_feeds
+from mindvl_ms.train import mf_step
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.train_step import TrainStep
 from tests.support.paths import ROOT
+from tests.train.test_mf_step import cpu_overflow
 
 VOCAB, LENGTH = 64, 16
 
@@ -65,15 +71,19 @@ def _micro_batch(rng):
     return {"input_ids": ids, "position_ids": pos, "segment_ids": seg, "targets": tgt, "token_index": tok}
 
 
-def _run(pipeline, steps=2):
+def _run(pipeline_stages, steps=2):
+    """`steps` optimizer steps of 4 micro-batches: MFStep with pipeline stages, or TrainStep's plain loop."""
     st = load(StageConfig, dict(name="s", seq_length=LENGTH, global_batch_size=4, micro_batch_size=1, max_steps=1,
                                 max_lr=1e-2))
     ms.set_seed(0)
     model = TinyMoELM(_text())
-    if pipeline:
-        placed = assign_pipeline_stages(model, pipeline[0], [1, 0])  # 3 layers: 2 on stage 0, 1 on stage 1
+    params = select_trainable(model, [""])
+    if pipeline_stages:
+        placed = assign_pipeline_stages(model, pipeline_stages, [1, 0])  # 3 layers: 2 on stage 0, 1 on stage 1
         assert [placed[f"layers.{i}"] for i in range(3)] == [0, 0, 1] and placed["lm_head"] == 1
-    eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st, pipeline=pipeline)
+        eng = mf_step.MFStep(model, params, model.INPUT_NAMES, st.loss, st, pipeline_stages=pipeline_stages)
+    else:
+        eng = TrainStep(model, params, model.INPUT_NAMES, st.loss, st)
     assert eng.bias_updater is not None
     routers = model.model.routers()
     rng = np.random.RandomState(0)
@@ -87,9 +97,12 @@ def _run(pipeline, steps=2):
     return eng, out, params
 
 
-def test_pipeline_step_of_the_tiny_moe_runs_the_bias_update_as_numpy_predicts():
-    eng, out, params = _run((2, 2))
-    assert isinstance(eng.micro, PipelineMicroStep) and eng.micro.load_shape == (2, 8)
+def test_one_graph_pipeline_of_the_tiny_moe_runs_the_bias_update_as_numpy_predicts(monkeypatch):
+    monkeypatch.setattr(mf_step._mindformers().MFTrainOneStepCell, "get_overflow_status", cpu_overflow)
+    eng, out, params = _run(2)
+    assert type(eng.cell.network).__name__ == "PipelineCellWithMultiOutputs" and eng.cell.network.micro_size == 4
+    assert eng.share.load.shape == (2, 8)  # 1 dense + 2 MoE layers, 8 routed experts
+    assert eng.compiles == 1
     speed = _text().moe.bias_update_speed
     valid = 4 * (LENGTH - 3)  # real tokens in the step's 4 micro-batches
     for res, before, after in out:
@@ -108,20 +121,3 @@ def test_pipeline_step_of_the_tiny_moe_runs_the_bias_update_as_numpy_predicts():
         np.testing.assert_allclose(after, ref_after, rtol=0, atol=1e-7)
     for k, v in loop_params.items():
         np.testing.assert_allclose(params[k], v, rtol=1e-4, atol=1e-6, err_msg=k)
-
-
-def test_pipeline_feeds_consume_every_micro_batch_of_the_rank():
-    """128 micro-batches on a rank (1024 rows / dp 8) with micro_batch_num 32: four stacked rounds, in order."""
-    arrays = [[np.full((2, 3), i), np.full(4, -i)] for i in range(128)]
-    feeds = pipeline_feeds(arrays, 32)
-    assert len(feeds) == 4 and all([x.shape for x in f] == [(32, 2, 3), (32, 4)] for f in feeds)
-    np.testing.assert_array_equal(np.concatenate([f[0][:, 0, 0] for f in feeds]), np.arange(128))
-    with pytest.raises(ValueError, match="not a multiple of parallel_config.micro_batch_num 32"):
-        pipeline_feeds(arrays[:100], 32)
-    with pytest.raises(ValueError, match="different shapes"):
-        pipeline_feeds([[np.zeros((2, 3))], [np.zeros((5, 3))]], 2)
-
-
-def test_expert_load_shape_follows_the_moe_layers():
-    assert expert_load_shape(TinyMoELM(_text())) == (2, 8)  # 1 dense + 2 MoE layers, 8 routed experts
-    assert expert_load_shape(SimpleNamespace()) == (1, 1)
