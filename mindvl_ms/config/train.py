@@ -319,7 +319,6 @@ class ParallelConfig:
     model_parallel: int = F(1, "tensor-parallel size")
     pipeline_stage: int = F(1, "pipeline stages")
     expert_parallel: int = F(1, "expert-parallel size (MoE)")
-    micro_batch_num: int = F(1, "pipeline micro-batches")
     use_seq_parallel: bool = F(False, "sequence parallel inside tensor-parallel groups")
     vocab_emb_dp: bool = F(True, "data-parallel (not sharded) embedding and LM head; false splits the vocab "
                                  "over the tensor-parallel group (when it divides)")
@@ -331,7 +330,7 @@ class ParallelConfig:
                               "(MindFormers `offset`; stage i gets layers // pp + offset[i])")
 
     def validate(self) -> None:
-        for k in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel", "micro_batch_num",
+        for k in ("data_parallel", "model_parallel", "pipeline_stage", "expert_parallel",
                   "gradient_aggregation_group"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"parallel_config.{k} must be >= 1, got {getattr(self, k)}")

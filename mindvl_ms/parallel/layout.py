@@ -43,10 +43,9 @@ class Layout:
     ep: int = 1
     seq_parallel: bool = False     # parallel_config.use_seq_parallel
     vocab_emb_dp: bool = True      # parallel_config.vocab_emb_dp
-    micro_batch_num: int = 1       # parallel_config.micro_batch_num (pipeline micro-batches)
 
     def __post_init__(self):
-        for k in ("dp", "tp", "pp", "ep", "micro_batch_num"):
+        for k in ("dp", "tp", "pp", "ep"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"parallel_config: {k} must be >= 1, got {getattr(self, k)}")
         if (self.dp * self.tp) % self.ep:
@@ -97,5 +96,4 @@ class Layout:
         if world is not None and dp == 1 and s.model_parallel * s.pipeline_stage == 1 and world > 1:
             dp = world
         return cls(dp=dp, tp=s.model_parallel, pp=s.pipeline_stage, ep=s.expert_parallel,
-                   seq_parallel=bool(s.use_seq_parallel), vocab_emb_dp=bool(s.vocab_emb_dp),
-                   micro_batch_num=s.micro_batch_num)
+                   seq_parallel=bool(s.use_seq_parallel), vocab_emb_dp=bool(s.vocab_emb_dp))

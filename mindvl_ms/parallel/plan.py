@@ -41,7 +41,8 @@ table for a GPT layer (tested):
 - full recompute keeps 2sbh (/t with SP) per layer and in-flight micro-batch, plus one layer's complete
   activations (the layer being recomputed).
 Pipeline: stage i holds layers `layers // p + offset[i]`; embedding, ViT and projector on stage 0; final norm,
-lm_head and MTP on the last. Under 1F1B, stage i holds min(p - i, micro_batch_num) micro-batches in flight.
+lm_head and MTP on the last. Under 1F1B, stage i holds min(p - i, n) micro-batches in flight, n = the
+stage's micro-batches per rank (global_batch_size / (dp x micro_batch_size)).
 ViT (stage 0): the same terms with the ViT shapes over P = b * visual budget * merge^2 patches (the budget is
 data.max_image_tokens, or seq_length when 0); with `parallel_config.vision_parallel: dp` every rank of a TP
 group encodes all P patches with whole weights, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
@@ -360,7 +361,7 @@ def plan_run(run_cfg) -> List[DevicePlan]:
                     (g.place == "first" and p == 0) or (g.place == "last" and p == pp - 1)]
             dp_bytes = _parameter_memory(dev, mine, layout, st.trainable_prefixes(),
                                          run_cfg.parallel.enable_parallel_optimizer)
-            inflight = min(pp - p, layout.micro_batch_num) if pp > 1 else 1
+            inflight = min(pp - p, m) if pp > 1 else 1
             shapes = [llm_layer_shape(text, is_moe[i]) for i in layers[p]]
             dev.memory["activations"] = _stack_activations(shapes, s, b, t, sp, rc, inflight)
             if p == 0:

@@ -216,8 +216,6 @@ def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
     for name, value, by in checks:
         if by > 1 and value % by:
             problems.append(f"{name} {value} is not divisible by {by}")
-    if pp > 1 and sizes.micro_batch_num < pp:
-        problems.append(f"micro_batch_num {sizes.micro_batch_num} < pipeline_stage {pp} (the pipeline would idle)")
     if problems:
         raise ConfigError("parallel strategy does not fit the model:\n  " + "\n  ".join(problems))
     return problems

@@ -9,14 +9,14 @@ refusal is one line naming the config file, the field and what was expected:
   global batch, but the loader hands each rank only its data-parallel shard (global_batch / data_parallel
   rows, `train.batches.rank_slice` by dp rank); there is no global loader;
 - semi/auto parallel without a `dataset_strategy` that covers every model input (`data.collate.INPUT_NAMES`)
-  with the rows split data_parallel ways on dimension 0 (dimension 1 of pipeline feeds, whose dimension 0
-  stacks the micro-batches) and no other split: MindSpore would otherwise split dimension 0 of every input
+  with the rows split data_parallel ways on dimension 0 and no other split (pipeline runs too: the step
+  joins a rank's micro-batches along the rows): MindSpore would otherwise split dimension 0 of every input
   over all devices, while the tensor- and pipeline-parallel peers of a rank read the same rows (MindFormers
   refuses the same: "If set full_batch=False, dataset_strategy must be set");
-- a stage whose global_batch_size is not data_parallel x micro_batch_size x a whole number of micro-batches,
-  or, with pipeline stages, whose micro-batches per rank, n = global_batch_size / (data_parallel x
-  micro_batch_size), are not a multiple of `parallel_config.micro_batch_num` (the pipeline step runs n /
-  micro_batch_num rounds of micro_batch_num stacked micro-batches, `parallel.pipeline_step`).
+- a stage whose global_batch_size is not data_parallel x micro_batch_size x a whole number n of micro-batches
+  per rank, or, with pipeline stages, whose n is below pipeline_stage (the pipeline would idle). n is the
+  pipeline's micro_batch_num: the one-graph step (`train.mf_step`) derives it per stage, so no config field
+  can disagree with it.
 
 `refuse_unsharded(cell, ...)` is the audit's refusal (`parallel/audit.py`): after `parallelize`, any
 primitive of the language model or the loss head without a strategy (MoE router and routed-expert internals
@@ -45,11 +45,9 @@ def _full_batch(run_cfg, source: str) -> List[str]:
     return []
 
 
-def _row_split_ok(entry, dp: int, pipeline: bool) -> bool:
-    """One input's strategy splits its rows dp ways and nothing else (rows: dim 0, dim 1 of pipeline feeds)."""
+def _row_split_ok(entry, dp: int) -> bool:
+    """One input's strategy splits its rows (dim 0) dp ways and nothing else."""
     s = tuple(int(x) for x in entry)
-    if pipeline and len(s) >= 2 and s[0] == 1:
-        s = s[1:]
     return len(s) >= 1 and s[0] == dp and all(x == 1 for x in s[1:])
 
 
@@ -64,19 +62,17 @@ def _dataset_strategy(run_cfg, settings: dict, source: str) -> List[str]:
         n = "a string" if isinstance(strategy, str) else f"{len(strategy)} entries"
         return [f"{source}: dataset_strategy has {n}; expected one per model input ({len(INPUT_NAMES)}: "
                 f"{list(INPUT_NAMES)}), each splitting its rows data_parallel ({sizes.data_parallel}) ways"]
-    pipeline = sizes.pipeline_stage > 1
     bad = [f"{name} {tuple(entry)}" for name, entry in zip(INPUT_NAMES, strategy)
-           if not _row_split_ok(entry, sizes.data_parallel, pipeline)]
+           if not _row_split_ok(entry, sizes.data_parallel)]
     if bad:
         return [f"{source}: dataset_strategy does not split the rows of {', '.join(bad)} data_parallel "
-                f"({sizes.data_parallel}) ways; expected ({sizes.data_parallel}, 1, ...)"
-                + (" after the stacked micro-batch dim" if pipeline else "")]
+                f"({sizes.data_parallel}) ways; expected ({sizes.data_parallel}, 1, ...)"]
     return []
 
 
 def _micro_batches(run_cfg, source: str) -> List[str]:
     sizes = run_cfg.parallel_config
-    dp, k, pp = sizes.data_parallel, sizes.micro_batch_num, sizes.pipeline_stage
+    dp, pp = sizes.data_parallel, sizes.pipeline_stage
     out = []
     for stage in run_cfg.stages:
         n, rem = divmod(stage.global_batch_size, dp * stage.micro_batch_size)
@@ -84,10 +80,11 @@ def _micro_batches(run_cfg, source: str) -> List[str]:
             out.append(f"{source}: stage '{stage.name}' global_batch_size {stage.global_batch_size} is not "
                        f"data_parallel ({dp}) x micro_batch_size ({stage.micro_batch_size}) x a whole number of "
                        f"micro-batches")
-        elif pp > 1 and n % k:
-            out.append(f"{source}: parallel_config.micro_batch_num {k} does not divide stage '{stage.name}''s "
-                       f"{n} micro-batches per rank (global_batch_size {stage.global_batch_size} / (data_parallel "
-                       f"{dp} x micro_batch_size {stage.micro_batch_size})); expected a divisor of {n}, e.g. {n}")
+        elif n < pp:
+            out.append(f"{source}: stage '{stage.name}' gives each rank {n} micro-batches (global_batch_size "
+                       f"{stage.global_batch_size} / (data_parallel {dp} x micro_batch_size "
+                       f"{stage.micro_batch_size})), fewer than pipeline_stage {pp}: the pipeline would idle; "
+                       f"expected at least {pp}")
     return out
 
 

@@ -1,9 +1,9 @@
 """Refusals of `parallel/validate.py`, one case per refusal, each asserting its one-line message: full_batch
 without a global loader, semi-auto without a dataset_strategy covering every model input (or with one that
-does not split the rows data_parallel ways), a micro_batch_num that does not divide a stage's micro-batches,
+does not split the rows data_parallel ways), a stage with fewer micro-batches per rank than pipeline stages,
 and the audit finding a primitive without a strategy in the language model or the loss head.
 
-The shipped 671B layout (dp 8, tp 8, pp 8, micro_batch_num 32; stages of 1024 and 512 rows) is the base.
+The shipped 671B layout (dp 8, tp 8, pp 8; stages of 1024 and 512 rows, 128 and 64 micro-batches per rank) is the base.
 """
 import glob
 
@@ -30,9 +30,9 @@ def _cfg(*overrides):
     return load_run_config(RUN, ["parallel.full_batch=false", *overrides])
 
 
-def _rows(dp, pipeline=True, n=len(INPUT_NAMES)):
-    """A dataset_strategy with the rows of every input split dp ways (after the stacked micro-batch dim)."""
-    return tuple(((1, dp) if pipeline else (dp,)) + (1, 1) for _ in range(n))
+def _rows(dp, n=len(INPUT_NAMES)):
+    """A dataset_strategy with the rows (dim 0) of every input split dp ways."""
+    return tuple((dp, 1, 1) for _ in range(n))
 
 
 def _refusal(cfg, settings):
@@ -46,7 +46,7 @@ def _refusal(cfg, settings):
 def test_the_shipped_layout_with_its_row_split_passes():
     validate_parallel(_cfg(), WORLD, {"dataset_strategy": _rows(8)}, RUN)
     validate_parallel(_cfg("parallel_config.pipeline_stage=1", "parallel_config.offset=[]"), WORLD,
-                      {"dataset_strategy": _rows(8, pipeline=False)}, RUN)
+                      {"dataset_strategy": _rows(8)}, RUN)
 
 
 def test_full_batch_without_a_global_loader():
@@ -68,18 +68,17 @@ def test_a_dataset_strategy_missing_inputs():
 
 def test_a_dataset_strategy_that_splits_all_devices_or_not_the_rows():
     bad = list(_rows(8))
-    bad[INPUT_NAMES.index("pixel_values")] = (1, 512, 1, 1)   # dim 0 over every device, MindSpore's default
-    bad[INPUT_NAMES.index("position_ids")] = (1, 1, 8, 1)    # M-RoPE's 3 first: the rows are not dim 0
+    bad[INPUT_NAMES.index("pixel_values")] = (512, 1, 1)   # dim 0 over every device, MindSpore's default
+    bad[INPUT_NAMES.index("position_ids")] = (1, 8, 1)    # M-RoPE's 3 first: the rows are not dim 0
     msg = _refusal(_cfg(), {"dataset_strategy": tuple(bad)})
-    assert "does not split the rows of position_ids (1, 1, 8, 1), pixel_values (1, 512, 1, 1) data_parallel (8)" in msg
-    assert msg.endswith("expected (8, 1, ...) after the stacked micro-batch dim")
+    assert "does not split the rows of position_ids (1, 8, 1), pixel_values (512, 1, 1) data_parallel (8)" in msg
+    assert msg.endswith("expected (8, 1, ...)")
 
 
-def test_micro_batch_num_that_does_not_divide_a_stage():
-    msg = _refusal(_cfg("parallel_config.micro_batch_num=48"), {"dataset_strategy": _rows(8)})
-    assert ("parallel_config.micro_batch_num 48 does not divide stage 'warmup''s 128 micro-batches per rank "
-            "(global_batch_size 1024 / (data_parallel 8 x micro_batch_size 1)); expected a divisor of 128") in msg
-    assert "stage 'sft''s 64 micro-batches per rank" in msg
+def test_fewer_micro_batches_per_rank_than_pipeline_stages():
+    msg = _refusal(_cfg("stages.2.global_batch_size=32"), {"dataset_strategy": _rows(8)})
+    assert msg == (f"{RUN}: stage 'sft' gives each rank 4 micro-batches (global_batch_size 32 / (data_parallel 8 x "
+                   f"micro_batch_size 1)), fewer than pipeline_stage 8: the pipeline would idle; expected at least 8")
 
 
 def test_global_batch_not_a_whole_number_of_micro_batches():
