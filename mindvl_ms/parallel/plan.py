@@ -70,8 +70,8 @@ Host memory per process (`host_plan`; one process drives one device), what it co
   seq_length (input_ids, the 3 M-RoPE position rows, segment_ids, targets, token_index) and the
   visual budget padded in patches (budget x merge^2 per row): fp32 pixel values (in_channels x
   temporal_patch_size x patch_size^2 each) and `PATCH_INT32` int32 index arrays (vision_pos_ids 2,
-  window_index, reverse_index, window_segment_ids, full_segment_ids); under pipeline stages twice, the
-  micro-batches plus their stacked rounds (parallel/pipeline_step.py). An upper bound: rows are padded
+  window_index, reverse_index, window_segment_ids, full_segment_ids); under semi/auto parallel twice, the
+  micro-batches plus the one feed the one-graph step joins them into (train/mf_step.py). An upper bound: rows are padded
   to the visual budget only as far as the batch needs. Not counted: the loader's workers and prefetch
   queue, the Python and MindSpore runtime, the transient host copy of one feed while it is sent.
 """
@@ -420,13 +420,14 @@ def host_plan(run_cfg) -> List[HostPlan]:
     model, text, pp = run_cfg.model, run_cfg.model.text, layout.pp
     on_host = run_cfg.context.device_target == "CPU"
     po = run_cfg.parallel.enable_parallel_optimizer
+    joined = run_cfg.parallel.parallel_mode in (1, 2)  # semi/auto: the step also holds the joined feed
     layers = stage_layers(text.num_hidden_layers, pp, run_cfg.parallel_config.offset)
     groups = param_groups(model, layout, run_cfg.parallel_config.vision_parallel)
     out = []
     for st in run_cfg.stages:
         m = st.accumulation(layout.dp)
         image_tokens = dict(st.data).get("max_image_tokens", run_cfg.data.max_image_tokens) or st.seq_length
-        pinned = m * micro_batch_bytes(model, st.seq_length, st.micro_batch_size, image_tokens) * (2 if pp > 1 else 1)
+        pinned = m * micro_batch_bytes(model, st.seq_length, st.micro_batch_size, image_tokens) * (2 if joined else 1)
         prefixes = st.trainable_prefixes()
         for p in range(pp):
             acc = mom = 0.0

@@ -1,5 +1,5 @@
 """`mindvl plan`'s host memory per process against hand arithmetic: the pinned input arrays of one step at
-the visual budget (8B and 671B layouts, doubled under pipeline stages), and on CPU the accumulators and Adam
+the visual budget (8B and 671B layouts, doubled under semi-auto parallel), and on CPU the accumulators and Adam
 moments of the trainable parameters counted from the real cells.
 
     python -m pytest -q tests/parallel/test_plan_host.py
@@ -24,13 +24,14 @@ ROW_8K = 4 * (7 * 8192 + 8192 * 4 * (3 * 2 * 14 * 14 + 6))
 
 def test_pinned_data_8b_and_671b_by_hand(capsys):
     h8 = {(h.training_stage, h.pp): h for h in host_plan(load_run_config(os.path.join(RUN, "mindvl-8b-64npu.yaml")))}
-    # 8B: dp 16, micro-batch 1: 1024 / 16 = 64 micro-batches (sft 512 / 16 = 32), one pipeline stage
-    assert h8["multitask", 0].memory == {"accumulators": 0.0, "moments": 0.0, "pinned data": 64 * ROW_8K}
-    assert h8["sft", 0].memory["pinned data"] == 32 * ROW_8K
+    # 8B: dp 16, micro-batch 1: 1024 / 16 = 64 micro-batches (sft 512 / 16 = 32), one pipeline stage, held
+    # twice under semi-auto parallel (the micro-batches and the one feed the step joins them into)
+    assert h8["multitask", 0].memory == {"accumulators": 0.0, "moments": 0.0, "pinned data": 2 * 64 * ROW_8K}
+    assert h8["sft", 0].memory["pinned data"] == 2 * 32 * ROW_8K
     assert ROW_8K == 155_156_480
     cfg = load_run_config(os.path.join(RUN, "mindvl-671b-512npu.yaml"))
     h671 = host_plan(cfg)
-    # 671B: dp 8: 128 micro-batches, held twice under pipeline stages (the micro-batches and their stacked rounds)
+    # 671B: dp 8: 128 micro-batches, held twice (semi-auto parallel, as 8B)
     assert {h.memory["pinned data"] for h in h671 if h.training_stage == "multitask"} == {2 * 128 * ROW_8K}
     assert len(h671) == 3 * 8 and all(h.memory["accumulators"] == h.memory["moments"] == 0.0 for h in h671)
     assert main(["plan", "--config", os.path.join(RUN, "mindvl-671b-512npu.yaml")]) == 0
