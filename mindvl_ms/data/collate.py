@@ -156,6 +156,7 @@ class RowBudget(NamedTuple):
     window_width: int    # W of window_gather
     full_blocks: int     # S of full_gather
     full_width: int      # W of full_gather
+    rows: int = 0        # B at least: a short micro-batch (an epoch's last) gets empty rows (0: as given)
 
 
 MIN_SAMPLE_TOKENS = 8  # a processed sample holds at least its chat turn markers: bounds samples per row
@@ -177,7 +178,7 @@ def row_budget(config: MindVLConfig, data) -> RowBudget:
     return RowBudget(seq_length=data.seq_length, patches=patches, slots=data.seq_length // MIN_SAMPLE_TOKENS + 1,
                      window_blocks=patches // unit, window_width=window,
                      full_blocks=patches // smallest + patches // window + 1,
-                     full_width=min(patches, max(largest, window)))
+                     full_width=min(patches, max(largest, window)), rows=data.micro_batch_size)
 
 
 def _text_arrays(rows: Sequence[Sequence[Dict]], config: MindVLConfig, length: int):
@@ -260,8 +261,11 @@ def _stack_blocks(gathers: Sequence[np.ndarray], fill: int, size, what: str) -> 
 def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig, pad_to: Optional[int] = None,
                        budget: Optional[RowBudget] = None) -> Dict[str, np.ndarray]:
     """See the module docstring; returns INPUT_NAMES arrays plus targets, token_index, num_samples and
-    image_grid_thw (the batch's real grids). `budget` fixes every size (it sets L, overriding `pad_to`)."""
+    image_grid_thw (the batch's real grids). `budget` fixes every size (it sets L, overriding `pad_to`); rows
+    it adds to reach `budget.rows` are empty: all padding, no targets, no samples, so the loss is unchanged."""
     unit = config.vision.spatial_merge_size ** 2
+    if budget is not None and len(rows) < budget.rows:
+        rows = list(rows) + [[] for _ in range(budget.rows - len(rows))]
     length = max([sum(len(np.asarray(s["input_ids"]).reshape(-1)) for s in row) for row in rows] + [0])
     pad_to = budget.seq_length if budget is not None else pad_to
     if pad_to is not None:

@@ -150,7 +150,8 @@ def test_ranks_concatenated_equal_the_global_batch(rows, name):
 
 def test_every_rank_has_equal_local_shapes_at_every_step(data_file, tmp_path):
     """Per-rank loaders over a real mixed set (offline packing, balanced ranks; the stage's fixed budget): at every step
-    every rank's arrays have one shape, the budget's."""
+    every rank's arrays have one shape, the budget's, micro_batch_size rows included (an epoch's short last
+    micro-batch is filled with empty rows)."""
     lines = open(data_file).read().splitlines()
     big = tmp_path / "many.jsonl"
     img = os.path.join(os.path.dirname(data_file), "img")
@@ -174,7 +175,7 @@ def test_every_rank_has_equal_local_shapes_at_every_step(data_file, tmp_path):
     for per_rank in zip(*steps):
         shapes = [{k: b[k].shape for k in INPUT_NAMES} for b in per_rank]
         assert shapes[0] == shapes[1], shapes
-        assert shapes[0]["input_ids"][1:] == (budget.seq_length,)
+        assert shapes[0]["input_ids"] == (2, budget.seq_length)  # micro_batch_size rows at every step
         assert shapes[0]["pixel_values"][1:] == (budget.patches, 1176)
         assert shapes[0]["window_gather"][1:] == (budget.window_blocks, budget.window_width)
         assert shapes[0]["full_gather"][1:] == (budget.full_blocks, budget.full_width)
@@ -215,3 +216,18 @@ def test_static_shapes_keep_constant_dims_and_fix_every_dim_per_stage(rows):
     assert fixed == [batch[k].shape for k in INPUT_NAMES]
     step = [tuple(t.shape) for t in dynamic_like([batch[k] for k in INPUT_NAMES], constant_dims(model))]
     assert step == list(dyn.values())
+
+
+def test_empty_rows_that_fill_a_short_micro_batch_change_nothing_real(rows):
+    """A budget of 3 rows over a 2-row micro-batch: the real rows' arrays are those of the 2-row batch, the
+    added row has no targets, no segments and no samples."""
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
+    budget = row_budget(cfg, _data_config(micro_batch_size=3))
+    two = build_model_inputs(rows[:2], cfg, budget=budget._replace(rows=0))
+    three = build_model_inputs(rows[:2], cfg, budget=budget)
+    assert budget.rows == 3
+    for k in INPUT_NAMES + ("targets",):
+        assert three[k].shape == (3,) + two[k].shape[1:], k
+        np.testing.assert_array_equal(three[k][:2], two[k], err_msg=k)
+    assert (three["targets"][2] == -100).all() and (three["segment_ids"][2] == 0).all()
+    assert three["num_samples"] == two["num_samples"]
