@@ -83,6 +83,15 @@ def micro_batch_num(global_batch_size: int, dp: int, micro_batch_size: int) -> i
     return per_rank // int(micro_batch_size)
 
 
+def head_slots(micro_batches: Sequence[Dict[str, np.ndarray]], fixed: Optional[int] = None) -> int:
+    """Supervised slots per row of the loss head's chunk grid, one for all of a step's micro-batches (they are
+    joined into one feed): `fixed` (the stage's seq_length: no row supervises more, and semi/auto parallel's
+    static graph needs one shape at every step), else the most supervised positions of a micro-batch."""
+    if fixed is not None:
+        return int(fixed)
+    return max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)
+
+
 def semi_auto_mode() -> bool:
     """True when MindSpore's parallel mode is semi_auto_parallel or auto_parallel."""
     return ms.get_auto_parallel_context("parallel_mode") in ("semi_auto_parallel", "auto_parallel")
@@ -207,6 +216,7 @@ class MFStep:
         self.chunk = int(getattr(loss_cfg, "logits_chunk_tokens", 1024))
         self.sparse = has_sparse_head(model)
         self.k = micro_batch_num(stage.global_batch_size, dp, stage.micro_batch_size)
+        self.seq_length = int(stage.seq_length)
         self.dp = dp
         self.allreduce_host = allreduce_host or (lambda x: x)
         self.params = params
@@ -254,7 +264,7 @@ class MFStep:
         if len(micro_batches) != self.k:
             raise ValueError(f"{len(micro_batches)} micro-batches per step on this rank, but the step was "
                              f"built for micro_batch_num {self.k} (global_batch_size / (dp x micro_batch_size))")
-        slots = max(int((mb["targets"] != IGNORE).sum()) for mb in micro_batches)
+        slots = head_slots(micro_batches, self.seq_length if semi_auto_mode() else None)
         return concat_micro_batches([step_arrays(mb, self.input_names, self.sparse, self.chunk, slots)
                                      for mb in micro_batches])
 

@@ -70,6 +70,18 @@ def test_micro_batch_num():
         mf_step.micro_batch_num(30, 4, 2)
 
 
+def test_head_grid_is_the_stage_seq_length_under_semi_auto():
+    """The joined feed's loss-head grid: under semi/auto parallel sized by the stage's seq_length at every
+    step (one static shape, whatever the rows supervise); stand-alone by the step's largest micro-batch."""
+    t = np.full((2, 64), -100, np.int32)
+    a, b = t.copy(), t.copy()
+    a[0, :5], b[1, :30] = 1, 1
+    mbs = [{"targets": a}, {"targets": b}]
+    assert mf_step.head_slots(mbs) == 30
+    assert mf_step.head_slots(mbs, fixed=64) == 64
+    assert mf_step.head_slots([{"targets": t}], fixed=64) == 64
+
+
 def test_one_graph_step_equals_train_step(monkeypatch):
     """Same loss (to 1 float32 ulp) and parameters (to 1e-6) as TrainStep after 3 steps x 4 micro-batches,
     with active clipping, lr coefficients (vision x0.1), weight decay and the balanced loss (its token-weight
