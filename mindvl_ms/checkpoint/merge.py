@@ -23,8 +23,9 @@ Design:
   `safetensors.safe_open`. Reading the inputs through `safe_open` instead keeps the memory-mapped pages
   of all N inputs resident, and its numpy frontend cannot hold bf16 (peak memory of both ways:
   docs/PERFORMANCE.md, ## checkpoint).
-- Floating tensors are combined in float32 (float64 stays float64) and written back in their own dtype
-  (bf16 with round-to-nearest-even). Integer/bool tensors must be identical across inputs and are copied.
+- Floating tensors are read as float32 (float64 stays float64); linear and task-arithmetic merges add them
+  up in float64, so an average is the exact mean rounded once to the output dtype (bf16 with
+  round-to-nearest-even; float32 sums would be off by an ulp of the sum). Integer/bool tensors must be identical across inputs and are copied.
 - The output mirrors the first input: same shard files, same index, same `__metadata__`
   (transformers needs `format: pt`); a first input with a file over `max_shard_bytes` (2 GiB by default,
   as convert writes) is regrouped into Hugging Face-named shards with an index, plus config.json and the other non-weight files (not the
@@ -237,7 +238,7 @@ def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray
              thresholds: Optional[List[float]], scale: float) -> np.ndarray:
     """Merge one chunk; `read(i)` returns input i's chunk as a fresh float32/64 array.
 
-    linear and task arithmetic accumulate input by input (memory: 3 chunks); TIES needs all N at once.
+    linear and task arithmetic accumulate input by input into a float64 chunk; TIES needs all N at once.
     """
     if method in ("linear", "task_arithmetic"):
         acc = None
@@ -247,7 +248,7 @@ def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray
                 x -= base  # task vector
             if w[i] != 1:  # x * 1 is x: skipped, the same values
                 x *= w[i]
-            acc = x if acc is None else np.add(acc, x, out=acc)
+            acc = x.astype(np.float64) if acc is None else np.add(acc, x, out=acc)
         if method == "linear":
             acc /= w.sum()
             return acc

@@ -95,7 +95,10 @@ def test_init_takes_vit_from_qwen2_5_vl_and_llm_from_qwen3(hf_dir, tmp_path):
 
 def test_convert_missing_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["convert", "hf2ms", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert f"checkpoint directory not found: {tmp_path / 'nope'}" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["convert", "hf2ms", str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
+    assert f"{tmp_path / 'empty'}: no config.json (expected a checkpoint directory)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "deepseek_v3"])
