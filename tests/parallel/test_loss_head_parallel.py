@@ -24,7 +24,7 @@ from mindvl_ms.parallel.styles import ParallelReport, ShardContext, VocabParalle
 from mindvl_ms.train.forward_loss import ForwardLoss
 from mindvl_ms.train.loss import TrainLoss
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE
-from tests.train.test_loss_head import _numpy_ce_and_grads
+from tests.train.test_loss_head import _numpy_ce_and_grads, head_case
 
 AUDITED = ("MatMul", "BatchMatMul", "Gather")
 
@@ -126,13 +126,8 @@ def test_split_form_equals_the_fused_path_on_cpu():
     """The cell's vocab-parallel form (what runs sharded), stand-alone on CPU: CE and gradients equal the fused
     path's and the float64 reference."""
     ms.set_context(mode=ms.GRAPH_MODE)
-    rng = np.random.default_rng(5)
-    n, c, d, v = 3, 4, 6, 37
-    h = rng.standard_normal((n, c, d)).astype(np.float32)
-    w = rng.standard_normal((v, d)).astype(np.float32)
-    t = rng.integers(0, v, (n, c)).astype(np.int32)
-    t[2, 1:] = IGNORE
-    coef = rng.random((n, c)).astype(np.float32)
+    h, w, t, coef, _ = head_case(5)
+    d = h.shape[-1]
     out = {}
     for split in (False, True):
         head = ChunkedHeadCE()

@@ -71,15 +71,24 @@ def _numpy_ce_and_grads(h, w, t, coef):
     return ce, g @ w64, g.T @ h64
 
 
-def test_chunked_ce_and_gradients_match_numpy():
-    ms.set_context(mode=ms.GRAPH_MODE)
-    rng = np.random.default_rng(1)
+def head_case(seed: int):
+    """A chunk grid's hidden states [3, 4, 6], head weight [37, 6], targets (row 2 mostly unsupervised) and
+    per-position loss coefficients, and the generator for more draws."""
+    rng = np.random.default_rng(seed)
     n, c, d, v = 3, 4, 6, 37
     h = rng.standard_normal((n, c, d)).astype(np.float32)
     w = rng.standard_normal((v, d)).astype(np.float32)
     t = rng.integers(0, v, (n, c)).astype(np.int32)
     t[2, 1:] = IGNORE
     coef = rng.random((n, c)).astype(np.float32)
+    return h, w, t, coef, rng
+
+
+def test_chunked_ce_and_gradients_match_numpy():
+    ms.set_context(mode=ms.GRAPH_MODE)
+    h, w, t, coef, rng = head_case(1)
+    n, c, d = h.shape
+    v = w.shape[0]
     head = ChunkedHeadCE()
 
     def f(h_, w_, t_, k_):
