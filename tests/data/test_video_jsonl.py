@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pytest
 
-from tests.support.data import write_images
 from mindvl_ms.config.data import DataConfig
 from mindvl_ms.config.video import VideoConfig
 from mindvl_ms.data.offline import sample_meta
@@ -15,7 +14,7 @@ from mindvl_ms.data.schema import parse_line
 from mindvl_ms.data.validate import validate_file
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.config import MindVLConfig
-from tests.support.video import write_video
+from tests.support.video import write_mixed_media
 
 SMALL = dict(video_min_pixels=4 * 784, video_max_pixels=16 * 784, video_total_pixels=64 * 784)
 
@@ -23,9 +22,7 @@ SMALL = dict(video_min_pixels=4 * 784, video_max_pixels=16 * 784, video_total_pi
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp("vj")
-    write_images(str(d / "img"))
-    write_video(d / "a.mkv", frames=30, fps=10, width=96, height=64)
-    write_video(d / "b.mkv", frames=12, fps=6, width=64, height=64)
+    write_mixed_media(d)
     (d / "broken.mp4").write_bytes(b"\x00" * 500)
     meta_a = {"frames": 30, "fps": 10, "width": 96, "height": 64}
     lines = [

@@ -23,8 +23,7 @@ import mindspore as ms
 from mindspore import Tensor
 from mindspore.nn.utils import no_init_parameters
 
-from tests.support.data import write_images
-from tests.support.video import write_video
+from tests.support.video import write_mixed_media
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.config.video import VideoConfig
@@ -74,9 +73,7 @@ def _lines():
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("shard")
-    write_images(str(d / "img"))
-    write_video(d / "a.mkv", frames=30, fps=10, width=96, height=64)
-    write_video(d / "b.mkv", frames=12, fps=6, width=64, height=64)
+    write_mixed_media(d)
     lines = [dict(o, id=f"s{i}") for i, o in enumerate(_lines())]
     path = d / "mixed.jsonl"
     path.write_text("".join(json.dumps(o) + "\n" for o in lines))

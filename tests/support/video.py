@@ -1,6 +1,8 @@
 """Small test videos written with PyAV (lossless ffv1 in .mkv, so decoded pixels equal what was written)."""
 import numpy as np
 
+from tests.support.data import write_images
+
 
 def frame_pixels(i: int, width: int, height: int) -> np.ndarray:
     """uint8 [height, width, 3]: a gradient whose colour changes with the frame index, and a moving square."""
@@ -27,3 +29,11 @@ def write_video(path, frames: int = 30, fps: int = 10, width: int = 96, height: 
         for p in s.encode():
             c.mux(p)
     return data
+
+
+def write_mixed_media(d) -> None:
+    """The mixed-media fixture tests share: the `write_images` set under d/img plus two clips, a.mkv (30 frames
+    at 10 fps, 96x64) and b.mkv (12 frames at 6 fps, 64x64)."""
+    write_images(str(d / "img"))
+    write_video(d / "a.mkv", frames=30, fps=10, width=96, height=64)
+    write_video(d / "b.mkv", frames=12, fps=6, width=64, height=64)
