@@ -2,18 +2,31 @@
 
 Every experiment's `run.py` calls the project's own entry points (`mindvl demo`, `mindvl data pack`,
 `mindvl train`, or the Python APIs behind them) and writes small result files next to itself:
-results.json (numbers, seeds, commit, wall time), results.md (the table) and a PNG plot.
+results.json (numbers, seeds, commit, wall time), results.md (the table, headed by the commit it was made
+at) and a PNG plot.
 
 Design choices:
 - Bulky outputs (data, checkpoints, predictions) go under $RESEARCH_OUT (default /tmp/mindvl_research),
   never into git.
-- A demo run is keyed by a name; `demo()` skips a run whose report.json exists with the same command,
-  so experiments that share an arm (the seed-0 quick run is the token-mean arm of the loss experiment
-  and the 2x arm of the grounding-share experiment) train it once within one `run_all.sh`.
+- A cached run is keyed by the code and the config, not by its name or command alone: `run_key` hashes
+  the command, every config file it reads (resolved, includes and all) and `source_hash()`, a hash of the
+  sources of mindvl_ms/, configs/ and scripts/. A changed code or config therefore never reuses an old
+  result; the run lands in OUT/runs/<key>, so a run two experiments share (the base of seed S, an arm
+  that is the same config in two experiments) is trained once.
+- The base: `base(seed)` is `mindvl demo --config research/scale.yaml --set seed=S` (warm-up, multitask,
+  the SFT variants and their merge). Arms that need a trained model start from its multitask checkpoint
+  (`branch`: the scale's SFT stage alone, `demo.init_from` = that checkpoint), so they differ from each
+  other only in what the arm changes.
+- Seeds: every arm runs `--seeds` (default 0 1 2); tables give mean ± sample sd over seeds, and
+  `verdict` says whether a difference between two arms exceeds the seed spread.
+- `--smoke`: one seed, research/smoke.yaml (the same recipe with a handful of steps and samples), results
+  under OUT/smoke/: the same code paths in a few minutes, no committed file touched.
 - Runs go one at a time (subprocess, waited for): the machine is small and timings must not overlap.
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -21,22 +34,104 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 OUT = os.environ.get("RESEARCH_OUT", "/tmp/mindvl_research")
 SCALE = os.path.join(HERE, "scale.yaml")   # the demo-sized recipe every demo-based experiment starts from
+SMOKE = os.path.join(HERE, "smoke.yaml")   # the same recipe, a few steps: `--smoke`
+SEEDS = (0, 1, 2)
+SOURCE_DIRS = ("mindvl_ms", "configs", "scripts")          # the code and packaged configs a run depends on
+SOURCE_EXTS = (".py", ".yaml", ".yml", ".json", ".sh", ".txt", ".cpp", ".h")
+RESULT_FILES = ("results.json", "results.md", ".png", "resolution_table.md")
+
+
+class Settings:
+    """What `parse_args` chose: the seeds, smoke mode, the recipe and where results go."""
+    seeds: Sequence[int] = SEEDS
+    smoke = False
+    scale = SCALE
+
+
+S = Settings()
+
+
+def parse_args(doc: str, argv: Optional[Sequence[str]] = None, add=None) -> argparse.Namespace:
+    """The experiments' shared flags (--seeds, --smoke), plus any the experiment adds through `add(ap)`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help=f"seeds per arm (default {list(SEEDS)})")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one seed on research/smoke.yaml, results under $RESEARCH_OUT/smoke (nothing committed)")
+    if add is not None:
+        add(ap)
+    args = ap.parse_args(argv)
+    S.smoke = args.smoke
+    S.scale = SMOKE if args.smoke else SCALE
+    S.seeds = tuple(args.seeds) if args.seeds else ((0,) if args.smoke else SEEDS)
+    args.seeds = list(S.seeds)
+    return args
+
+
+def results_dir(exp_dir: str) -> str:
+    """Where an experiment writes its results: next to its run.py, or OUT/smoke/<experiment> with --smoke."""
+    if not S.smoke:
+        return exp_dir
+    d = os.path.join(OUT, "smoke", os.path.basename(exp_dir))
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+# ---- code version and cache keys ----------------------------------------------------------------------
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
 def commit() -> str:
-    """Short commit of the checkout the scripts run from (+'-dirty' when research/ or the code has edits)."""
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                         text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "mindvl_ms", "configs", "research"],
-                           cwd=REPO, capture_output=True, text=True).stdout.strip()
-    # result files of the experiments themselves do not make the code dirty
-    dirty = [ln for ln in dirty.splitlines() if not ln.rstrip().endswith(
-        ("results.json", "results.md", ".png"))]
-    return sha + ("-dirty" if dirty else "")
+    """Short HEAD of the checkout the scripts run from, + '-dirty' when the code, configs or research/
+    scripts have uncommitted edits (the experiments' own result files do not count)."""
+    dirty = [ln for ln in _git("status", "--porcelain", "--", *SOURCE_DIRS, "research").splitlines()
+             if not ln.rstrip().endswith(RESULT_FILES)]
+    return _git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
+
+
+_SOURCE_HASH: Dict[str, str] = {}
+
+
+def source_hash(root: str = REPO, dirs: Sequence[str] = SOURCE_DIRS) -> str:
+    """sha256 over the paths and contents of the source files under `dirs` (computed once per process)."""
+    key = f"{root}|{','.join(dirs)}"
+    if key not in _SOURCE_HASH:
+        h = hashlib.sha256()
+        for d in dirs:
+            for base, subdirs, files in os.walk(os.path.join(root, d)):
+                subdirs[:] = sorted(s for s in subdirs if s != "__pycache__" and not s.startswith("."))
+                for f in sorted(files):
+                    if f.endswith(SOURCE_EXTS):
+                        p = os.path.join(base, f)
+                        h.update(os.path.relpath(p, root).encode() + b"\0")
+                        with open(p, "rb") as fh:
+                            h.update(hashlib.sha256(fh.read()).digest())
+        _SOURCE_HASH[key] = h.hexdigest()
+    return _SOURCE_HASH[key]
+
+
+def config_digest(path: str) -> Any:
+    """A config file as the run reads it: the YAML with its `_include_`s resolved (another file: its bytes)."""
+    from mindvl_ms.config.base import read_yaml
+
+    if path.endswith((".yaml", ".yml")):
+        return read_yaml(path)
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def run_key(cmd: Sequence[str], configs: Sequence[str] = (), source: Optional[str] = None) -> str:
+    """The cache key of a run: its command, the resolved config files and the code's source hash."""
+    blob = {"cmd": [str(c) for c in cmd], "configs": {os.path.abspath(c): config_digest(c) for c in configs},
+            "source": source if source is not None else source_hash()}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def mindvl(*args: str) -> List[str]:
@@ -66,39 +161,135 @@ def run(cmd: Sequence[str], log_path: str) -> float:
     return dt
 
 
-def demo(name: str, sets: Sequence[str] = (), config: str = SCALE) -> Dict[str, Any]:
-    """`mindvl demo --config CONFIG --out OUT/name --set ...`, cached by name + command; returns report.json
-    with `wall_s` (this run's time, or the cached run's) and `cached` added."""
-    out = os.path.join(OUT, name)
-    cmd = mindvl("demo", "--config", config, "--out", out, "--no-progress", *[a for s in sets for a in ("--set", s)])
-    stamp = os.path.join(out, "research_cmd.json")
-    key = {"cmd": cmd[2:], "commit": commit()}
-    if os.path.isfile(os.path.join(out, "report.json")) and os.path.isfile(stamp):
-        with open(stamp, encoding="utf-8") as f:
-            old = json.load(f)
-        if old["cmd"] == key["cmd"]:
-            print(f"reusing {out} (same command, run at {old['commit']})", flush=True)
-            return dict(load(os.path.join(out, "report.json")), wall_s=old["wall_s"], cached=True,
-                        commit=old["commit"])
-    dt = run(cmd, os.path.join(OUT, "logs", f"{name}.log"))
-    with open(stamp, "w", encoding="utf-8") as f:
-        json.dump(dict(key, wall_s=dt), f, indent=2)
-    return dict(load(os.path.join(out, "report.json")), wall_s=dt, cached=False, commit=key["commit"])
-
-
 def load(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 
+def demo(name: str, sets: Sequence[str] = (), config: Optional[str] = None) -> Dict[str, Any]:
+    """`mindvl demo --config CONFIG --out OUT/runs/<key> --set ...`, cached by `run_key` (command with the
+    out dir left out, the resolved CONFIG and the source hash); returns report.json with `wall_s` (this
+    run's time, or the cached run's), `cached`, `commit` (the commit it was made at) and `key` added."""
+    config = config or S.scale
+    args = ["demo", "--config", config, "--no-progress", *[a for s in sets for a in ("--set", s)]]
+    key = run_key(args, [config])
+    out = os.path.join(OUT, "runs", key[:16])
+    stamp = os.path.join(out, "research_key.json")
+    if os.path.isfile(os.path.join(out, "report.json")) and os.path.isfile(stamp):
+        old = load(stamp)
+        if old["key"] == key:
+            print(f"reusing {out} for {name} (same code and config, made at {old['commit']})", flush=True)
+            return dict(load(os.path.join(out, "report.json")), wall_s=old["wall_s"], cached=True,
+                        commit=old["commit"], key=key)
+    dt = run(mindvl(*args[:3], "--out", out, *args[3:]), os.path.join(OUT, "logs", f"{name}-{key[:8]}.log"))
+    with open(stamp, "w", encoding="utf-8") as f:
+        json.dump({"key": key, "name": name, "args": args, "commit": commit(), "wall_s": dt}, f, indent=2)
+    return dict(load(os.path.join(out, "report.json")), wall_s=dt, cached=False, commit=commit(), key=key)
+
+
+def base(seed: int) -> Dict[str, Any]:
+    """The trained base of a seed: the scale recipe's whole demo run (its multitask checkpoint is what
+    `branch` starts from; its SFT variants and merge are experiment (a)'s checkpoints)."""
+    return demo(f"base_seed{seed}", [f"seed={seed}"])
+
+
+def base_checkpoint(report: Dict[str, Any]) -> str:
+    return report["stages"]["multitask"]["checkpoint"]
+
+
+def branch_config(init_from: str, recipe: Optional[str] = None, eval_variants: bool = False) -> str:
+    """A demo YAML (written under OUT/configs, named by its content) that is the recipe's last stage (the SFT
+    variants and their merge) alone, started from `init_from`; the merged checkpoint is evaluated."""
+    import yaml
+
+    from mindvl_ms.config.base import read_yaml
+
+    raw = read_yaml(recipe or S.scale)
+    raw["stages"] = raw["stages"][-1:]
+    raw["demo"] = dict(raw["demo"], init_from=os.path.abspath(init_from), eval_variants=eval_variants)
+    text = yaml.safe_dump(raw, sort_keys=True)
+    path = os.path.join(OUT, "configs", hashlib.sha256(text.encode()).hexdigest()[:16] + ".yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def branch(name: str, seed: int, sets: Sequence[str] = ()) -> Dict[str, Any]:
+    """An arm: the SFT stage from the base of `seed` with `sets` (stage index 0 = that stage), cached like
+    any demo run (the base checkpoint's path, hence the base's key, is in the config)."""
+    rep = base(seed)
+    return dict(demo(f"{name}_seed{seed}", [f"seed={seed}", *sets], branch_config(base_checkpoint(rep))),
+                base_commit=rep["commit"])
+
+
+# ---- statistics and tables ----------------------------------------------------------------------------
+
+def mean_sd(values: Sequence[float]) -> tuple:
+    """(mean, sample sd) of per-seed values; sd is None for one value."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.mean()), (float(v.std(ddof=1)) if len(v) > 1 else None)
+
+
+def fmt(values: Sequence[float], scale: float = 100.0, digits: int = 1) -> str:
+    """'m ± sd' over seeds (scaled, e.g. to %); 'm' alone for one seed."""
+    m, sd = mean_sd(values)
+    return f"{scale * m:.{digits}f}" + ("" if sd is None else f" ± {scale * sd:.{digits}f}")
+
+
+def verdict(a: Sequence[float], b: Sequence[float]) -> str:
+    """Whether arms a and b differ beyond the seed spread: their means differ by more than the sum of their
+    sample sds (the mean ± sd intervals do not overlap). Needs >= 2 seeds per arm."""
+    (ma, sa), (mb, sb) = mean_sd(a), mean_sd(b)
+    if sa is None or sb is None:
+        return "untestable (one seed)"
+    if abs(ma - mb) > sa + sb:
+        return "exceeds the seed spread"
+    return "within the seed spread"
+
+
+def arms_table(arms: Dict[str, Dict[str, Sequence[float]]], metrics: Sequence[str], headers: Sequence[str],
+               reference: str, on: str = "average") -> str:
+    """One row per arm: mean ± sd of each metric over seeds, and the verdict on metric `on` against the
+    reference arm (a row's own verdict for the reference: '-')."""
+    rows = []
+    for a, m in arms.items():
+        rows.append([a] + [fmt(m[k]) for k in metrics]
+                    + ["-" if a == reference else verdict(m[on], arms[reference][on])])
+    return md_table(["arm", *headers, f"{on}: vs {reference}"], rows)
+
+
+def effect_sentence(arms: Dict[str, Dict[str, Sequence[float]]], reference: str, on: str = "average") -> str:
+    """The README/results.md statement of whether any arm's effect exceeds the seed spread."""
+    others = [a for a in arms if a != reference]
+    verdicts = {a: verdict(arms[a][on], arms[reference][on]) for a in others}
+    beyond = [a for a, v in verdicts.items() if v == "exceeds the seed spread"]
+    n = len(next(iter(arms.values()))[on])
+    if n < 2:
+        return f"Effect vs {reference}: untestable with one seed."
+    if beyond:
+        return f"Effect vs {reference} on {on}: exceeds the seed spread for {', '.join(beyond)}."
+    return f"Effect vs {reference} on {on}: no arm differs beyond the seed spread ({n} seeds, mean ± sd)."
+
+
+def header(seeds: Sequence[int]) -> str:
+    """The line every results.md starts with: the commit, source hash and seeds the table was made at."""
+    return (f"Made at commit {commit()} (source hash {source_hash()[:12]}), seeds {list(seeds)}"
+            + (", smoke scale (research/smoke.yaml)" if S.smoke else "") + ", by `bash research/run_all.sh`.")
+
+
 def save(exp_dir: str, results: Dict[str, Any], table: str) -> None:
-    """results.json (with the commit and the time) and results.md next to the experiment's run.py."""
-    results = dict(results, commit=commit(), finished_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
-    with open(os.path.join(exp_dir, "results.json"), "w", encoding="utf-8") as f:
+    """results.json (with the commit, source hash and time) and results.md (headed by the commit) in
+    `results_dir(exp_dir)`."""
+    d = results_dir(exp_dir)
+    results = dict(results, commit=commit(), source_hash=source_hash(), smoke=S.smoke,
+                   finished_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
+    with open(os.path.join(d, "results.json"), "w", encoding="utf-8") as f:
         json.dump(results, f, indent=2, default=str)
-    with open(os.path.join(exp_dir, "results.md"), "w", encoding="utf-8") as f:
-        f.write(table.rstrip() + "\n")
-    print(table, flush=True)
+    text = header(results.get("seeds", S.seeds)) + "\n\n" + table.rstrip() + "\n"
+    with open(os.path.join(d, "results.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text, flush=True)
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -118,3 +309,29 @@ def plt():
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+def bar_plot(arms: Dict[str, Dict[str, Sequence[float]]], tasks: Sequence[str], blind: Optional[Dict[str, float]],
+             path: str, title: str) -> None:
+    """Bars of mean ± sd per task and arm (held-out %), the seeds as dots, the blind baseline as a dash."""
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(7.5, 3.8))
+    w = 0.8 / len(arms)
+    x = np.arange(len(tasks))
+    for i, (a, m) in enumerate(arms.items()):
+        pos = x + (i - (len(arms) - 1) / 2) * w
+        vals = [100 * np.asarray(m[t], dtype=np.float64) for t in tasks]
+        ax.bar(pos, [v.mean() for v in vals], w, yerr=[v.std(ddof=1) if len(v) > 1 else 0 for v in vals],
+               capsize=3, label=a)
+        for p, v in zip(pos, vals):
+            ax.scatter(np.full(len(v), p), v, color="k", s=8, zorder=3)
+    if blind:
+        ax.scatter(x, [100 * blind[t] for t in tasks], marker="_", s=600, color="grey", label="blind baseline",
+                   zorder=4)
+    ax.set_xticks(x, list(tasks))
+    ax.set_ylabel("held-out % (bars: mean ± sd, dots: seeds)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot.close(fig)

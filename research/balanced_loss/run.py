@@ -1,16 +1,20 @@
 """(c) Balanced vs token-mean loss on a mix whose answer lengths differ by task (openPangu-VL section 4.4,
 equation 1; Figure 4(c), section 5.2.2 Observation 2).
 
-    python research/balanced_loss/run.py
+    python research/balanced_loss/run.py [--seeds 0 1 2] [--smoke]
 
-Three arms of `mindvl demo --config research/scale.yaml --set seed=0`, the loss set on every stage:
-  token_mean           the recipe as is (stage.loss.type: token_mean) - the seed-0 run of experiment (a)
-  balanced (1, 1)      stage.loss = {type: balanced, lambda1: 1, lambda2: 1}: eq. 1 with both terms
-  balanced (0, 1)      stage.loss = {type: balanced, lambda1: 0, lambda2: 1}: per-sample term only (the
-                       full demo recipe's choice)
+Every arm is the SFT stage (its two variants and their merge) trained from the base of its seed
+(`common.branch`: the multitask checkpoint of `mindvl demo --config research/scale.yaml --set seed=S`),
+with the loss set on that stage (the variants inherit it):
+  token_mean                 stage.loss.type: token_mean (the recipe as is)
+  balanced (1,1)             eq. 1 with both terms, tau1 0.1, tau2 2 (the defaults)
+  balanced (0,1)             the per-sample term only (the full demo recipe's choice)
+  balanced (1,1), tau=0      both terms with tau1 = tau2 = 0: every token weight is the same constant, so the
+                             loss is the token mean + the mean of per-sample means (no order or magnitude
+                             re-weighting; tests/research/test_balanced_arm.py checks this against numpy)
 The mix: easy-VQA (one-word answers), OCR (one word) and grounding (a box: ~20 tokens). Also measures the
 answer length per task (tokens, with the project's tokenizer) and each task's share of the supervised
-tokens. Writes results.json, results.md and balanced_loss.png here.
+tokens. Writes results.json, results.md and balanced_loss.png (mean ± sd over seeds).
 """
 import json
 import os
@@ -21,18 +25,21 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = ("vqa", "ocr", "grounding")
-STAGES = 3  # warmup, multitask, sft (its two variants inherit the stage's loss)
 
 
-def loss_sets(l1, l2):
-    return [f"stages.{i}.loss.{k}={v}" for i in range(STAGES)
-            for k, v in (("type", "balanced"), ("lambda1", l1), ("lambda2", l2))]
+def loss_sets(**loss):
+    """--set lines for the branch's one stage (index 0: the SFT stage with its variants)."""
+    return [f"stages.0.loss.{k}={v}" for k, v in loss.items()]
 
 
-ARMS = {"token_mean": [], "balanced (1,1)": loss_sets(1.0, 1.0), "balanced (0,1)": loss_sets(0.0, 1.0)}
-NAMES = {"token_mean": "scale_seed0", "balanced (1,1)": "loss_balanced_11_seed0",
-         "balanced (0,1)": "loss_balanced_01_seed0"}
+ARMS = {"token_mean": [],
+        "balanced (1,1)": loss_sets(type="balanced", lambda1=1.0, lambda2=1.0),
+        "balanced (0,1)": loss_sets(type="balanced", lambda1=0.0, lambda2=1.0),
+        "balanced (1,1), tau=0": loss_sets(type="balanced", lambda1=1.0, lambda2=1.0, tau1=0.0, tau2=0.0)}
+SLUGS = {"token_mean": "loss_token_mean", "balanced (1,1)": "loss_balanced_11", "balanced (0,1)": "loss_balanced_01",
+         "balanced (1,1), tau=0": "loss_balanced_11_tau0"}
 
 
 def answer_lengths(data_dir):
@@ -48,40 +55,39 @@ def answer_lengths(data_dir):
     return out
 
 
+def scores(runs):
+    """{task and average: [per seed]} of the merged checkpoint."""
+    out = {t: [r["scores"]["merged"][t] for r in runs] for t in TASKS}
+    out["average"] = [float(np.mean([r["scores"]["merged"][t] for t in TASKS])) for r in runs]
+    return out
+
+
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    runs = {a: common.demo(NAMES[a], ["seed=0"] + s) for a, s in ARMS.items()}
-    lens = answer_lengths(os.path.join(runs["token_mean"]["out_dir"], "data"))
+    args = common.parse_args(__doc__)
+    runs = {a: [common.branch(SLUGS[a], s, sets) for s in args.seeds] for a, sets in ARMS.items()}
+    arms = {a: scores(rs) for a, rs in runs.items()}
+    bases = [common.base(s) for s in args.seeds]
+    lens = answer_lengths(os.path.join(bases[0]["out_dir"], "data"))
     tot = sum(lens[t]["mean"] * lens[t]["n"] for t in TASKS)
     share = {t: lens[t]["mean"] * lens[t]["n"] / tot for t in TASKS}
-    rows = [[a] + [common.pct(r["scores"]["merged"][t]) for t in TASKS]
-            + [common.pct(float(np.mean([r["scores"]["merged"][t] for t in TASKS]))),
-               f"{r['stages']['multitask']['final_loss']:.3f}"] for a, r in runs.items()]
-    base = runs["token_mean"]["baselines"]
-    rows.append(["blind baseline"] + [common.pct(base[t]["score"]) for t in TASKS] + ["", ""])
-    table = common.md_table(["loss (lambda1, lambda2)", "VQA EM", "OCR EM", "grounding Acc@0.5", "average",
-                             "multitask final loss (own objective)"], rows)
-    table += ("\n\nmerged checkpoint, held-out %, seed 0. Supervised answer tokens per sample (incl. <|im_end|>): "
+    blind = {t: [b["baselines"][t]["score"] for b in bases] for t in TASKS}
+    table = common.arms_table(arms, TASKS + ("average",), ["VQA EM", "OCR EM", "grounding Acc@0.5", "average"],
+                              reference="token_mean")
+    table += "\n| blind baseline | " + " | ".join(common.fmt(blind[t]) for t in TASKS) + " |  |  |\n"
+    table += (f"\nmerged checkpoint after the SFT stage from each seed's base, held-out %, mean ± sample sd over "
+              f"seeds {args.seeds}. " + common.effect_sentence(arms, "token_mean")
+              + " Supervised answer tokens per sample (incl. <|im_end|>): "
               + ", ".join(f"{t} {lens[t]['mean']:.1f} ({lens[t]['min']}-{lens[t]['max']})" for t in TASKS)
               + "; share of the supervised tokens in the train mix (weights equal): "
               + ", ".join(f"{t} {100 * share[t]:.0f}%" for t in TASKS) + ".\n")
-    plt = common.plt()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    w = 0.8 / len(runs)
-    for i, (a, r) in enumerate(runs.items()):
-        ax.bar(np.arange(len(TASKS)) + (i - 1) * w, [100 * r["scores"]["merged"][t] for t in TASKS], w, label=a)
-    ax.scatter(np.arange(len(TASKS)), [100 * base[t]["score"] for t in TASKS], marker="_", s=600, color="k",
-               label="blind baseline", zorder=3)
-    ax.set_xticks(range(len(TASKS)), [f"{t}\n({lens[t]['mean']:.0f} answer tokens)" for t in TASKS])
-    ax.set_ylabel("held-out % (merged)")
-    ax.set_title("token-mean vs balanced loss (openPangu-VL eq. 1), seed 0")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(here, "balanced_loss.png"), dpi=110)
-    common.save(here, {"seed": 0, "arms": {a: {"sets": ARMS[a], "scores": r["scores"], "stages": r["stages"],
-                                               "wall_s": r["wall_s"], "commit": r["commit"]}
-                                           for a, r in runs.items()},
-                       "answer_tokens": lens, "token_share": share, "baselines": base}, table)
+    common.bar_plot(arms, TASKS, {t: float(np.mean(v)) for t, v in blind.items()},
+                    os.path.join(common.results_dir(HERE), "balanced_loss.png"),
+                    f"token-mean vs balanced loss (openPangu-VL eq. 1), seeds {args.seeds}")
+    common.save(HERE, {"seeds": args.seeds, "arms": {a: {"sets": ARMS[a], "scores": arms[a],
+                                                         "runs": [{"commit": r["commit"], "wall_s": r["wall_s"],
+                                                                   "cached": r["cached"], "key": r["key"]}
+                                                                  for r in runs[a]]} for a in ARMS},
+                       "answer_tokens": lens, "token_share": share, "baselines": blind}, table)
 
 
 if __name__ == "__main__":

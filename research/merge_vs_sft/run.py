@@ -1,11 +1,13 @@
-"""(a) Merged vs individual SFT variants over 3 seeds (MindVL section 5.3 / 6.3, Table 6).
+"""(a) Merged vs individual SFT variants (MindVL section 5.3 / 6.3, Table 6).
 
-    python research/merge_vs_sft/run.py            # 3 x `mindvl demo --config research/scale.yaml --set seed=S`
+    python research/merge_vs_sft/run.py [--seeds 0 1 2] [--smoke]
 
-Each seed runs the whole demo pipeline (its own data draw, init, warm-up, multitask, two SFT variants at
-256 and 512 tokens per row from the same multitask checkpoint, uniform linear merge with the project's
-`checkpoint.merge.merge`, held-out evaluation of sft_256, sft_512 and merged). Writes results.json,
-results.md and merge_vs_sft.png here.
+The base of each seed (`common.base`: `mindvl demo --config research/scale.yaml --set seed=S`): its own data
+draw, init, warm-up and multitask stage, then the `sft` stage's two variants, each branched from the
+multitask checkpoint by the trainer (the stage's `variants`, RunConfig.schedule()) and differing as
+MindVL's do, in row length AND pixel budget: sft_256 (rows of 256, every image at 3,136 px) and sft_512
+(rows of 512, 12,544 px); then their uniform linear merge (`merge:`) and the held-out evaluation of
+sft_256, sft_512 and merged. Writes results.json, results.md and merge_vs_sft.png (mean ± sd over seeds).
 """
 import os
 import sys
@@ -15,52 +17,34 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
-SEEDS = tuple(int(x) for x in os.environ.get("RESEARCH_SEEDS", "0,1,2").split(","))  # partial reruns: RESEARCH_SEEDS=0
+HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("sft_256", "sft_512", "merged")
 TASKS = ("vqa", "ocr", "grounding")
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    runs = {s: common.demo(f"scale_seed{s}", [f"seed={s}"]) for s in SEEDS}
-    scores = {m: {t: [runs[s]["scores"][m][t] for s in SEEDS] for t in TASKS} for m in MODELS}
+    args = common.parse_args(__doc__)
+    runs = [common.base(s) for s in args.seeds]
+    arms = {}
     for m in MODELS:
-        scores[m]["average"] = [float(np.mean([runs[s]["scores"][m][t] for t in TASKS])) for s in SEEDS]
-    base = {t: [runs[s]["baselines"][t]["score"] for s in SEEDS] for t in TASKS}
-    rows = []
-    for m in MODELS:
-        rows.append([m] + [f"{100 * np.mean(scores[m][t]):.1f} ± {100 * np.std(scores[m][t], ddof=1):.1f}"
-                           for t in TASKS + ("average",)]
-                    + [" / ".join(common.pct(x) for x in scores[m]["average"])])
-    rows.append(["blind baseline"] + [f"{100 * np.mean(base[t]):.1f}" for t in TASKS] + ["", ""])
-    if len(SEEDS) < 2:  # one seed: no spread
-        rows = [[r[0]] + [c.split(" ± ")[0] for c in r[1:5]] + r[5:] for r in rows]
-    wins = sum(scores["merged"]["average"][i] >= max(scores["sft_256"]["average"][i], scores["sft_512"]["average"][i])
-               for i in range(len(SEEDS)))
-    table = common.md_table(["model", "VQA EM", "OCR EM", "grounding Acc@0.5", "average", "average per seed (0/1/2)"],
-                            rows)
-    table += (f"\n\nmean ± sample std over seeds {list(SEEDS)} (held-out %); merged >= both variants on the average in "
-              f"{wins}/{len(SEEDS)} seeds.\n")
-    plt = common.plt()
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.4), sharey=False)
-    for ax, t in zip(axes, TASKS + ("average",)):
-        for i, m in enumerate(MODELS):
-            v = 100 * np.asarray(scores[m][t])
-            ax.bar(i, v.mean(), yerr=v.std(ddof=1), capsize=4, color=("#8da0cb", "#66c2a5", "#fc8d62")[i])
-            ax.scatter(np.full(len(v), i) + np.linspace(-0.12, 0.12, len(v)), v, color="k", s=12, zorder=3)
-        if t != "average":
-            ax.axhline(100 * np.mean(base[t]), color="grey", ls="--", lw=1, label="blind baseline")
-        ax.set_xticks(range(len(MODELS)), MODELS)
-        ax.set_title(t)
-        ax.set_ylabel("held-out %")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"merged vs individual SFT variants, seeds {list(SEEDS)} (bars: mean ± std, dots: seeds)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(here, "merge_vs_sft.png"), dpi=110)
-    common.save(here, {"seeds": list(SEEDS), "scores": scores, "baselines": base, "merged_best_in": wins,
-                       "runs": {s: {"wall_s": runs[s]["wall_s"], "cached": runs[s]["cached"],
-                                    "commit": runs[s]["commit"], "stages": runs[s]["stages"],
-                                    "out_dir": runs[s]["out_dir"]} for s in SEEDS}}, table)
+        arms[m] = {t: [r["scores"][m][t] for r in runs] for t in TASKS}
+        arms[m]["average"] = [float(np.mean([r["scores"][m][t] for t in TASKS])) for r in runs]
+    blind = {t: [r["baselines"][t]["score"] for r in runs] for t in TASKS}
+    wins = sum(arms["merged"]["average"][i] >= max(arms["sft_256"]["average"][i], arms["sft_512"]["average"][i])
+               for i in range(len(runs)))
+    table = common.arms_table(arms, TASKS + ("average",), ["VQA EM", "OCR EM", "grounding Acc@0.5", "average"],
+                              reference="merged")
+    table += "\n| blind baseline | " + " | ".join(common.fmt(blind[t]) for t in TASKS) + " |  |  |\n"
+    table += (f"\nheld-out %, mean ± sample sd over seeds {args.seeds}; average per seed: "
+              + "; ".join(f"{m} " + " / ".join(common.pct(x) for x in arms[m]["average"]) for m in MODELS)
+              + f". merged >= both variants on the average in {wins}/{len(runs)} seeds. "
+              + common.effect_sentence(arms, "merged") + "\n")
+    common.bar_plot(arms, TASKS + ("average",), None, os.path.join(common.results_dir(HERE), "merge_vs_sft.png"),
+                    f"merged vs individual SFT variants, seeds {args.seeds}")
+    common.save(HERE, {"seeds": args.seeds, "scores": arms, "baselines": blind, "merged_best_in": wins,
+                       "runs": {s: {"wall_s": r["wall_s"], "cached": r["cached"], "commit": r["commit"],
+                                    "key": r["key"], "stages": r["stages"], "out_dir": r["out_dir"]}
+                                for s, r in zip(args.seeds, runs)}}, table)
 
 
 if __name__ == "__main__":

@@ -1,91 +1,133 @@
 """(b) Test-time resolution search (MindVL section 5.4 and 6.3, Figure 4).
 
-    python research/resolution_search/run.py
+    python research/resolution_search/run.py [--seeds 0 1 2] [--smoke]
 
-Takes the three checkpoints of the seed-0 run of experiment (a) (`mindvl demo --config research/scale.yaml
---set seed=0`, trained if missing) and runs the project's search (`mindvl_ms.eval.resolution_search.search`,
-what `mindvl search-resolution` runs) over a min_pixels x max_pixels grid on all three held-out splits. The
-generation backend is the demo's (`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with,
-no system turn), as `mindvl demo` itself does for its search. Writes results.json, results.md,
-resolution_grid.png (the project's plot: per checkpoint and benchmark, a heatmap of the score over the grid)
-and resolution_table.md here.
+For each seed, the merged checkpoint of that seed's base (`common.base`: `mindvl demo --config
+research/scale.yaml --set seed=S`) goes through the project's search (`mindvl_ms.eval.resolution_search.search`,
+what `mindvl search-resolution` runs) over a min_pixels x max_pixels grid on the seed's three held-out
+splits. The grid (GRID x GRID, min <= max, in units of 28x28 px) is wide enough that the demo's images
+(easy-VQA 64x64, OCR 224x56, grounding 112x112) are resized differently: its five min = max settings give
+five different sizes for every image (`check_grid` asserts it on the held-out images before the search;
+tests/research/test_scale.py on the demo's sizes). The generation backend is the demo's
+(`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with, no system turn).
+Writes results.json, results.md (per setting: the resized sizes, the scores as mean ± sd over seeds, the
+verdict against the training resolution (16, 16)) and resolution.png.
 """
+import json
 import os
-import shutil
 import sys
+import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
-MIN_GRID = (1, 4, 16)          # units of 28x28 pixels; training used 16 (12,544 px) for every image
-MAX_GRID = (4, 8, 16, 32, 64)
+HERE = os.path.dirname(os.path.abspath(__file__))
+GRID = (4, 9, 16, 36, 64)      # units of 28x28 px, for min_pixels and max_pixels; training used 16 (12,544 px)
+TRAIN = (16, 16)
+TASKS = ("vqa", "ocr", "grounding")
+
+
+def resized_sizes(settings, image_sizes):
+    """{(min units, max units): ((h, w) per image size)}: what the processor's smart_resize makes of each
+    (width, height) in image_sizes at each setting."""
+    from mindvl_ms.data.image import smart_resize
+    from mindvl_ms.eval.resolution_search import UNIT
+
+    return {(lo, hi): tuple(smart_resize(h, w, 28, lo * UNIT, hi * UNIT) for w, h in image_sizes)
+            for lo, hi in settings}
+
+
+def check_grid(settings, image_sizes):
+    """Raise unless every image size gets at least len(GRID) different resized sizes over the settings (a
+    grid whose settings all resize alike cannot show a resolution effect)."""
+    sizes = resized_sizes(settings, image_sizes)
+    for i, wh in enumerate(image_sizes):
+        distinct = {v[i] for v in sizes.values()}
+        if len(distinct) < len(GRID):
+            raise AssertionError(f"image size {wh}: only {len(distinct)} resized sizes over the grid {settings}")
+    return sizes
+
+
+def heldout_image_sizes(data_files):
+    """The distinct (width, height) of the held-out images, read from their headers."""
+    from mindvl_ms.data.image import image_size
+
+    out = set()
+    for path in data_files:
+        with open(path, encoding="utf-8") as f:
+            for ln in f:
+                for im in json.loads(ln).get("images", []):
+                    out.add(image_size(im if os.path.isabs(im) else os.path.join(os.path.dirname(path), im)))
+    return sorted(out)
+
+
+def search_seed(rep, run_cfg, demo, out):
+    """The search over the grid for one base's merged checkpoint: {(min, max): {task: score, average}}."""
+    from mindvl_ms.eval.resolution_search import UNIT, search
+    from mindvl_ms.recipes.demo.evaluation import eval_backend
+
+    data = [os.path.join(rep["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]
+    mnt = int(demo["max_new_tokens"])
+    res = search([rep["merge"]["checkpoint"]], data, out,
+                 backend_factory=lambda c: eval_backend(c, run_cfg.data, mnt), min_grid=GRID, max_grid=GRID,
+                 batch_size=int(demo["eval_batch_size"]), max_new_tokens=mnt, progress=False)
+    return ({(r["min_pixels"] // UNIT, r["max_pixels"] // UNIT): dict(r["scores"], average=r["average"])
+             for r in res["rows"]}, res["caching"], data)
 
 
 def main():
     import mindspore as ms
 
+    from mindvl_ms.eval.resolution_search import grid
     from mindvl_ms.recipes.demo.config import load_demo_config
-    from mindvl_ms.recipes.demo.evaluation import eval_backend
-    from mindvl_ms.eval.resolution_search import UNIT, search
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    rep = common.demo("scale_seed0", ["seed=0"])
-    run_dir = rep["out_dir"]
-    run_cfg, demo = load_demo_config(common.SCALE, os.path.join(run_dir, "data"), ["seed=0"])
-    out = os.path.join(common.OUT, "resolution_search")
-    links = os.path.join(out, "ckpts")          # the plot labels a checkpoint by its directory name
-    os.makedirs(links, exist_ok=True)
-    srcs = {os.path.basename(os.path.dirname(os.path.dirname(i["path"]))): i["path"] for i in rep["merge"]["inputs"]}
-    srcs["merged"] = rep["merge"]["checkpoint"]
-    ckpts = []
-    for name, src in srcs.items():
-        dst = os.path.join(links, name)
-        if os.path.islink(dst):
-            os.unlink(dst)
-        os.symlink(os.path.abspath(src), dst)
-        ckpts.append(dst)
-    data = [os.path.join(run_dir, "data", f"heldout_{t}.jsonl") for t in ("vqa", "ocr", "grounding")]
+    args = common.parse_args(__doc__)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    mnt = int(demo["max_new_tokens"])
-    import time
-    t0 = time.perf_counter()
-    res = search(ckpts, data, out, backend_factory=lambda c: eval_backend(c, run_cfg.data, mnt), min_grid=MIN_GRID,
-                 max_grid=MAX_GRID, batch_size=int(demo["eval_batch_size"]), max_new_tokens=mnt, progress=False)
+    settings = [(lo // 784, hi // 784) for lo, hi in grid(GRID, GRID)]
+    per_seed, caching, t0 = [], {}, time.perf_counter()
+    for s in args.seeds:
+        rep = common.base(s)
+        run_cfg, demo = load_demo_config(common.S.scale, os.path.join(rep["out_dir"], "data"), [f"seed={s}"])
+        data = [os.path.join(rep["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]
+        image_sizes = heldout_image_sizes(data)
+        sizes = check_grid(settings, image_sizes)
+        scores, cache, _ = search_seed(rep, run_cfg, demo, os.path.join(common.OUT, "resolution_search", f"seed{s}"))
+        per_seed.append(scores)
+        caching[s] = list(cache.values())[0]
     wall = time.perf_counter() - t0
-    for f in ("resolution_grid.png", "resolution_table.md"):
-        shutil.copy(os.path.join(out, f), os.path.join(here, f))
-    tasks = sorted(res["rows"][0]["scores"])
+    arms = {k: {t: [sc[k][t] for sc in per_seed] for t in TASKS + ("average",)} for k in settings}
     rows = []
-    summary = {}
-    for c in ckpts:
-        name = os.path.basename(c)
-        mine = [r for r in res["rows"] if r["checkpoint"] == c]
-        summary[name] = {}
-        for t in tasks + ["average"]:
-            v = np.array([r["scores"][t] if t != "average" else r["average"] for r in mine])
-            summary[name][t] = {"min": float(v.min()), "median": float(np.median(v)), "max": float(v.max())}
-        at_train = [r for r in mine if r["min_pixels"] == r["max_pixels"] == 16 * UNIT][0]
-        b = res["best"][c]["average"]
-        rows.append([name] + [" / ".join(common.pct(summary[name][t][k]) for k in ("min", "median", "max"))
-                              for t in tasks + ["average"]]
-                    + [common.pct(at_train["average"]),
-                       f"{common.pct(b['score'])} at ({b['min_pixels'] // UNIT}, {b['max_pixels'] // UNIT})"])
-    table = common.md_table(["checkpoint"] + [f"{t} min/median/max" for t in tasks] + ["average min/median/max",
-                            "average at training res (16,16)", "best average at (min, max)"], rows)
-    table += (f"\n\n{len(res['rows']) // len(ckpts)} grid settings per checkpoint (min {list(MIN_GRID)} x max "
-              f"{list(MAX_GRID)} in units of 28x28 px, min <= max); held-out %, seed 0. Caching: "
-              + "; ".join(f"{os.path.basename(k)}: {v['generated']} answers generated, {v['reused']} reused"
-                          for k, v in res["caching"].items()) + f". Search wall time {wall:.0f}s.\n")
-    common.save(here, {"seed": 0, "min_grid": list(MIN_GRID), "max_grid": list(MAX_GRID), "summary": summary,
-                       "best": {os.path.basename(k): v for k, v in res["best"].items()},
-                       "rows": [{k: (os.path.basename(v) if k == "checkpoint" else v) for k, v in r.items()
-                                 if k != "details"} for r in res["rows"]],
-                       "caching": {os.path.basename(k): v for k, v in res["caching"].items()},
-                       "search_wall_s": wall, "train_run": {"commit": rep["commit"], "wall_s": rep["wall_s"]}},
-                table)
+    for k in settings:
+        rows.append([f"({k[0]}, {k[1]})", " / ".join(f"{w}x{h}" for h, w in sizes[k])]
+                    + [common.fmt(arms[k][t]) for t in TASKS + ("average",)]
+                    + ["-" if k == TRAIN else common.verdict(arms[k]["average"], arms[TRAIN]["average"])])
+    table = common.md_table(["(min, max) units of 28x28 px", "resized " + " / ".join(f"{w}x{h}" for w, h in image_sizes),
+                             "VQA EM", "OCR EM", "grounding Acc@0.5", "average", "average: vs (16, 16)"], rows)
+    named = {f"({k[0]}, {k[1]})": v for k, v in arms.items()}
+    table += (f"\n\nmerged checkpoint of each seed's base, held-out %, mean ± sample sd over seeds {args.seeds}. "
+              + common.effect_sentence(named, f"({TRAIN[0]}, {TRAIN[1]})") + " Caching per seed: "
+              + "; ".join(f"seed {s}: {c['generated']} answers generated, {c['reused']} reused"
+                          for s, c in caching.items()) + f". Search wall time {wall:.0f}s.\n")
+    pyplot = common.plt()
+    fig, ax = pyplot.subplots(figsize=(9, 3.6))
+    for t in TASKS + ("average",):
+        m = [100 * np.mean(arms[k][t]) for k in settings]
+        e = [100 * np.std(arms[k][t], ddof=1) if len(args.seeds) > 1 else 0 for k in settings]
+        ax.errorbar(range(len(settings)), m, yerr=e, capsize=3, marker="o", label=t)
+    ax.set_xticks(range(len(settings)), [f"{lo},{hi}" for lo, hi in settings], fontsize=7)
+    ax.set_xlabel("(min, max) pixels in units of 28x28")
+    ax.set_ylabel("held-out % (mean ± sd)")
+    ax.set_title(f"test-time resolution search, merged checkpoints, seeds {args.seeds}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(common.results_dir(HERE), "resolution.png"), dpi=100)
+    common.save(HERE, {"seeds": args.seeds, "grid": list(GRID), "image_sizes": image_sizes,
+                       "resized": {f"{k[0]},{k[1]}": v for k, v in sizes.items()},
+                       "scores": {f"{k[0]},{k[1]}": v for k, v in arms.items()}, "caching": caching,
+                       "search_wall_s": wall}, table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""research/common.py's table writer: mean ± sample sd over seeds and the seed-spread verdict."""
+import math
+
+from tests.research.helpers import load
+
+common = load("common.py", "research_common")
+
+
+def test_mean_sd_is_the_sample_sd():
+    m, sd = common.mean_sd([0.1, 0.2, 0.6])
+    assert math.isclose(m, 0.3)
+    assert math.isclose(sd, math.sqrt(((0.2) ** 2 + 0.1 ** 2 + 0.3 ** 2) / 2))   # ddof=1 by hand: 0.2646
+    assert common.mean_sd([0.5]) == (0.5, None)
+    assert common.fmt([0.1, 0.2, 0.6]) == "30.0 ± 26.5"
+    assert common.fmt([0.5]) == "50.0"
+
+
+def test_verdict_needs_the_means_apart_by_more_than_both_sds():
+    assert common.verdict([0.50, 0.52, 0.54], [0.40, 0.42, 0.44]) == "exceeds the seed spread"  # 0.10 > 0.04
+    assert common.verdict([0.50, 0.60, 0.70], [0.40, 0.50, 0.60]) == "within the seed spread"   # 0.10 < 0.20
+    assert common.verdict([0.3, 0.3, 0.3], [0.3, 0.3, 0.3]) == "within the seed spread"         # identical
+    assert common.verdict([0.3, 0.3], [0.2, 0.2]) == "exceeds the seed spread"                  # sd 0, apart
+    assert common.verdict([0.3], [0.2]) == "untestable (one seed)"
+
+
+def test_arms_table_and_effect_sentence():
+    arms = {"a": {"vqa": [0.5, 0.52, 0.54], "average": [0.5, 0.52, 0.54]},
+            "b": {"vqa": [0.4, 0.42, 0.44], "average": [0.4, 0.42, 0.44]},
+            "c": {"vqa": [0.45, 0.55, 0.65], "average": [0.45, 0.55, 0.65]}}
+    table = common.arms_table(arms, ["vqa", "average"], ["VQA", "average"], reference="a")
+    lines = table.splitlines()
+    assert lines[0] == "| arm | VQA | average | average: vs a |"
+    assert lines[2] == "| a | 52.0 ± 2.0 | 52.0 ± 2.0 | - |"
+    assert lines[3] == "| b | 42.0 ± 2.0 | 42.0 ± 2.0 | exceeds the seed spread |"
+    assert lines[4] == "| c | 55.0 ± 10.0 | 55.0 ± 10.0 | within the seed spread |"
+    assert common.effect_sentence(arms, "a") == "Effect vs a on average: exceeds the seed spread for b."
+    same = {k: arms[k] for k in ("a", "c")}
+    assert "no arm differs beyond the seed spread (3 seeds" in common.effect_sentence(same, "a")
+    one = {"a": {"average": [0.5]}, "b": {"average": [0.1]}}
+    assert common.effect_sentence(one, "a") == "Effect vs a: untestable with one seed."
+
+
+def test_results_md_starts_with_the_commit(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "commit", lambda: "abc1234")
+    monkeypatch.setattr(common, "source_hash", lambda *a: "f" * 64)
+    common.save(str(tmp_path), {"seeds": [0, 1, 2]}, "| x |\n|---|\n| 1 |")
+    text = (tmp_path / "results.md").read_text()
+    assert text.startswith("Made at commit abc1234 (source hash ffffffffffff), seeds [0, 1, 2]")
+    assert '"commit": "abc1234"' in (tmp_path / "results.json").read_text()
