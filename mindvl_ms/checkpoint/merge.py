@@ -18,7 +18,9 @@ Design:
 - Headers are checked before anything is written: every input (and the base) must hold the same keys with
   the same shapes and dtypes; the error lists every difference per input.
 - Memory stays about a few chunks, not N checkpoints: each input file's header is read once and tensor
-  bytes are fetched with positional reads in chunks of `CHUNK` elements; the output is written as a
+  bytes are fetched with positional reads in chunks of `CHUNK` elements (small enough that the widening,
+  the float64 sum and the rounding of a chunk run in the CPU's cache: the arithmetic, not the disk, bounds
+  a merge; rate in docs/PERFORMANCE.md, ## checkpoint); the output is written as a
   stream (header first, then tensor bytes in order) and each written shard is checked by opening it with
   `safetensors.safe_open`. Reading the inputs through `safe_open` instead keeps the memory-mapped pages
   of all N inputs resident, and its numpy frontend cannot hold bf16 (peak memory of both ways:
@@ -34,8 +36,11 @@ Design:
   none, a MindVL merge writes them from the first input (or base) that has them, else the defaults
   (`processor_from` in the record). It is written through
   `integrity.atomic_dir`: a failed merge leaves no directory behind, and the output carries its checksums.
-- Every input (and the base) is verified against its checksums before anything is read
-  (`integrity.verify_checkpoint`; a directory without them is merged as it is).
+- Every input (and the base) is verified against its checksums, read once: the index and side files
+  before anything is read (`integrity.verify_except_tensors`), each tensor from the chunks the merge reads
+  (`SafetensorsFile`), compared when its last chunk arrives, before the output is renamed into place
+  (a directory without checksums is merged as it is). A tensor the merge does not read (an unselected
+  key of a second input under `--only`) is not verified: its bytes do not reach the output.
 """
 from __future__ import annotations
 
@@ -52,13 +57,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from mindvl_ms.checkpoint.hf import is_text_only, read_config_json
-from mindvl_ms.checkpoint.integrity import MANIFEST, atomic_dir, verify_checkpoint
-from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, INDEX, TensorSpec, plan_shards, record_written, shard_name, \
-    weight_files
+from mindvl_ms.checkpoint.integrity import MANIFEST, atomic_dir, tensor_checksums, verify_except_tensors
+from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, INDEX, CheckpointError, TensorSpec, plan_shards, \
+    record_written, shard_name, weight_files
 from mindvl_ms.data.processor import carry_processor
 from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
-CHUNK = 1 << 22  # elements per streamed chunk (16 MiB in float32)
+CHUNK = 1 << 16  # elements per streamed chunk: its float64 sum (512 KiB) and temporaries stay in the CPU's cache
 METHODS = ("linear", "task_arithmetic", "ties")
 NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -73,9 +78,12 @@ class MergeError(ValueError):
 
 
 class SafetensorsFile:
-    """Header of one .safetensors file plus chunked positional reads of its tensors."""
+    """Header of one .safetensors file plus chunked positional reads of its tensors. `checksums` (tensor ->
+    CRC32C hex, from the directory's manifest) are checked as the bytes are read: a tensor read front to
+    back, whole or in consecutive chunks, is compared with its checksum when its last chunk arrives, so a
+    merge reads its inputs once (no separate verifying pass)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, checksums: Optional[Dict[str, str]] = None):
         self.path = path
         try:
             with open(path, "rb") as f:
@@ -86,6 +94,8 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", None)
         self.tensors = header  # key -> {dtype, shape, data_offsets}
         self.data_start = 8 + n
+        self.checksums = checksums or {}
+        self._running: Dict[str, Tuple[int, int]] = {}  # key -> (bytes checksummed so far, their CRC32C)
         self._fd = os.open(path, os.O_RDONLY)
 
     def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
@@ -96,11 +106,29 @@ class SafetensorsFile:
         stop = numel if stop is None else stop
         nbytes = (stop - start) * dt.itemsize
         buf = np.empty(stop - start, dtype=dt)
-        got = os.preadv(self._fd, [memoryview(buf).cast("B")], self.data_start + info["data_offsets"][0]
+        raw = memoryview(buf).cast("B")
+        got = os.preadv(self._fd, [raw], self.data_start + info["data_offsets"][0]
                         + start * dt.itemsize) if nbytes else 0
         if got != nbytes:
             raise MergeError(f"{self.path}: tensor '{key}' is truncated")
+        if key in self.checksums:
+            self._check(key, start * dt.itemsize, raw, stop == numel)
         return buf
+
+    def _check(self, key: str, offset: int, raw: memoryview, last: bool) -> None:
+        """Carry `key`'s running CRC32C over a chunk read at byte `offset`; compare it at the tensor's end.
+        A read that does not continue the previous one restarts the count (at 0) or leaves it unverified."""
+        done, crc = self._running.pop(key, (0, 0)) if offset else (0, 0)
+        if done != offset:
+            return
+        crc = crc32c.crc32c(raw, crc)
+        if not last:
+            self._running[key] = (offset + len(raw), crc)
+        elif f"{crc:08x}" != self.checksums[key]:
+            raise CheckpointError(f"{self.path}: tensor '{key}' fails its checksum (crc32c {crc:08x}, {MANIFEST} "
+                                  f"records {self.checksums[key]}): the bytes changed after it was written (disk "
+                                  f"or copy corruption); re-copy or re-save the checkpoint, or pass --no-verify "
+                                  f"to load it anyway")
 
     def close(self) -> None:
         os.close(self._fd)
@@ -113,7 +141,8 @@ class Checkpoint:
     def __init__(self, path: str):
         if not os.path.exists(path):
             raise FileNotFoundError(f"checkpoint not found: {path}")
-        verify_checkpoint(path)  # weights, index and side files; the training state is not merged
+        manifest = verify_except_tensors(path)  # index and side files; tensors as they are read
+        sums = tensor_checksums(path, manifest) if os.path.isdir(path) else {}
         self.path = path
         try:
             files = weight_files(path)  # tensor name -> file
@@ -121,7 +150,8 @@ class Checkpoint:
             raise MergeError(f"{path}: no readable safetensors weights ({e})") from None
         self.root = path if os.path.isdir(path) else os.path.dirname(path)
         self.index_name = INDEX if os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX)) else None
-        self.files = {os.path.basename(f): SafetensorsFile(f) for f in sorted(set(files.values()))}
+        self.files = {os.path.basename(f): SafetensorsFile(f, sums.get(os.path.abspath(f)))
+                      for f in sorted(set(files.values()))}
         self.where: Dict[str, str] = {}
         for k, f in files.items():
             shard = os.path.basename(f)
@@ -155,8 +185,8 @@ def from_float(x: np.ndarray, dtype: str, reuse: bool = False) -> np.ndarray:
     a scratch array the bf16 rounding may overwrite (no temporaries of its size beyond one)."""
     if dtype != "BF16":
         return x.astype(NUMPY[dtype])
-    nan = np.isnan(x)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    nan = np.isnan(x) if not np.isfinite(x.sum()) else None  # a NaN makes the sum NaN: one cheap pass
     u = x.view(np.uint32) if reuse and x.flags.writeable else x.view(np.uint32).copy()
     odd = u >> 16
     odd &= 1
@@ -164,7 +194,8 @@ def from_float(x: np.ndarray, dtype: str, reuse: bool = False) -> np.ndarray:
     u += odd
     u >>= 16
     out = u.astype(np.uint16)
-    out[nan] = 0x7FC0
+    if nan is not None:
+        out[nan] = 0x7FC0
     return out
 
 

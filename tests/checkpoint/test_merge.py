@@ -247,3 +247,45 @@ def test_bare_safetensors_files(tmp_path):
     assert sorted(os.listdir(tmp_path / "m")) == ["a.safetensors", "checksums.json", "merge_record.json"]
     out = load_file(str(tmp_path / "m" / "a.safetensors"))
     torch.testing.assert_close(out["model.norm.weight"], (a["model.norm.weight"] + b["model.norm.weight"]) / 2)
+
+
+def test_inputs_verified_as_read_once(tmp_path, monkeypatch):
+    """A merge of checkpoints with checksums.json reads their tensor bytes once: each tensor's CRC32C is
+    checked from the chunks the merge reads (no verifying pass over the safetensors files first), and a
+    byte flipped in the middle of a tensor, past several chunks, is still named with file and tensor."""
+    import mindvl_ms.checkpoint.integrity as integrity
+    import mindvl_ms.checkpoint.merge as merge_mod
+    from mindvl_ms.checkpoint.io import CheckpointError
+
+    monkeypatch.setattr(merge_mod, "CHUNK", 7)  # every tensor spans several chunks
+    a, b = _random(0), _random(1)
+    pa, pb = _ckpt(str(tmp_path / "a"), a), _ckpt(str(tmp_path / "b"), b)
+    merge([pa, pb], str(tmp_path / "m1"), progress=False)  # written with checksums.json
+    m1 = str(tmp_path / "m1")
+    streamed = []
+    real_stream = integrity._stream
+    monkeypatch.setattr(integrity, "_stream", lambda p: (streamed.append(p), real_stream(p))[1])
+    merge([m1, m1], str(tmp_path / "m2"), weights=[1, 3], progress=False)
+    assert not [p for p in streamed if p.endswith(".safetensors")], streamed  # before: both inputs, in full
+    got = _load_dir(str(tmp_path / "m2"))
+    for k in a:  # the weighted mean of two equal inputs is the input; m1 is the mean of a and b
+        ref = (a[k].double() + b[k].double()) / 2
+        torch.testing.assert_close(got[k].double(), ref, rtol=1e-6, atol=1e-7)
+
+    key = "visual.blocks.0.attn.qkv.weight"  # 48 float32 elements: 7 chunks
+    path = os.path.join(m1, "model.safetensors")
+    with safe_open(path, "np") as f:
+        assert key in f.keys()
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    at = 8 + n + header[key]["data_offsets"][0] + 4 * 30  # element 30 of 48: the fifth chunk
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CheckpointError) as e:
+        merge([m1, pa], str(tmp_path / "m3"), progress=False)
+    assert str(e.value).startswith(f"{path}: tensor '{key}' fails its checksum (crc32c "), str(e.value)
+    assert not os.path.exists(tmp_path / "m3")
