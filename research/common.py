@@ -15,7 +15,7 @@ Design choices:
   that is the same config in two experiments) is trained once.
 - The base: `base(seed)` is `mindvl demo --config research/scale.yaml --set seed=S` (warm-up, multitask,
   the SFT variants and their merge). Arms that need a trained model start from its multitask checkpoint
-  (`branch`: the scale's SFT stage alone, `demo.init_from` = that checkpoint), so they differ from each
+  (`branch`: the scale's SFT stage alone, `init_from` = that checkpoint), so they differ from each
   other only in what the arm changes.
 - Seeds: every arm runs `--seeds` (default 0 1 2); tables give mean ± sample sd over seeds, and
   `verdict` says whether a difference between two arms exceeds the seed spread.
@@ -206,7 +206,8 @@ def branch_config(init_from: str, recipe: Optional[str] = None, eval_variants: b
 
     raw = read_yaml(recipe or S.scale)
     raw["stages"] = raw["stages"][-1:]
-    raw["demo"] = dict(raw["demo"], init_from=os.path.abspath(init_from), eval_variants=eval_variants)
+    raw["init_from"] = os.path.abspath(init_from)   # the run config's own: variants of a first stage start there
+    raw["demo"] = dict(raw["demo"], eval_variants=eval_variants)
     text = yaml.safe_dump(raw, sort_keys=True)
     path = os.path.join(OUT, "configs", hashlib.sha256(text.encode()).hexdigest()[:16] + ".yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -275,7 +276,7 @@ def effect_sentence(arms: Dict[str, Dict[str, Sequence[float]]], reference: str,
 def header(seeds: Sequence[int]) -> str:
     """The line every results.md starts with: the commit, source hash and seeds the table was made at."""
     return (f"Made at commit {commit()} (source hash {source_hash()[:12]}), seeds {list(seeds)}"
-            + (", smoke scale (research/smoke.yaml)" if S.smoke else "") + ", by `bash research/run_all.sh`.")
+            + (", --smoke (a few samples and steps)" if S.smoke else "") + ".")
 
 
 def save(exp_dir: str, results: Dict[str, Any], table: str) -> None:

@@ -1,7 +1,7 @@
 """(f) How many question views easy-VQA needs: the easy-VQA package's own model, as a reference for the
 demo's VQA target (docs/DEMO.md, "How many views easy-VQA needs").
 
-    python research/easy_vqa_reference/run.py [--seeds 0 1] [--views 600000]
+    python research/easy_vqa_reference/run.py [--seeds 0 1 2] [--views 600000] [--smoke]
 
 The model of easy-VQA's write-up: a 2-layer CNN on the 64x64 image (conv 8, pool, conv 16, pool, dense
 32 tanh), a bag-of-words question branch (dense 32 tanh, dense 32 tanh), the two multiplied
@@ -9,7 +9,7 @@ The model of easy-VQA's write-up: a 2-layer CNN on the 64x64 image (conv 8, pool
 answers. Glorot-uniform init as in Keras (torch's default init stayed at the wording prior in a 400k-view
 run), Adam 5e-4, batches of 32 questions drawn with replacement from easy-VQA's 38,575 train questions
 (its own mix, 73% yes/no). Every 20,000 question views: exact match on all 9,673 test questions, per
-question type. torch, one process per seed on one CPU thread each; ~0.9 s per 1,000 views on an idle core.
+question type. torch, one process per seed (2 at once) on one CPU thread each; ~0.9 s per 1,000 views on an idle core.
 Writes results.json, results.md and views.png here.
 """
 import argparse
@@ -25,6 +25,8 @@ from mindvl_ms.recipes.demo.vqa_data import VQA_TYPES as TYPES, answer_type  # n
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERY = 20000
+VIEWS = 600000
+SMOKE_VIEWS = 20000
 
 
 def load(split, answers):
@@ -111,7 +113,7 @@ def plot(curves):
     axes[0].set_ylabel("held-out exact match (%)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(HERE, "views.png"), dpi=80)
+    fig.savefig(os.path.join(common.results_dir(HERE), "views.png"), dpi=80)
 
 
 def main():
@@ -120,10 +122,10 @@ def main():
 
     import easy_vqa
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="torch and sampling seeds")
-    ap.add_argument("--views", type=int, default=600000, help="question views per seed (batches of 32)")
-    args = ap.parse_args()
+    args = common.parse_args(__doc__, add=lambda ap: ap.add_argument(
+        "--views", type=int, default=None, help=f"question views per seed (batches of 32; default {VIEWS}, "
+                                                f"--smoke {SMOKE_VIEWS})"))
+    views = args.views or (SMOKE_VIEWS if args.smoke else VIEWS)
     answers = easy_vqa.get_answers()
     q_tr, y_tr, i_tr, im_tr = load("train", answers)
     q_te, y_te, i_te, im_te = load("test", answers)
@@ -131,21 +133,27 @@ def main():
     kinds = np.array([answer_type(answers[y]) for y in y_te])
     data = ((bag_of_words(q_tr, vocab), y_tr, i_tr, im_tr), (bag_of_words(q_te, vocab), y_te, i_te, im_te),
             kinds, len(answers))
-    n = len(args.seeds)  # one process per seed, one thread each
-    with ProcessPoolExecutor(n, mp_context=get_context("spawn")) as pool:
-        curves = dict(zip(args.seeds, pool.map(train, args.seeds, [args.views] * n, [data] * n)))
+    n = len(args.seeds)  # one process per seed (at most 2 at once: 2 cores), one thread each
+    with ProcessPoolExecutor(min(n, 2), mp_context=get_context("spawn")) as pool:
+        curves = dict(zip(args.seeds, pool.map(train, args.seeds, [views] * n, [data] * n)))
 
+    keys = (("colour", "colour >= 90% at"), ("yes/no", "yes/no >= 90% at"), ("all", "all >= 90% at"))
     rows = []
     for s, c in curves.items():
         last = c[-1]
         rows.append([s, f"{last['views']:,}", common.pct(last["all"]), common.pct(last["yes/no"]),
                      common.pct(last["colour"]), common.pct(last["shape"]),
-                     *(f"{v:,}" if v else "never" for v in (first(c, "colour", 0.9), first(c, "yes/no", 0.9),
-                                                            first(c, "all", 0.9)))])
-    table = common.md_table(["seed", "views", "all", "yes/no", "colour", "shape", "colour >= 90% at",
-                             "yes/no >= 90% at", "all >= 90% at"], rows)
+                     *(f"{v:,}" if v else "never" for v in (first(c, k, 0.9) for k, _ in keys))])
+    final = {k: [c[-1][k] for c in curves.values()] for k in ("all", "yes/no", "colour", "shape")}
+    reached = {k: [first(c, k, 0.9) for c in curves.values()] for k, _ in keys}
+    rows.append(["mean ± sd", "", *(common.fmt(final[k]) for k in ("all", "yes/no", "colour", "shape")),
+                 *(common.fmt(v, 1, 0) if all(v) else f"{sum(map(bool, v))}/{n} seeds reach 90%"
+                   for v in reached.values())])
+    table = common.md_table(["seed", "views", "all", "yes/no", "colour", "shape", *(h for _, h in keys)], rows)
+    table += (f"\n\nheld-out exact match (%) on all 9,673 easy-VQA test questions after {views:,} question views, "
+              f"seeds {args.seeds}; 'at' = the first evaluation (every {EVERY:,} views) at or above 90%.\n")
     plot(curves)
-    common.save(HERE, {"views": args.views, "seeds": args.seeds, "every": EVERY, "curves": curves}, table)
+    common.save(HERE, {"views": views, "seeds": args.seeds, "every": EVERY, "curves": curves}, table)
 
 
 if __name__ == "__main__":

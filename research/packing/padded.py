@@ -1,6 +1,6 @@
 """The padding arm of experiment (d): `run_training` on the same config with one sample per row.
 
-    python research/packing/padded.py --config research/packing/train.yaml --data MIX.jsonl --out DIR
+    python research/packing/padded.py --config research/packing/train.yaml --data MIX.jsonl --out DIR [--set K=V]
 
 The trainer has no padding mode (its data pipeline always packs), so this feeds it rows of a single
 sample through its `data_factory` hook (a `train.batches.RowSource`, as `mindvl demo` does), decoding images
@@ -16,6 +16,7 @@ def main():
     ap.add_argument("--config", required=True)
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import mindspore as ms
@@ -30,7 +31,7 @@ def main():
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    cfg = load_run_config(args.config, [f"data.sources=[{{path: {args.data}}}]"])
+    cfg = load_run_config(args.config, [f"data.sources=[{{path: {args.data}}}]", *args.set])
     state = {}
 
     def factory(run_cfg, stage, stage_index, dist):

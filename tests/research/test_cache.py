@@ -84,3 +84,18 @@ def test_demo_reruns_when_the_code_changes(tmp_path, fake_runs, monkeypatch):
     monkeypatch.setattr(common, "source_hash", lambda *a: "another code version")
     rerun = common.demo("arm", [], str(cfg))
     assert len(fake_runs) == 2 and not rerun["cached"]
+
+
+def test_branch_config_is_the_sft_stage_from_the_base_checkpoint(tmp_path, monkeypatch):
+    from mindvl_ms.recipes.demo.config import load_demo_config
+
+    monkeypatch.setattr(common, "OUT", str(tmp_path / "out"))
+    path = common.branch_config(str(tmp_path / "base" / "multitask" / "checkpoint-000060"), common.SCALE)
+    assert path == common.branch_config(str(tmp_path / "base" / "multitask" / "checkpoint-000060"), common.SCALE)
+    cfg, demo = load_demo_config(path, str(tmp_path / "data"), ["seed=1", "stages.0.loss.type=balanced"])
+    assert cfg.init_from == str(tmp_path / "base" / "multitask" / "checkpoint-000060")
+    assert [s.name for s in cfg.stages] == ["sft"] and cfg.stages[0].loss.type == "balanced"
+    assert [v.name for v, _ in cfg.schedule()] == ["sft_256", "sft_512"]
+    assert demo["eval_variants"] is False and cfg.seed == 1
+    other = common.branch_config(str(tmp_path / "other"), common.SCALE)
+    assert other != path                       # another base: another config, so another cache key

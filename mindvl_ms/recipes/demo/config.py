@@ -25,8 +25,7 @@ def config_path(quick: bool) -> str:
 
 
 DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first", "vqa_describe",
-             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid",
-             "init_from")  # the `demo:` section's settings; init_from: a checkpoint the stages start from
+             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
 DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants")  # YAML true/false
 
 

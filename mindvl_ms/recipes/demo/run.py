@@ -48,7 +48,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     info = write_data(demo, data_dir, run_cfg.seed, progress)
     info["vocab"] = restrict_vocab(run_cfg, demo, data_dir, list(info["files"]["heldout"].values()))
     t_data = time.perf_counter()
-    trained = train_all(run_cfg, out_dir, progress=progress, init_from=demo.get("init_from"))
+    trained = train_all(run_cfg, out_dir, progress=progress)
     t_train = time.perf_counter()
     merged = trained["merged"]
     with open(os.path.join(merged, "merge_record.json"), encoding="utf-8") as f:

@@ -57,13 +57,13 @@ def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) 
             "merges": summary["merges"]}
 
 
-def train_all(run_cfg, out_dir: str, progress: bool = True, init_from: Optional[str] = None) -> Dict[str, Any]:
+def train_all(run_cfg, out_dir: str, progress: bool = True) -> Dict[str, Any]:
     """Every stage in one spawned process, the run in OUT itself (OUT/<stage>/, OUT/metrics.jsonl); the
-    recipe needs SFT variants to merge. `init_from` (demo.init_from): the stages start from that checkpoint
-    instead of a random init, e.g. research/ branching its arms from one trained multitask checkpoint."""
+    recipe needs SFT variants to merge. The run config's `init_from`, when set, is the checkpoint the stages
+    start from instead of a random init (research/ trains its arms' SFT stage from one multitask checkpoint)."""
     if not any(s.variants for s in run_cfg.stages):
         raise ValueError("the demo recipe needs a stage with `variants` (the SFT variants it merges), got "
                          f"{[s.name for s in run_cfg.stages]}")
-    res = in_child(run_stages, run_cfg, out_dir, init_from, progress)
+    res = in_child(run_stages, run_cfg, out_dir, run_cfg.init_from or None, progress)
     return {"stages": res["stages"], "packing": res["packing"], "sft_checkpoints": res["variants"],
             "merged": res["merges"][-1]["checkpoint"]}
