@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -181,6 +182,7 @@ def demo(name: str, sets: Sequence[str] = (), config: Optional[str] = None) -> D
             print(f"reusing {out} for {name} (same code and config, made at {old['commit']})", flush=True)
             return dict(load(os.path.join(out, "report.json")), wall_s=old["wall_s"], cached=True,
                         commit=old["commit"], key=key)
+    shutil.rmtree(out, ignore_errors=True)  # what a failed or interrupted run left: start afresh
     dt = run(mindvl(*args[:3], "--out", out, *args[3:]), os.path.join(OUT, "logs", f"{name}-{key[:8]}.log"))
     with open(stamp, "w", encoding="utf-8") as f:
         json.dump({"key": key, "name": name, "args": args, "commit": commit(), "wall_s": dt}, f, indent=2)

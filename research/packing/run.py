@@ -26,6 +26,7 @@ Writes results.json, results.md and packing.png (mean ± sd over seeds).
 """
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -119,6 +120,7 @@ def train_seed(seed, out, mix, packed, packed2, steps, per_row):
     base = ["--set", f"seed={seed}", "--set", f"stages.0.max_steps={steps}", "--no-progress"]
     train = common.mindvl("train", "--config", CONFIG)
     d = os.path.join(out, f"seed{seed}")
+    shutil.rmtree(d, ignore_errors=True)  # fresh runs: an existing OUT would be resumed, not measured
     cmds = {
         "offline packing": train + ["--out", f"{d}/offline", "--set", f"data.packed_dir={packed}", *base],
         "online packing": train + ["--out", f"{d}/online", "--set", "data.packing=online",
