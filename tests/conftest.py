@@ -1,4 +1,12 @@
-"""Test set-up: MindSpore graph mode on CPU, fixed seeds, and a tmp checkpoint helper."""
+"""Test set-up: MindSpore graph mode on CPU, fixed seeds, and the work units of a parallel run.
+
+`python -m pytest -q -n 2 tests` (README, Makefile) runs the tests on two pytest-xdist workers, a work unit
+at a time (pytest_xdist_make_scheduler below): the tests of one module are one unit, so a module's fixtures
+(the `mindvl demo --quick` run, a module's compiled model, a module's msrun reference job) are built once, by
+one worker; the tests/infer modules are one unit, sharing the compiled tiny model of
+tests/support/infer_tiny.py; and the units known to take longest are handed out first, so that no long unit
+starts when the other worker is nearly done. Without -n nothing of this applies: one process, collection order.
+"""
 import os
 
 import numpy as np
@@ -27,8 +35,57 @@ if os.environ.get("MINDVL_TEST_COMPILES"):  # graph compiles per test (tests/sup
         compile_count.summary(terminalreporter)
 
 
+# modules (or unit names) in the order the workers take them, longest first: the slow lane's end-to-end
+# runs, then the longest of the rest (docs/PERFORMANCE.md, ## tests); every other module follows in
+# collection order
+FIRST = (
+    "tests/recipes/test_demo_quick.py",
+    "tests/train/test_soak.py",
+    "tests/parallel/test_worker_failure.py",
+    "tests/parallel/test_moe_msrun.py",
+    "tests/infer/",
+    "tests/parallel/test_shard_consistency.py",
+    "tests/recipes/test_demo_post.py",
+    "tests/train/post/test_post_msrun.py",
+    "tests/train/test_variants.py",
+)
+# path prefix -> one unit for all its modules: those that use the compiled model of tests/support/infer_tiny.py
+UNITS = {"tests/infer/": "tests/infer/", "tests/models/test_video_parity.py": "tests/infer/"}
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((name for prefix, name in UNITS.items() if path.startswith(prefix)), path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker: the units in the FIRST order, then in collection order (the same on every worker)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    rank = {u: i for i, u in enumerate(FIRST)}
+    units = {}
+    for item in items:
+        units.setdefault(_unit(item.nodeid), []).append(item)
+    items[:] = [item for u in sorted(units, key=lambda u: rank.get(u, len(rank))) for item in units[u]]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2`: whole units to a worker, in the workers' collection order (pytest-xdist's LoadScopeScheduling
+    with the unit of `_unit` as the scope and its reordering by test count off)."""
+    from xdist.scheduler import LoadScopeScheduling  # only an xdist run calls this hook
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return UnitScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     np.random.seed(0)
     ms.set_seed(0)
     yield
+
+
