@@ -299,9 +299,10 @@ def convert(src: str, dst: str, to: str, max_shard_bytes: Optional[int] = DEFAUL
     further files (the processor) into the output before its checksums.
 
     Streamed: the output headers come from the input headers (renames and the patch embedding's reshape
-    need no data), then each tensor's bytes are copied once through a 16 MB buffer, checked against the
+    need no data), then each tensor's bytes are copied once through two 8 MB buffers (one written by a
+    background thread while the next is read: `io.Copier`), checked against the
     input's per-tensor checksums and checksummed for the output's manifest on the way, so the input is
-    read once, the output never read back, and memory stays a buffer whatever the checkpoint's size.
+    read once, the output never read back, and memory stays two buffers whatever the checkpoint's size.
     DeepSeek-V3 language models, whose experts are restacked, are converted in memory."""
     manifest = verify_except_tensors(src)  # the tensor bytes are verified as they are copied
     d = read_config_json(src)

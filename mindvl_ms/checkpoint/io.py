@@ -14,6 +14,7 @@
 import json
 import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Union
 
@@ -175,28 +176,72 @@ class FileSpan:
     where: str = ""
 
 
-COPY_CHUNK = 16 << 20  # bytes per read of a copied span, into one reused buffer
+COPY_CHUNK = 8 << 20  # bytes per read of a copied span; two such buffers alternate (`Copier`)
+_READ_AHEAD = hasattr(os, "posix_fadvise")  # not on every platform
 
 
-def copy_span(span: FileSpan, out, file_crc: int, buf: memoryview) -> tuple:
-    """Append `span`'s bytes to the open file `out` through `buf`, checksumming them as they pass;
-    returns (the file's CRC32C so far, the span's CRC32C). A span whose CRC32C differs from the one it
-    carries is a CheckpointError naming the source."""
-    pos, left, crc = span.offset, span.nbytes, 0
-    while left > 0:
-        n = os.preadv(span.fd, [buf[:min(left, len(buf))]], pos)
-        if n <= 0:
-            raise CheckpointError(f"{span.where}: data ends early at byte {pos:,} (the file changed while copied)")
-        chunk = buf[:n]
-        crc = crc32c.crc32c(chunk, crc)
-        file_crc = crc32c.crc32c(chunk, file_crc)
-        out.write(chunk)
-        pos, left = pos + n, left - n
-    if span.crc32c is not None and f"{crc:08x}" != span.crc32c:
-        raise CheckpointError(f"{span.where} fails its checksum (crc32c {crc:08x}, checksums.json records "
-                              f"{span.crc32c}): the bytes changed after it was written (disk or copy corruption); "
-                              f"re-copy or re-save the checkpoint, or pass --no-verify to load it anyway")
-    return file_crc, crc
+class Copier:
+    """Appends bytes to an open file from a background thread, in the order given, while the caller reads
+    and checksums the next chunk: a streamed copy reads its source and writes its output at the same time
+    instead of one after the other (both wait on the disk; file writes, `preadv` and CRC32C of large
+    buffers release the GIL). Copied spans go through two `COPY_CHUNK` buffers used in turn, a buffer
+    being refilled only once its previous write finished; memory stays two buffers. An array (`write`) is
+    written after the queued chunks, before `write` returns, so the caller may drop or reuse it."""
+
+    def __init__(self, out):
+        self.out = out
+        self._pool = ThreadPoolExecutor(max_workers=1)  # one worker: writes land in submission order
+        self._bufs: List[memoryview] = []  # allocated by the first copied span
+        self._busy: List[Optional[Future]] = [None, None]
+        self._turn = 0
+
+    def write(self, data) -> None:
+        """Write `data` after everything queued before, and return once it is written."""
+        self._drain()
+        self.out.write(data)
+
+    def _drain(self) -> None:
+        for i, f in enumerate(self._busy):
+            if f is not None:
+                self._busy[i] = None
+                f.result()
+
+    def copy(self, span: FileSpan, file_crc: int) -> tuple:
+        """Append `span`'s bytes, checksumming them as they pass; returns (the file's CRC32C so far, the
+        span's CRC32C). A span whose CRC32C differs from the one it carries is a CheckpointError naming
+        the source."""
+        pos, left, crc = span.offset, span.nbytes, 0
+        if not self._bufs:
+            self._bufs = [memoryview(bytearray(COPY_CHUNK)) for _ in range(2)]
+        while left > 0:
+            self._turn ^= 1
+            if self._busy[self._turn] is not None:
+                self._busy[self._turn].result()  # this buffer's previous write is done (or raises)
+            buf = self._bufs[self._turn]
+            n = os.preadv(span.fd, [buf[:min(left, len(buf))]], pos)
+            if n <= 0:
+                raise CheckpointError(f"{span.where}: data ends early at byte {pos:,} (the file changed while "
+                                      f"copied)")
+            if _READ_AHEAD and left > n:  # the disk reads the next chunk while this one is checksummed
+                os.posix_fadvise(span.fd, pos + n, min(left - n, len(buf)), os.POSIX_FADV_WILLNEED)
+            chunk = buf[:n]
+            crc = crc32c.crc32c(chunk, crc)
+            file_crc = crc32c.crc32c(chunk, file_crc)
+            self._busy[self._turn] = self._pool.submit(self.out.write, chunk)
+            pos, left = pos + n, left - n
+        if span.crc32c is not None and f"{crc:08x}" != span.crc32c:
+            raise CheckpointError(f"{span.where} fails its checksum (crc32c {crc:08x}, checksums.json records "
+                                  f"{span.crc32c}): the bytes changed after it was written (disk or copy "
+                                  f"corruption); re-copy or re-save the checkpoint, or pass --no-verify to load "
+                                  f"it anyway")
+        return file_crc, crc
+
+    def close(self) -> None:
+        """Wait for every queued write (re-raising a failed one) and stop the thread."""
+        try:
+            self._drain()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 _WRITTEN: Dict[str, tuple] = {}  # abspath -> (bytes, mtime_ns, manifest entry) of files write_stream wrote
@@ -230,7 +275,8 @@ def write_stream(path: str, specs: List[TensorSpec], fetch: Callable[[str], Unio
                  metadata: Optional[Dict[str, str]] = None) -> None:
     """Write one safetensors file as a stream: the header from `specs`, then each tensor's bytes from
     `fetch(name)` in header order, so at most one tensor is in memory (no second copy of the file); a
-    `FileSpan` is copied through a small buffer (and verified, `FileSpan.crc32c`). The CRC32C of the file
+    `FileSpan` is copied through two small buffers, reads overlapping writes (`Copier`; verified,
+    `FileSpan.crc32c`). The CRC32C of the file
     and of each tensor are computed on the way (`written_entry`). A fetched tensor of another byte size (or
     array of another shape) than its spec is a ValueError."""
     header, offset = {}, 0
@@ -243,27 +289,31 @@ def write_stream(path: str, specs: List[TensorSpec], fetch: Callable[[str], Unio
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
     head = struct.pack("<Q", len(hb)) + hb
-    file_crc, tensors, buf = crc32c.crc32c(head), {}, None
+    file_crc, tensors = crc32c.crc32c(head), {}
     with open(path, "wb") as f:
         f.write(head)
-        for s in specs:
-            got = fetch(s.name)
-            if isinstance(got, FileSpan):
-                if got.nbytes != s.nbytes:
-                    raise ValueError(f"{path}: tensor '{s.name}' has {got.nbytes} bytes, its header says {s.nbytes}")
-                buf = buf if buf is not None else memoryview(bytearray(COPY_CHUNK))
-                file_crc, tensors[s.name] = copy_span(got, f, file_crc, buf)
-                continue
-            arr = np.asarray(got)
-            arr = arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d arrays 0-d
-            if arr.nbytes != s.nbytes or tuple(arr.shape) != tuple(s.shape):
-                raise ValueError(f"{path}: tensor '{s.name}' is {list(arr.shape)} ({arr.nbytes} bytes), its header "
-                                 f"says {list(s.shape)} {s.dtype}")
-            raw = memoryview(arr.reshape(-1)).cast("B")
-            tensors[s.name] = crc32c.crc32c(raw)
-            file_crc = crc32c.crc32c(raw, file_crc)
-            f.write(raw)
-            del arr, raw
+        copier = Copier(f)
+        try:
+            for s in specs:
+                got = fetch(s.name)
+                if isinstance(got, FileSpan):
+                    if got.nbytes != s.nbytes:
+                        raise ValueError(f"{path}: tensor '{s.name}' has {got.nbytes} bytes, its header says "
+                                         f"{s.nbytes}")
+                    file_crc, tensors[s.name] = copier.copy(got, file_crc)
+                    continue
+                arr = np.asarray(got)
+                arr = arr if arr.flags.c_contiguous else np.array(arr, order="C")  # keeps 0-d arrays 0-d
+                if arr.nbytes != s.nbytes or tuple(arr.shape) != tuple(s.shape):
+                    raise ValueError(f"{path}: tensor '{s.name}' is {list(arr.shape)} ({arr.nbytes} bytes), its "
+                                     f"header says {list(s.shape)} {s.dtype}")
+                raw = memoryview(arr.reshape(-1)).cast("B")
+                tensors[s.name] = crc32c.crc32c(raw)
+                file_crc = crc32c.crc32c(raw, file_crc)
+                copier.write(raw)
+                del arr, raw
+        finally:
+            copier.close()
     record_written(path, file_crc, tensors)
 
 

@@ -79,6 +79,33 @@ def test_sharded_convert_round_trips_bit_exact(hf_dir, tmp_path):
         assert np.array_equal(pa.asnumpy(), native[ka].float32()), ka
 
 
+def test_copied_spans_and_arrays_land_in_order(tmp_path, monkeypatch):
+    """The streamed writer copies file spans through two alternating buffers written by a background
+    thread while the next chunk is read, with in-memory arrays between them: with 5-byte buffers (many
+    turns per tensor) the file holds every tensor's bytes where its header says, and the checksums
+    recorded on the way equal a fresh pass over the written file."""
+    import mindvl_ms.checkpoint.io as io
+    from mindvl_ms.checkpoint.integrity import safetensors_checksums
+
+    monkeypatch.setattr(io, "COPY_CHUNK", 5)
+    rng = np.random.default_rng(0)
+    ref = {f"t{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate([1, 7, 33, 2, 64, 3])}
+    src = str(tmp_path / "src.safetensors")
+    io.write_file(src, {k: io.RawTensor.of(v) for k, v in ref.items()})
+    out = str(tmp_path / "out.safetensors")
+    specs = [TensorSpec(k, "F32", v.shape) for k, v in ref.items()]
+    with io.TensorFile(src) as tf:  # even tensors copied from the file, odd ones handed over as arrays
+        io.write_stream(out, specs, lambda k: tf.span(k) if int(k[1:]) % 2 == 0 else ref[k].copy())
+    got = io.read_file(out)
+    assert list(io.read_header(out)) == list(ref)
+    for k, v in ref.items():
+        assert got[k].data.tobytes() == v.tobytes(), k
+    value, size, tensors = safetensors_checksums(out)
+    entry = io.written_entry(out)
+    assert entry["bytes"] == size == os.path.getsize(out) and entry["checksum"] == f"{value:08x}"
+    assert entry["tensors"] == {k: f"{v:08x}" for k, v in tensors.items()}
+
+
 def test_merge_regroups_one_large_file_into_shards(hf_dir, tmp_path):
     ms1 = str(tmp_path / "one")
     assert main(["convert", "hf2ms", hf_dir, ms1, "--max-shard-mb", "0"]) == 0
