@@ -48,6 +48,14 @@ FIRST = (
     "tests/recipes/test_demo_post.py",
     "tests/train/post/test_post_msrun.py",
     "tests/train/test_variants.py",
+    "tests/models/test_moe_parity.py",
+    "tests/models/test_moe_sparse.py",
+    "tests/ops/test_cpu_kernels.py",
+    "tests/project/test_packaging.py",
+    "tests/data/test_fuzz.py",
+    "tests/parallel/test_knobs.py",
+    "tests/parallel/test_msrun_dp.py",
+    "tests/train/test_resume.py",
 )
 # path prefix -> one unit for all its modules: those that use the compiled model of tests/support/infer_tiny.py
 UNITS = {"tests/infer/": "tests/infer/", "tests/models/test_video_parity.py": "tests/infer/"}
