@@ -49,6 +49,8 @@ import os
 import shutil
 import struct
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import crc32c
@@ -233,7 +235,11 @@ def check_compatible(inputs: List[Checkpoint], base: Optional[Checkpoint], selec
 
 class StreamWriter:
     """Write one .safetensors file as a stream: the header first, then tensor bytes in header order, their
-    CRC32C (file and per tensor) computed on the way for the output's manifest (`io.record_written`)."""
+    CRC32C (file and per tensor) computed on the way for the output's manifest (`io.record_written`).
+    The bytes are written by a background thread while the next chunk is merged (file writes release the
+    GIL), at most `QUEUED` chunks behind."""
+
+    QUEUED = 8
 
     def __init__(self, path: str, entries: List[Tuple[str, str, List[int]]], metadata: Optional[dict]):
         header, off = {}, 0
@@ -252,16 +258,25 @@ class StreamWriter:
         self.total = off
         self.crc = crc32c.crc32c(head)
         self.tensors: Dict[str, int] = {key: 0 for key, _, _ in entries}
+        self._pool = ThreadPoolExecutor(max_workers=1)  # one worker: chunks land in the order given
+        self._queued: deque = deque()
 
     def write(self, arr: np.ndarray, key: str) -> None:
-        """Append the next bytes of tensor `key`."""
+        """Append the next bytes of tensor `key` (an array nobody changes afterwards)."""
         raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
         self.crc = crc32c.crc32c(raw, self.crc)
         self.tensors[key] = crc32c.crc32c(raw, self.tensors[key])
-        self.f.write(raw)
+        self._queued.append(self._pool.submit(self.f.write, raw))
+        while len(self._queued) > self.QUEUED:
+            self._queued.popleft().result()
 
     def close(self) -> None:
-        self.f.close()
+        try:
+            while self._queued:
+                self._queued.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True)
+            self.f.close()
         record_written(self.path, self.crc, self.tensors)
 
 
