@@ -36,6 +36,10 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mindvl_ms
+from mindvl_ms.config.base import read_yaml  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -120,7 +124,6 @@ def source_hash(root: str = REPO, dirs: Sequence[str] = SOURCE_DIRS) -> str:
 
 def config_digest(path: str) -> Any:
     """A config file as the run reads it: the YAML with its `_include_`s resolved (another file: its bytes)."""
-    from mindvl_ms.config.base import read_yaml
 
     if path.endswith((".yaml", ".yml")):
         return read_yaml(path)
@@ -202,9 +205,7 @@ def base_checkpoint(report: Dict[str, Any]) -> str:
 def branch_config(init_from: str, recipe: Optional[str] = None, eval_variants: bool = False) -> str:
     """A demo YAML (written under OUT/configs, named by its content) that is the recipe's last stage (the SFT
     variants and their merge) alone, started from `init_from`; the merged checkpoint is evaluated."""
-    import yaml
 
-    from mindvl_ms.config.base import read_yaml
 
     raw = read_yaml(recipe or S.scale)
     raw["stages"] = raw["stages"][-1:]

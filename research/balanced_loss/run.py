@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from mindvl_ms.data.tokenizer import load_tokenizer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = ("vqa", "ocr", "grounding")
@@ -43,8 +44,6 @@ SLUGS = {"token_mean": "loss_token_mean", "balanced (1,1)": "loss_balanced_11", 
 
 
 def answer_lengths(data_dir):
-    from mindvl_ms.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer().tok
     out = {}
     for t in TASKS:

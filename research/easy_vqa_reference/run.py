@@ -12,7 +12,6 @@ run), Adam 5e-4, batches of 32 questions drawn with replacement from easy-VQA's 
 question type. torch, one process per seed (2 at once) on one CPU thread each; ~0.9 s per 1,000 views on an idle core.
 Writes results.json, results.md and views.png here.
 """
-import argparse
 import os
 import sys
 import time

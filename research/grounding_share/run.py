@@ -18,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from mindvl_ms.recipes.demo.config import load_demo_config  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = ("vqa", "ocr", "grounding")
@@ -31,7 +32,6 @@ def arm_sets(w):
 
 def sample_shares():
     """Each arm's share of samples per task (train sizes x weights)."""
-    from mindvl_ms.recipes.demo.config import load_demo_config
 
     out = {}
     for a, w in ARMS.items():

@@ -34,6 +34,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from mindvl_ms.config.base import load, read_yaml  # noqa: E402
+from mindvl_ms.config.data import DataConfig  # noqa: E402
+from mindvl_ms.data.dataset import OnlinePackSource  # noqa: E402
+from mindvl_ms.data.offline import sample_meta  # noqa: E402
+from mindvl_ms.data.packing import OnlinePacker, efficiency  # noqa: E402
+from mindvl_ms.data.processor import MindVLProcessor  # noqa: E402
+from mindvl_ms.data.schema import SampleError, iter_jsonl  # noqa: E402
+from mindvl_ms.recipes.demo.datasets import write_demo_data  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "train.yaml")
@@ -48,11 +56,6 @@ MODES = ("offline packing", "online packing", "padding", "offline packing, dp=2 
 
 def online_rows(mix):
     """Packs of epoch 0 from the trainer's online source (metadata only, no training)."""
-    from mindvl_ms.config.base import load, read_yaml
-    from mindvl_ms.config.data import DataConfig
-    from mindvl_ms.data.dataset import OnlinePackSource
-    from mindvl_ms.data.packing import OnlinePacker, efficiency
-    from mindvl_ms.data.processor import MindVLProcessor
 
     raw = read_yaml(CONFIG)
     d = dict(raw["data"], packing="online", sources=[{"path": mix}], seq_length=256)
@@ -65,11 +68,6 @@ def online_rows(mix):
 def metadata_vs_decode(mix, repeats=REPEATS):
     """Seconds to count every sample's tokens from metadata (the packer's `sample_meta`) and by decoding it
     (`process_sample`), `repeats` times each; the counts must agree."""
-    from mindvl_ms.config.base import load, read_yaml
-    from mindvl_ms.config.data import DataConfig
-    from mindvl_ms.data.offline import sample_meta
-    from mindvl_ms.data.processor import MindVLProcessor
-    from mindvl_ms.data.schema import SampleError, iter_jsonl
 
     cfg = load(DataConfig, dict(read_yaml(CONFIG)["data"], sources=[{"path": mix}], seq_length=256), source="meta")
     proc = MindVLProcessor(config=cfg)
@@ -129,7 +127,7 @@ def train_seed(seed, out, mix, packed, packed2, steps, per_row):
                     "--out", f"{d}/padding", "--set", f"seed={seed}", "--set", f"stages.0.max_steps={steps}"],
         "offline packing, dp=2 (msrun)": msrun_cmd(2, ["mindvl", "train", "--config", CONFIG,
                                                        "--out", f"{d}/dp2", "--set", f"data.packed_dir={packed2}",
-                                                       *base]),
+                                                       "--set", "stages.0.micro_batch_size=1", *base]),
     }
     res = {}
     for mode, cmd in cmds.items():
@@ -146,8 +144,6 @@ def train_seed(seed, out, mix, packed, packed2, steps, per_row):
 
 
 def main():
-    from mindvl_ms.recipes.demo.datasets import write_demo_data
-
     args = common.parse_args(__doc__)
     sizes, steps = (SMOKE_SIZES, SMOKE_STEPS) if common.S.smoke else (SIZES, STEPS)
     out = os.path.join(common.OUT, "smoke" if common.S.smoke else "", "packing")

@@ -22,6 +22,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import mindspore as ms  # noqa: E402
+from mindvl_ms.data.image import image_size, smart_resize  # noqa: E402
+from mindvl_ms.eval.resolution_search import UNIT, grid, search  # noqa: E402
+from mindvl_ms.recipes.demo.config import load_demo_config  # noqa: E402
+from mindvl_ms.recipes.demo.evaluation import eval_backend  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GRID = (4, 9, 16, 36, 64)      # units of 28x28 px, for min_pixels and max_pixels; training used 16 (12,544 px)
@@ -32,9 +37,6 @@ TASKS = ("vqa", "ocr", "grounding")
 def resized_sizes(settings, image_sizes):
     """{(min units, max units): ((h, w) per image size)}: what the processor's smart_resize makes of each
     (width, height) in image_sizes at each setting."""
-    from mindvl_ms.data.image import smart_resize
-    from mindvl_ms.eval.resolution_search import UNIT
-
     return {(lo, hi): tuple(smart_resize(h, w, 28, lo * UNIT, hi * UNIT) for w, h in image_sizes)
             for lo, hi in settings}
 
@@ -52,8 +54,6 @@ def check_grid(settings, image_sizes):
 
 def heldout_image_sizes(data_files):
     """The distinct (width, height) of the held-out images, read from their headers."""
-    from mindvl_ms.data.image import image_size
-
     out = set()
     for path in data_files:
         with open(path, encoding="utf-8") as f:
@@ -65,9 +65,6 @@ def heldout_image_sizes(data_files):
 
 def search_seed(rep, run_cfg, demo, out):
     """The search over the grid for one base's merged checkpoint: {(min, max): {task: score, average}}."""
-    from mindvl_ms.eval.resolution_search import UNIT, search
-    from mindvl_ms.recipes.demo.evaluation import eval_backend
-
     data = [os.path.join(rep["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]
     mnt = int(demo["max_new_tokens"])
     res = search([rep["merge"]["checkpoint"]], data, out,
@@ -78,15 +75,10 @@ def search_seed(rep, run_cfg, demo, out):
 
 
 def main():
-    import mindspore as ms
-
-    from mindvl_ms.eval.resolution_search import grid
-    from mindvl_ms.recipes.demo.config import load_demo_config
-
     args = common.parse_args(__doc__)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    settings = [(lo // 784, hi // 784) for lo, hi in grid(GRID, GRID)]
+    settings = [(lo // UNIT, hi // UNIT) for lo, hi in grid(GRID, GRID)]
     per_seed, caching, t0 = [], {}, time.perf_counter()
     for s in args.seeds:
         rep = common.base(s)
