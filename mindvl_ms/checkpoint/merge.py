@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,7 @@ NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uin
          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
          "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
 FLOATS = ("F64", "F32", "F16", "BF16")
+_HIGH = 1 if sys.byteorder == "little" else 0  # the uint16 holding a uint32's upper half
 SKIP_FILES = ("trainer_state.json", "merge_record.json", MANIFEST)  # not carried over from the first input
 SKIP_PREFIXES = ("optimizer", "rng_state", "scheduler")
 
@@ -188,14 +190,14 @@ def from_float(x: np.ndarray, dtype: str, reuse: bool = False) -> np.ndarray:
     if dtype != "BF16":
         return x.astype(NUMPY[dtype])
     x = np.ascontiguousarray(x, dtype=np.float32)
-    nan = np.isnan(x) if not np.isfinite(x.sum()) else None  # a NaN makes the sum NaN: one cheap pass
+    with np.errstate(over="ignore", invalid="ignore"):  # a sum of large values may overflow: then look
+        nan = np.isnan(x) if not np.isfinite(x.sum()) else None  # a NaN makes the sum NaN: one cheap pass
     u = x.view(np.uint32) if reuse and x.flags.writeable else x.view(np.uint32).copy()
     odd = u >> 16
     odd &= 1
-    u += 0x7FFF
+    odd += 0x7FFF
     u += odd
-    u >>= 16
-    out = u.astype(np.uint16)
+    out = u.view(np.uint16)[_HIGH::2].copy()  # the upper half of each word: the rounded bf16 bits
     if nan is not None:
         out[nan] = 0x7FC0
     return out
@@ -295,9 +297,8 @@ def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray
             if w[i] != 1:  # x * 1 is x: skipped, the same values
                 x *= w[i]
             acc = x.astype(np.float64) if acc is None else np.add(acc, x, out=acc)
-        if method == "linear":
-            acc /= w.sum()
-            return acc
+        if method == "linear":  # the float64 mean rounded into the last input's chunk (float32, or float64)
+            return np.divide(acc, w.sum(), out=x, casting="same_kind")
         acc *= scale
         return np.add(acc, base, out=acc)
     trimmed = []

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -289,3 +290,27 @@ def test_inputs_verified_as_read_once(tmp_path, monkeypatch):
         merge([m1, pa], str(tmp_path / "m3"), progress=False)
     assert str(e.value).startswith(f"{path}: tensor '{key}' fails its checksum (crc32c "), str(e.value)
     assert not os.path.exists(tmp_path / "m3")
+
+
+def test_bf16_rounding_matches_torch_bit_for_bit():
+    """from_float's bf16 rounding (round to nearest even on the upper half of each word, NaN as 0x7FC0) on
+    random float32 bit patterns, ties, infinities and NaNs, against torch's own float32 -> bfloat16; no
+    warning when a chunk's sum overflows (the NaN check sums the chunk)."""
+    from mindvl_ms.checkpoint.merge import from_float
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2 ** 32, 200_003, dtype=np.uint64).astype(np.uint32)
+    bits[:4096] = (bits[:4096] & 0xFFFF0000) | 0x8000  # exact ties: the even neighbour wins
+    x = bits.view(np.float32)
+    x[5000:5010] = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, -1e-40]
+    assert np.isnan(x).sum() > 100  # random patterns hold NaNs of many payloads too
+    want = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(x)
+    want[nan] = 0x7FC0  # torch's CPU conversion writes 0xFFFF for a NaN here; any NaN is one, merge writes 0x7FC0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = from_float(x.copy(), "BF16", reuse=True)
+    assert got.dtype == np.uint16 and np.array_equal(got, want)
+    with np.errstate(invalid="ignore"):  # NaN payloads widened to float64
+        wide = x.astype(np.float64)
+    assert np.array_equal(from_float(wide, "BF16"), want)  # from a float64 sum too
