@@ -137,9 +137,9 @@ def train_seed(seed, out, mix, packed, packed2, steps, per_row):
         # dp=2: each rank trains one of the step's 2 rows; metrics are rank 0's, tokens its own row's
         rows = 1 if mode.endswith("(msrun)") else 2
         res[mode] = dict(measure(os.path.join(key, "metrics.jsonl"), rows, per_row[mode]), wall_s=wall)
-        if rows == 1:  # the step's 2 rows over both ranks: samples and rows per second of the whole job
-            res[mode]["rows_per_s"] *= 2
-            res[mode]["samples_per_s"] *= 2
+        if rows == 1:  # the step's 2 rows over both ranks: rates of the whole job (rank 0's tokens x 2)
+            for k in ("rows_per_s", "samples_per_s", "tokens_per_s"):
+                res[mode][k] *= 2
     return res
 
 
@@ -182,7 +182,7 @@ def main():
     n = manifest["num_lines"]
     table += (f"\n\nmean ± sample sd over seeds {args.seeds} (seed of the run: row order and init). {n} training "
               f"samples (demo data seed 0: " + ", ".join(f"{t} {v[0]}" for t, v in sizes.items())
-              + f"), rows of 256 tokens, 2 rows per step (dp=2: one per rank), steps {SKIP}..{steps - 1} measured; "
+              + f"), rows of 256 tokens, 2 rows per step (dp=2: one per rank; its tokens/s is rank 0's x 2), steps {SKIP}..{steps - 1} measured; "
               f"offline vs online samples/s: {common.verdict(arms['offline packing']['samples_per_s'], arms['online packing']['samples_per_s'])}. "
               f"Cross-rank balance at dp=2 (packer's shards, {manifest2['num_packs']} packs): per-step max/min tokens "
               f"{balance['step_max_min_mean']:.3f} on average, {balance['step_max_min_worst']:.3f} at worst; rank "
