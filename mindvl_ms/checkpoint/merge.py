@@ -238,10 +238,12 @@ def check_compatible(inputs: List[Checkpoint], base: Optional[Checkpoint], selec
 class StreamWriter:
     """Write one .safetensors file as a stream: the header first, then tensor bytes in header order, their
     CRC32C (file and per tensor) computed on the way for the output's manifest (`io.record_written`).
-    The bytes are written by a background thread while the next chunk is merged (file writes release the
-    GIL), at most `QUEUED` chunks behind."""
+    The bytes are written by a background thread while the next chunks are merged (file writes release the
+    GIL), handed over in batches of about `BATCH` bytes (one wake-up of the thread per batch, not per
+    chunk), at most `QUEUED` batches behind."""
 
-    QUEUED = 8
+    BATCH = 4 << 20
+    QUEUED = 2
 
     def __init__(self, path: str, entries: List[Tuple[str, str, List[int]]], metadata: Optional[dict]):
         header, off = {}, 0
@@ -260,20 +262,30 @@ class StreamWriter:
         self.total = off
         self.crc = crc32c.crc32c(head)
         self.tensors: Dict[str, int] = {key: 0 for key, _, _ in entries}
-        self._pool = ThreadPoolExecutor(max_workers=1)  # one worker: chunks land in the order given
+        self._pool = ThreadPoolExecutor(max_workers=1)  # one worker: batches land in the order given
         self._queued: deque = deque()
+        self._batch: List[np.ndarray] = []
+        self._batched = 0
 
     def write(self, arr: np.ndarray, key: str) -> None:
         """Append the next bytes of tensor `key` (an array nobody changes afterwards)."""
         raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
         self.crc = crc32c.crc32c(raw, self.crc)
         self.tensors[key] = crc32c.crc32c(raw, self.tensors[key])
-        self._queued.append(self._pool.submit(self.f.write, raw))
+        self._batch.append(raw)
+        self._batched += raw.nbytes
+        if self._batched >= self.BATCH:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        batch, self._batch, self._batched = self._batch, [], 0
+        self._queued.append(self._pool.submit(self.f.writelines, batch))
         while len(self._queued) > self.QUEUED:
             self._queued.popleft().result()
 
     def close(self) -> None:
         try:
+            self._hand_over()
             while self._queued:
                 self._queued.popleft().result()
         finally:
