@@ -322,7 +322,8 @@ class ParallelConfig:
     use_seq_parallel: bool = F(False, "sequence parallel inside tensor-parallel groups")
     vocab_emb_dp: bool = F(True, "data-parallel (not sharded) embedding and LM head; false splits the vocab "
                                  "over the tensor-parallel group (when it divides)")
-    vision_parallel: str = F("dp", "ViT and projector under tensor parallel: dp (weights whole, rows split) or "
+    vision_parallel: str = F("dp", "ViT and projector under tensor parallel: dp (weights whole; the TP group "
+                                   "splits each micro-batch's images by cost and all-gathers the features) or "
                                    "tp (column/row split like the LLM)")
     gradient_aggregation_group: int = F(4, "consecutive decoder layers whose gradients are reduced together "
                                            "(Parameter.comm_fusion = layer // group + 1; semi-auto parallel)")
@@ -336,6 +337,12 @@ class ParallelConfig:
                 raise ConfigError(f"parallel_config.{k} must be >= 1, got {getattr(self, k)}")
         if self.vision_parallel not in ("dp", "tp"):
             raise ConfigError(f"parallel_config.vision_parallel '{self.vision_parallel}': expected dp or tp")
+
+    @property
+    def vision_ranks(self) -> int:
+        """Ranks that split a micro-batch's images between them (`parallel.vit_balance`): the tensor-parallel
+        group under `vision_parallel: dp` (each encodes its balanced share with the whole ViT), else 1."""
+        return self.model_parallel if self.vision_parallel == "dp" else 1
 
 
 @dataclass

@@ -44,6 +44,10 @@ INPUT_NAMES = ("input_ids", "position_ids", "segment_ids", "pixel_values", "visi
 INPUT_RANKS = {"input_ids": 2, "position_ids": 3, "segment_ids": 2, "pixel_values": 3, "vision_pos_ids": 3,
                "window_index": 2, "reverse_index": 2, "window_segment_ids": 2, "full_segment_ids": 2,
                "embed_index": 2, "window_gather": 3, "full_gather": 3, "actual_seq_len": 2}
+# the ViT's inputs: with the ViT data parallel inside a tensor-parallel group they carry each rank's balanced
+# share of the micro-batch's images instead of its rows (`parallel.vit_balance`)
+VISION_NAMES = ("pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
+                "full_segment_ids", "window_gather", "full_gather")
 
 
 def segment_ends(seg) -> np.ndarray:
@@ -162,23 +166,52 @@ class RowBudget(NamedTuple):
 MIN_SAMPLE_TOKENS = 8  # a processed sample holds at least its chat turn markers: bounds samples per row
 
 
+def _item_patches(config: MindVLConfig, data):
+    """(smallest, largest) frame of any image or video item in patches, a multiple of the merge unit."""
+    v = config.vision
+    unit = v.spatial_merge_size ** 2
+    p2 = v.patch_size ** 2
+    smallest = max(unit, min(data.image.min_pixels, data.video.video_min_pixels) // p2 // unit * unit)
+    largest = -(-max(data.image.max_pixels, data.video.video_max_pixels) // p2 // unit) * unit
+    return smallest, largest
+
+
+def _blocks(config: MindVLConfig, data, patches: int, seq_length: int, rows: int) -> RowBudget:
+    """A RowBudget for rows of `patches` patches: the block counts and widths that hold for any such row."""
+    v = config.vision
+    unit = v.spatial_merge_size ** 2
+    vmw = v.window_size // v.spatial_merge_size // v.patch_size
+    window = min(unit * vmw * vmw, patches)
+    smallest, largest = _item_patches(config, data)
+    return RowBudget(seq_length=seq_length, patches=patches, slots=seq_length // MIN_SAMPLE_TOKENS + 1,
+                     window_blocks=patches // unit, window_width=window,
+                     full_blocks=patches // smallest + patches // window + 1,
+                     full_width=min(patches, max(largest, window)), rows=rows)
+
+
 def row_budget(config: MindVLConfig, data) -> RowBudget:
     """The fixed sizes of a stage from its data config (`RunConfig.stage_data`). P is the packer's
     visual-token budget (`DataConfig.visual_budget`) in patches; the block counts and widths are bounds that
     hold for any row of at most P patches: a window holds 1..vmw^2 merge units, a frame at least the
     smallest and at most the largest resized image or video frame, padding comes in chunks of one window."""
-    v = config.vision
-    unit = v.spatial_merge_size ** 2
-    vmw = v.window_size // v.spatial_merge_size // v.patch_size
-    patches = data.visual_budget() * unit
-    window = min(unit * vmw * vmw, patches)
-    p2 = v.patch_size ** 2
-    smallest = max(unit, min(data.image.min_pixels, data.video.video_min_pixels) // p2 // unit * unit)
-    largest = -(-max(data.image.max_pixels, data.video.video_max_pixels) // p2 // unit) * unit
-    return RowBudget(seq_length=data.seq_length, patches=patches, slots=data.seq_length // MIN_SAMPLE_TOKENS + 1,
-                     window_blocks=patches // unit, window_width=window,
-                     full_blocks=patches // smallest + patches // window + 1,
-                     full_width=min(patches, max(largest, window)), rows=data.micro_batch_size)
+    patches = data.visual_budget() * config.vision.spatial_merge_size ** 2
+    return _blocks(config, data, patches, data.seq_length, data.micro_batch_size)
+
+
+def share_budget(config: MindVLConfig, data, ranks: int) -> RowBudget:
+    """The fixed sizes of one rank's share of a micro-batch's images when `ranks` ranks split them
+    (`parallel.vit_balance`): one "row" of Pd patches, Pd = ceil(B*P / ranks) + the largest item (an image,
+    or a whole video up to video_total_pixels, at most P), at most B*P and a multiple of the merge unit.
+    Any split of whole items in which each rank's patches stay within the mean plus one item (list
+    scheduling's bound, which `vit_balance.assign` falls back to) fits it."""
+    rows = row_budget(config, data)
+    unit = config.vision.spatial_merge_size ** 2
+    total = rows.rows * rows.patches
+    _, largest = _item_patches(config, data)
+    video = -(-data.video.video_total_pixels // config.vision.patch_size ** 2 // unit) * unit
+    item = min(rows.patches, max(largest, video))
+    per = min(total, -(-(-(-total // ranks) + item) // unit) * unit)
+    return _blocks(config, data, per, rows.seq_length, 1)
 
 
 def _text_arrays(rows: Sequence[Sequence[Dict]], config: MindVLConfig, length: int):
@@ -261,8 +294,9 @@ def _stack_blocks(gathers: Sequence[np.ndarray], fill: int, size, what: str) -> 
 def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig, pad_to: Optional[int] = None,
                        budget: Optional[RowBudget] = None) -> Dict[str, np.ndarray]:
     """See the module docstring; returns INPUT_NAMES arrays plus targets, token_index, num_samples and
-    image_grid_thw (the batch's real grids). `budget` fixes every size (it sets L, overriding `pad_to`); rows
-    it adds to reach `budget.rows` are empty: all padding, no targets, no samples, so the loss is unchanged."""
+    image_grid_thw (the batch's real grids, in row and text order) with image_rows (each grid's row).
+    `budget` fixes every size (it sets L, overriding `pad_to`); rows it adds to reach `budget.rows` are empty:
+    all padding, no targets, no samples, so the loss is unchanged."""
     unit = config.vision.spatial_merge_size ** 2
     if budget is not None and len(rows) < budget.rows:
         rows = list(rows) + [[] for _ in range(budget.rows - len(rows))]
@@ -275,19 +309,39 @@ def build_model_inputs(rows: Sequence[Sequence[Dict]], config: MindVLConfig, pad
     out, row_items = _text_arrays(rows, config, length)
     real = [sum(pv.shape[0] for pv, _ in items) for items in row_items]
     patches = budget.patches if budget is not None else max(real + [unit])
+    out.update(vision_arrays(row_items, patches, config, budget))
+    out["actual_seq_len"] = llm_actual_seq_len(out["segment_ids"], budget.slots if budget is not None else None)
+    grids = [np.asarray(g, np.int64).reshape(1, 3) for items in row_items for _, g in items]
+    out["image_grid_thw"] = (np.concatenate(grids) if grids else np.zeros((0, 3))).astype(np.int32)
+    out["image_rows"] = np.array([r for r, items in enumerate(row_items) for _ in items], np.int32)
+    return out
+
+
+def vision_arrays(row_items: Sequence[Sequence], patches: int, config: MindVLConfig,
+                  budget: Optional[RowBudget] = None) -> Dict[str, np.ndarray]:
+    """The VISION_NAMES arrays of rows of visual items [(patches float32[n, K], grid [3])], each row padded
+    to `patches`; the block gathers sized by `budget` when given (else the rows' largest)."""
     metas = [_row_vision(items, patches, config) for items in row_items]
-    for key in ("pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
-                "full_segment_ids"):
-        out[key] = np.stack([meta[key] for meta in metas])
+    out = {key: np.stack([meta[key] for meta in metas]) for key in VISION_NAMES[:6]}
     fixed = budget is not None
     out["window_gather"] = _stack_blocks([meta["window_gather"] for meta in metas], patches,
                                          (budget.window_blocks, budget.window_width) if fixed else None, "window")
     out["full_gather"] = _stack_blocks([meta["full_gather"] for meta in metas], patches,
                                        (budget.full_blocks, budget.full_width) if fixed else None, "frame")
-    out["actual_seq_len"] = llm_actual_seq_len(out["segment_ids"], budget.slots if fixed else None)
-    grids = [np.asarray(g, np.int64).reshape(1, 3) for items in row_items for _, g in items]
-    out["image_grid_thw"] = (np.concatenate(grids) if grids else np.zeros((0, 3))).astype(np.int32)
     return out
+
+
+def row_items(batch: Dict[str, np.ndarray]) -> List[List]:
+    """The visual items [(patches [n, K], grid [3])] of each row of a `build_model_inputs` batch, in text
+    order (read back from its pixel_values, image_grid_thw and image_rows)."""
+    out: List[List] = [[] for _ in range(batch["pixel_values"].shape[0])]
+    at = [0] * len(out)
+    for grid, r in zip(batch["image_grid_thw"], batch["image_rows"]):
+        n = int(np.prod(grid))
+        out[r].append((batch["pixel_values"][r, at[r]:at[r] + n], np.asarray(grid, np.int64)))
+        at[r] += n
+    return out
+
 
 def model_args(batch: Dict[str, np.ndarray]):
     """The positional model inputs (as MindSpore Tensors) in INPUT_NAMES order."""

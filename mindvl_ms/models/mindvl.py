@@ -4,7 +4,7 @@ Inputs are the arrays of `mindvl_ms.data.collate.build_model_inputs` in INPUT_NA
 dimension first, every index local to its row (the contract that lets a data-parallel rank's rows mean
 the same in the global graph). The graph adds the row offsets itself (`flat_vision_inputs`) and runs the
 ViT over all rows' patches as one packed sequence; the merge of visual features into the <|image_pad|> /
-<|video_pad|> positions is a batched per-row gather over the row's concat(text embeddings, visual
+<|video_pad|> positions (`merge`) is a batched per-row gather over the row's concat(text embeddings, visual
 features) with a host-computed index, so `construct` has no value-dependent control flow and one compiled
 graph (dynamic shapes via `set_dynamic_inputs`, or the static shapes of a stage's `RowBudget`) serves
 every sequence length and image size.
@@ -64,6 +64,18 @@ def flat_vision_inputs(pixel_values, vision_pos_ids, window_index, reverse_index
     return flat + (ws, fs, wg, fg)
 
 
+class RowMerge(nn.Cell):
+    """Visual features into the text, row by row: text [B, L, D], image [B*P/4, D] (each row's merged tokens
+    in its own block), row-local embed_index [B, L] -> embeddings [B, L, D]. `parallel.vit_balance.GroupMerge`
+    replaces it when a tensor-parallel group splits the images (same inputs and output)."""
+
+    def construct(self, text, image, embed_index):
+        b, l, d = text.shape
+        image = image.reshape(b, -1, d).astype(text.dtype)  # [B, P/4, D], row r's features
+        table = ops.cat((text, image), 1)  # [B, L + P/4, D]: each row's own text and visual features
+        return ops.gather(table, embed_index, 1, 1)  # [B, L, D], per-row gather (batch_dims 1)
+
+
 def build_language_model(cfg) -> nn.Cell:
     if cfg.model_type == "deepseek_v3":
         return DeepseekV3Model(cfg)
@@ -84,6 +96,7 @@ class MindVLModel(nn.Cell):
         self.tied = t.tie_word_embeddings
         self.lm_head = None if self.tied else dense(t.hidden_size, t.vocab_size, t.initializer_range)
         self.tied_head = TiedHead() if self.tied else None
+        self.merge = RowMerge()
 
     def construct(self, input_ids, position_ids, segment_ids, pixel_values, vision_pos_ids, window_index,
                   reverse_index, window_segment_ids, full_segment_ids, embed_index, window_gather, full_gather,
@@ -114,9 +127,7 @@ class MindVLModel(nn.Cell):
         image = self.visual(*flat_vision_inputs(pixel_values, vision_pos_ids, window_index, reverse_index,
                                                 window_segment_ids, full_segment_ids, window_gather,
                                                 full_gather))  # [B*P/4, D] merged visual tokens
-        image = image.reshape(b, -1, d).astype(text.dtype)  # [B, P/4, D], row r's features
-        table = ops.cat((text, image), 1)  # [B, L + P/4, D]: each row's own text and visual features
-        embeds = ops.gather(table, embed_index, 1, 1)  # [B, L, D], per-row gather (batch_dims 1)
+        embeds = self.merge(text, image, embed_index)  # [B, L, D]
         if actual_seq_len is not None:  # row-local ends -> ends in the flattened [B*L] tokens
             actual_seq_len = (actual_seq_len + _row_offsets(b, l)).reshape(-1)
         return self.model(embeds, position_ids.transpose(1, 0, 2), segment_ids, actual_seq_len)

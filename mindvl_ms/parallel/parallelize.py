@@ -7,7 +7,8 @@ are the tables of `parallel/strategies.py` (MindFormers' conventions):
 - `apply_ep`: every DeepSeek-V3 MoE layer (`EP_MODULES`): router, routed experts split by expert_parallel
   (MindFormers' all-to-all dispatcher; on Ascend its expert selection too), shared experts;
 - `apply_vision`: the ViT and projector (`VISION_PLAN`) under the vision layout: data parallel rows, its
-  weights split only with `vision_parallel: tp` (`vision_layout`);
+  weights split only with `vision_parallel: tp` (`vision_layout`); with `vision_parallel: dp` the rows are
+  every rank's own share of its TP group's images, merged through `vit_balance.GroupMerge`;
 - `apply_tp`: the language model and head (`LLM_TP_PLAN`: the embedding, each decoder layer's
   `DECODER_LAYER_PLAN`, the multi-token-prediction depths, the final norm, the LM head);
 - `apply_pipeline`: stages of the embedding, layers and head (`parallel/pipeline.py: STAGE_PLAN`);
@@ -40,6 +41,7 @@ from mindvl_ms.parallel.recompute import apply_recompute
 from mindvl_ms.parallel.styles import (Attention, DropKernel, Embedding, ExpertParallel, GatedMul, Glu, Linear, Norm,
                                        ParallelReport, Residual, Rotary, ShardContext, TiedHead, VocabParallelCE)
 from mindvl_ms.parallel.validate import refuse_unsharded
+from mindvl_ms.parallel.vit_balance import GroupMerge
 
 COLUMN, ROW, REPLICATED = Linear("column"), Linear("row"), Linear("replicated")
 
@@ -139,19 +141,32 @@ def apply_ep(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: Paral
 
 
 def vision_layout(layout: Layout, vision_parallel: str) -> Layout:
-    """The layout the ViT's attention cores are sharded under: the run's with `vision_parallel: tp`, else
-    data parallel only (heads whole)."""
+    """The layout the ViT is sharded under: the run's with `vision_parallel: tp`; else data parallel only
+    (heads whole) over every rank of a stage, dp * tp: the TP group's ranks each encode their own share of
+    the group's images (`parallel.vit_balance`)."""
     if vision_parallel == "tp":
         return layout
-    return dataclasses.replace(layout, tp=1, ep=1, seq_parallel=False)
+    return dataclasses.replace(layout, dp=layout.dp * layout.tp, tp=1, ep=1, seq_parallel=False)
+
+
+def vision_axes(axes: Dict[str, int], vision_parallel: str) -> Dict[str, int]:
+    """The strategy symbols of the ViT's plan: the run's with `vision_parallel: tp`, else rows over dp * tp."""
+    if vision_parallel == "tp":
+        return axes
+    return dict(axes, dp=axes["dptp"], tp=1, sp=1, vtp=1)
 
 
 def apply_vision(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: ParallelReport,
                  vision_parallel: str) -> None:
-    """`VISION_PLAN` on `model.visual` (if any) under `vision_layout`."""
-    if getattr(model, "visual", None) is not None:
-        ctx = ShardContext(axes, vision_layout(layout, vision_parallel), report)
-        report.unmatched_linear += apply_plan(model.visual, VISION_PLAN, ctx, prefix="visual")
+    """`VISION_PLAN` on `model.visual` (if any) under `vision_layout`; with `vision_parallel: dp` and a TP
+    group, the model's visual merge becomes the group's (`vit_balance.GroupMerge`)."""
+    if getattr(model, "visual", None) is None:
+        return
+    ctx = ShardContext(vision_axes(axes, vision_parallel), vision_layout(layout, vision_parallel), report)
+    report.unmatched_linear += apply_plan(model.visual, VISION_PLAN, ctx, prefix="visual")
+    if vision_parallel == "dp" and layout.tp > 1:
+        model.merge = GroupMerge(layout.dp, layout.tp)
+        report.cells["merge"] = "balanced vision merge"
 
 
 def apply_tp(model: nn.Cell, layout: Layout, axes: Dict[str, int], report: ParallelReport,

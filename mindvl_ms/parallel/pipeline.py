@@ -22,6 +22,7 @@ STAGE_PLAN: Dict[str, str] = {
     "model.embed_tokens": "first",
     "model.rotary_emb": "first",
     "visual": "first",
+    "merge": "first",
     "model.layers.*": "layer",
     "model.norm": "last",
     "model.mtp.*": "last",

@@ -44,8 +44,9 @@ Pipeline: stage i holds layers `layers // p + offset[i]`; embedding, ViT and pro
 lm_head and MTP on the last. Under 1F1B, stage i holds min(p - i, n) micro-batches in flight, n = the
 stage's micro-batches per rank (global_batch_size / (dp x micro_batch_size)).
 ViT (stage 0): the same terms with the ViT shapes over P = b * visual budget * merge^2 patches (the budget is
-data.max_image_tokens, or seq_length when 0); with `parallel_config.vision_parallel: dp` every rank of a TP
-group encodes all P patches with whole weights, with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
+data.max_image_tokens, or seq_length when 0); with `parallel_config.vision_parallel: dp` each rank of a TP
+group encodes its share of the images with whole weights, padded to `data.collate.share_budget`'s Pd
+patches (ceil(P / t) + the largest item, at most P), with `tp` the ViT's linears are split by t. A frozen ViT (projector warm-up) keeps nothing for
 backward: one block's activations at a time. Logits (last stage): the LM head runs in chunks of
 each stage's `loss.logits_chunk_tokens` supervised tokens (train/loss_head.py): fp32 logits plus fp32 log-softmax, 8 * chunk * V / t bytes (V / t when the head is
 vocab-parallel: `vocab_emb_dp: false`).
@@ -82,6 +83,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from mindvl_ms.config.base import ConfigError
+from mindvl_ms.data.collate import share_budget
 from mindvl_ms.parallel.layout import Layout
 
 GB = 2 ** 30  # MindSpore's max_device_memory "58GB" means 58 * 2**30 bytes
@@ -338,8 +340,8 @@ def _stack_activations(shapes: List[LayerShape], s: int, b: int, t: int, sp: boo
 
 def plan_run(run_cfg) -> List[DevicePlan]:
     """A DevicePlan per (training stage, pipeline stage). The ViT layout is `parallel_config.vision_parallel`:
-    `tp` splits its linears over the TP group; `dp` keeps them whole, and every rank of a TP group then
-    encodes the micro-batch's images (the balanced split of parallel/vit_balance.py is not counted)."""
+    `tp` splits its linears over the TP group; `dp` keeps them whole, and each rank of a TP group encodes its
+    share of the micro-batch's images (parallel/vit_balance.py), sized by `data.collate.share_budget`."""
     vit_parallel = run_cfg.parallel_config.vision_parallel
     layout = Layout.from_run_config(run_cfg)
     model, text = run_cfg.model, run_cfg.model.text
@@ -366,6 +368,8 @@ def plan_run(run_cfg) -> List[DevicePlan]:
             dev.memory["activations"] = _stack_activations(shapes, s, b, t, sp, rc, inflight)
             if p == 0:
                 patches = b * image_tokens * model.vision.spatial_merge_size ** 2
+                if run_cfg.parallel_config.vision_ranks > 1:  # this rank's share of its TP group's images
+                    patches = share_budget(model, run_cfg.stage_data(st), t).patches
                 vs, vt = (patches, 1) if vit_parallel == "dp" else (patches, t)
                 vshape = vit_layer_shape(model.vision)
                 if any("visual.blocks.".startswith(x) for x in st.trainable_prefixes()):

@@ -46,7 +46,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.communication import get_group_size, get_rank, init
 
 from mindvl_ms.config.base import ConfigError
-from mindvl_ms.data.collate import INPUT_NAMES, INPUT_RANKS
+from mindvl_ms.data.collate import INPUT_NAMES, INPUT_RANKS, VISION_NAMES
 from mindvl_ms.parallel.layout import Layout
 from mindvl_ms.parallel.moe_validate import validate_moe_parallel
 from mindvl_ms.parallel.validate import validate_parallel
@@ -112,15 +112,18 @@ def apply_parallel_speed_up(ctx) -> str:
 SUPERVISED_GRIDS = 4  # the sparse head's row-local [B, n, c] inputs (train.loss_head.supervised_layout)
 
 
-def dataset_strategy(dp: int) -> Tuple[Tuple[int, ...], ...]:
+def dataset_strategy(dp: int, vision_ranks: int = 1) -> Tuple[Tuple[int, ...], ...]:
     """The `dataset_strategy` of the semi/auto-parallel train step's inputs, in their order: the model
     inputs (data.collate INPUT_NAMES), then the sparse head's four grids (the step's scalars are Parameters,
     train/mf_step.py). Every array carries the rows first (a rank's micro-batches concatenated on them) with
     row-local indices (data.collate's contract), so it is split dp ways on the row dimension and whole on
     every other: the TP and pipeline peers of a data-parallel rank read the same rows, which is what each
-    rank's loader hands it."""
+    rank's loader hands it. With `vision_ranks` > 1 (`ParallelConfig.vision_ranks`) the ViT's inputs
+    (VISION_NAMES) carry each rank's own share of its group's images instead (`parallel.vit_balance`): one
+    "row" per rank, split over all dp * vision_ranks ranks of a stage."""
     ranks = [INPUT_RANKS[name] for name in INPUT_NAMES] + [3] * SUPERVISED_GRIDS
-    return tuple((dp,) + (1,) * (r - 1) for r in ranks)
+    split = [dp * vision_ranks if name in VISION_NAMES else dp for name in INPUT_NAMES] + [dp] * SUPERVISED_GRIDS
+    return tuple((n,) + (1,) * (r - 1) for n, r in zip(split, ranks))
 
 
 def auto_parallel_settings(run_cfg, world: int) -> dict:
@@ -132,7 +135,7 @@ def auto_parallel_settings(run_cfg, world: int) -> dict:
               full_batch=par.full_batch, enable_parallel_optimizer=par.enable_parallel_optimizer)
     if par.parallel_mode in (1, 2):
         kw["full_batch"] = False
-        kw["dataset_strategy"] = dataset_strategy(sizes.data_parallel)
+        kw["dataset_strategy"] = dataset_strategy(sizes.data_parallel, sizes.vision_ranks)
     if par.parallel_mode == 2:
         kw["search_mode"] = par.search_mode
     if sizes.pipeline_stage > 1:

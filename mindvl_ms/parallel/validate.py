@@ -9,7 +9,8 @@ refusal is one line naming the config file, the field and what was expected:
   global batch, but the loader hands each rank only its data-parallel shard (global_batch / data_parallel
   rows, `train.batches.rank_slice` by dp rank); there is no global loader;
 - semi/auto parallel without a `dataset_strategy` that covers every model input (`data.collate.INPUT_NAMES`)
-  with the rows split data_parallel ways on dimension 0 and no other split (pipeline runs too: the step
+  with the rows split data_parallel ways on dimension 0 and no other split, the ViT's inputs data_parallel x
+  `ParallelConfig.vision_ranks` ways (each rank's share of its group's images; pipeline runs too: the step
   joins a rank's micro-batches along the rows): MindSpore would otherwise split dimension 0 of every input
   over all devices, while the tensor- and pipeline-parallel peers of a rank read the same rows (MindFormers
   refuses the same: "If set full_batch=False, dataset_strategy must be set");
@@ -30,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 from mindspore import nn
 
 from mindvl_ms.config.base import ConfigError
-from mindvl_ms.data.collate import INPUT_NAMES
+from mindvl_ms.data.collate import INPUT_NAMES, VISION_NAMES
 from mindvl_ms.parallel.audit import NO_STRATEGY, iter_primitives, strategy_of
 
 SEMI_AUTO = (1, 2)
@@ -45,10 +46,10 @@ def _full_batch(run_cfg, source: str) -> List[str]:
     return []
 
 
-def _row_split_ok(entry, dp: int) -> bool:
-    """One input's strategy splits its rows (dim 0) dp ways and nothing else."""
+def _row_split_ok(entry, n: int) -> bool:
+    """One input's strategy splits its rows (dim 0) n ways and nothing else."""
     s = tuple(int(x) for x in entry)
-    return len(s) >= 1 and s[0] == dp and all(x == 1 for x in s[1:])
+    return len(s) >= 1 and s[0] == n and all(x == 1 for x in s[1:])
 
 
 def _dataset_strategy(run_cfg, settings: dict, source: str) -> List[str]:
@@ -62,11 +63,14 @@ def _dataset_strategy(run_cfg, settings: dict, source: str) -> List[str]:
         n = "a string" if isinstance(strategy, str) else f"{len(strategy)} entries"
         return [f"{source}: dataset_strategy has {n}; expected one per model input ({len(INPUT_NAMES)}: "
                 f"{list(INPUT_NAMES)}), each splitting its rows data_parallel ({sizes.data_parallel}) ways"]
-    bad = [f"{name} {tuple(entry)}" for name, entry in zip(INPUT_NAMES, strategy)
-           if not _row_split_ok(entry, sizes.data_parallel)]
+    dp, vision = sizes.data_parallel, sizes.data_parallel * sizes.vision_ranks
+    want = {name: vision if name in VISION_NAMES else dp for name in INPUT_NAMES}
+    bad = [f"{name} {tuple(entry)} (expected ({want[name]}, 1, ...))" for name, entry in zip(INPUT_NAMES, strategy)
+           if not _row_split_ok(entry, want[name])]
     if bad:
-        return [f"{source}: dataset_strategy does not split the rows of {', '.join(bad)} data_parallel "
-                f"({sizes.data_parallel}) ways; expected ({sizes.data_parallel}, 1, ...)"]
+        return [f"{source}: dataset_strategy does not split the rows of {', '.join(bad)}: the rows go "
+                f"data_parallel ({dp}) ways, the ViT inputs data_parallel x vision_ranks ({vision}) ways "
+                f"(each rank's share of its group's images, parallel/vit_balance.py)"]
     return []
 
 

@@ -7,8 +7,9 @@ TP group and put back in image order, so the LLM sees exactly what a single enco
 
 Design:
 - Host side, numpy (value-dependent, so never in `construct`): `image_costs` from `image_grid_thw`,
-  `balance` (which rank encodes which images), `rank_vision_inputs` (a rank's pixel rows and ViT metadata),
-  `gather_index` (where each merged token of the micro-batch sits in the all-gathered buffer).
+  `balance` (which rank encodes which images; `assign` adds the share budget), `balanced_batch` (what each
+  rank of the group feeds), `gather_index` (where each merged token of the micro-batch sits in the
+  all-gathered buffer).
 - Cost of an image with grid (t, h, w), N = t*h*w patches, width d, FFN f, forward FLOPs:
     linear    depth * 2N (4d^2 + 3df)        (qkv + proj, gated FFN; 2df for a plain fc1/fc2 FFN)
     attention 4d * (n_full * t (hw)^2 + n_window * sum over windows of n_w^2)
@@ -23,9 +24,16 @@ Design:
   load reaches the best makespan cut) that returns the optimum unless it exceeds `node_limit` nodes, in
   which case the best split found so far (never worse than the local search) is kept. Each rank encodes its
   images in image order.
-- In the graph: `BalancedVisualEncoder` runs the unchanged ViT on the rank's images, padded on the host by a
-  zero image to a static `pad_to` merged tokens, all-gathers ([pad_to, D] -> [t * pad_to, D]) and gathers
-  `gather_index` ([M]) to get [M, D] in image order: what the model's embedding gather expects from the ViT.
+- Static shapes: a rank's share is one row of `data.collate.share_budget` patches, padded like any row.
+  When the cost split puts more merged tokens on a rank than that, `assign` splits by token counts instead
+  (list scheduling: within the mean plus one item, which the budget holds).
+- In the graph (semi-auto parallel): the ViT's inputs carry each rank's share (`runtime.dataset_strategy`
+  splits them over dp * tp), so the ViT, data parallel over every rank of a stage (`parallelize.vision_layout`),
+  encodes each rank's own images; `GroupMerge` declares the features whole within each TP group, where the
+  compiled graph all-gathers them, and gathers them into the text by the group's `embed_index`
+  (`group_embed_index`). Stand-alone, the same graph over all ranks' arrays concatenated gives the global
+  batch's result (tests/parallel/test_shard_consistency.py); two msrun workers with a real AllGather give
+  what one process computes (tests/workers/vit_balance_msrun.py).
 """
 from __future__ import annotations
 
@@ -33,8 +41,10 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 from mindspore import nn, ops
+from mindspore.ops.operations import Identity
+from mindspore.parallel import Layout as DeviceLayout
 
-from mindvl_ms.data.rope_index import vision_metadata
+from mindvl_ms.data.collate import row_items, vision_arrays
 
 
 def _window_sq_sum(n: int, size: int) -> int:
@@ -164,33 +174,6 @@ def balance(costs: Sequence[float], ranks: int, max_rounds: int = 1000, exact_ma
     return [sorted(a) for a in bins]
 
 
-def rank_vision_inputs(pixel_values: np.ndarray, grid_thw, images: Sequence[int], vision,
-                       pad_to: int = None) -> Dict[str, np.ndarray]:
-    """The pixel rows of `images` (in that order) and their ViT metadata, as `build_model_inputs` makes them.
-
-    With `pad_to`, a zero padding image of the missing merged tokens (grid [1, m, m * missing]) is appended so
-    the rank's ViT output has exactly `pad_to` rows (equal shapes for the all-gather); its rows are never
-    gathered by `gather_index`."""
-    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
-    starts = np.concatenate([[0], np.cumsum(grid.prod(1))])
-    if starts[-1] != len(pixel_values):
-        raise ValueError(f"pixel_values has {len(pixel_values)} rows, image_grid_thw needs {starts[-1]}")
-    if not len(images):
-        raise ValueError("a rank with no image: give the TP group fewer ranks than images, or a dummy image")
-    pixels = np.asarray(pixel_values, np.float32)[np.concatenate([np.arange(starts[i], starts[i + 1]) for i in images])]
-    grid = grid[list(images)]
-    m = vision.spatial_merge_size
-    if pad_to is not None:
-        missing = pad_to - int(grid.prod(1).sum()) // (m * m)
-        if missing < 0:
-            raise ValueError(f"these images hold {pad_to - missing} merged tokens, more than pad_to={pad_to}")
-        if missing:
-            grid = np.concatenate([grid, [[1, m, m * missing]]])
-            pixels = np.concatenate([pixels, np.zeros((m * m * missing, pixels.shape[1]), np.float32)])
-    meta = vision_metadata(grid, vision.window_size, vision.patch_size, m)
-    return {"pixel_values": pixels, **meta}
-
-
 def gather_index(grid_thw, assignment: Sequence[Sequence[int]], spatial_merge_size: int, pad_to: int) -> np.ndarray:
     """int32 [M]: for each merged token of the micro-batch, in image order, its row in the all-gathered
     [ranks * pad_to, D] buffer (rank r's encoded images fill rows [r * pad_to, r * pad_to + its tokens))."""
@@ -216,20 +199,92 @@ def rank_tokens(grid_thw, assignment: Sequence[Sequence[int]], spatial_merge_siz
     return [int(tokens[list(a)].sum()) for a in assignment]
 
 
-class BalancedVisualEncoder(nn.Cell):
-    """This rank's ViT inputs (padded to `pad_to` merged tokens by `rank_vision_inputs`) -> [M, D] merged
-    tokens of the whole micro-batch in image order.
+def assign(grid_thw, vision, ranks: int, cap: int) -> List[List[int]]:
+    """Which items each of `ranks` ranks encodes: `balance` on the costs, or, when that puts more than `cap`
+    merged tokens on a rank, list scheduling on the token counts (each rank within the mean plus one item,
+    which `data.collate.share_budget` sizes for). ValueError when even that does not fit."""
+    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    bins = balance(image_costs(grid, vision), ranks)
+    m = vision.spatial_merge_size
+    if max(rank_tokens(grid, bins, m)) > cap:
+        bins = lpt(grid.prod(1) // (m * m), ranks)
+    if max(rank_tokens(grid, bins, m)) > cap:
+        raise ValueError(f"the micro-batch's {len(grid)} visual items hold {rank_tokens(grid, bins, m)} merged "
+                         f"tokens per rank, more than the share budget of {cap}: raise max_image_tokens")
+    return bins
 
-    visual: the `VisionTransformer` cell (unchanged; the same weights on every rank of the group).
-    group: the communication group of the TP ranks (None: the world group)."""
 
-    def __init__(self, visual, group: str = None):
+def group_embed_index(embed_index: np.ndarray, image_rows: np.ndarray, tokens: np.ndarray,
+                      where: np.ndarray) -> np.ndarray:
+    """Row-local embed_index [B, L] (the text j -> j, the row's f-th merged token -> L + f) -> the index into
+    the data-parallel rank's concat(text rows [B*L], all-gathered shares [ranks*Ud]) that `GroupMerge` takes:
+    text j of row r -> r*L + j, a merged token -> B*L + its row in the gathered buffer (`where`, per merged
+    token of the micro-batch in item order, from `gather_index`). The same on every rank of the group."""
+    b, l = embed_index.shape
+    starts = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    out = embed_index.astype(np.int64) + (np.arange(b, dtype=np.int64) * l)[:, None]
+    for r in range(b):
+        mine = [where[starts[i]:starts[i + 1]] for i in np.flatnonzero(image_rows == r)]
+        pos = np.concatenate(mine) if mine else np.zeros(0, np.int64)
+        vis = embed_index[r] >= l
+        out[r, vis] = b * l + pos[embed_index[r, vis] - l]
+    return out.astype(np.int32)
+
+
+def balanced_batch(batch: Dict[str, np.ndarray], config, ranks: int, share, rank: int = None
+                   ) -> List[Dict[str, np.ndarray]]:
+    """A data-parallel rank's micro-batch (`data.collate.build_model_inputs` under the stage's RowBudget) ->
+    what each of the `ranks` ranks of its tensor-parallel group feeds (only `rank`'s when given): the same
+    text arrays, the group's `embed_index` (`group_embed_index`), and in place of the rows' ViT inputs
+    (VISION_NAMES) its own share of the items (`assign`) as one row of `share.patches` patches
+    (`data.collate.share_budget`), items in micro-batch order, padded like any row."""
+    v = config.vision
+    m = v.spatial_merge_size
+    grid = batch["image_grid_thw"].reshape(-1, 3)
+    units = share.patches // (m * m)
+    bins = assign(grid, v, ranks, units)
+    where = gather_index(grid, bins, m, units) if len(grid) else np.zeros(0, np.int32)
+    embed = group_embed_index(batch["embed_index"], batch["image_rows"], grid.prod(1) // (m * m), where)
+    items = [it for row in row_items(batch) for it in row]
+    out = []
+    for t in range(ranks) if rank is None else [rank]:
+        share_arrays = vision_arrays([[items[i] for i in bins[t]]], share.patches, config, share)
+        out.append({**batch, **share_arrays, "embed_index": embed})
+    return out
+
+
+def _redistribute(layout):
+    """An Identity whose input and output carry `layout` (self-defined shard): placed after one with
+    another layout, semi-auto parallel inserts the redistribution between the two (MindSpore's own reshard
+    cell, parallel/_cell_wrapper.py, is built this way)."""
+    return Identity().shard(in_strategy=(layout,), out_strategy=(layout,)).add_prim_attr("self_define_shard", True)
+
+
+class GroupMerge(nn.Cell):
+    """The visual merge of `MindVLModel` (`models.mindvl.RowMerge`) when the `ranks` ranks of each of the
+    `groups` tensor-parallel groups split the micro-batch's items (balanced encoder data parallelism):
+
+      text [B, L, D], image [groups*ranks*Ud, D] (the ViT over every rank's share, rank order),
+      embed_index [B, L] (`group_embed_index`) -> embeddings [B, L, D]
+
+    The features leave the ViT split over the groups and their ranks ((dp, tp, 1) on [groups, ranks*Ud, D]);
+    the second Identity declares them whole within a group ((dp, 1, 1)), so the compiled graph all-gathers
+    them over the TP group there, and its backward reduce-scatters their gradients back to the rank that
+    encoded them. A per-group gather (batch_dims 1) then reads each group's text rows and gathered shares
+    by the group-local `embed_index`, the same on every rank of the group."""
+
+    def __init__(self, groups: int, ranks: int):
         super().__init__()
-        self.visual = visual
-        self.all_gather = ops.AllGather(group) if group else ops.AllGather()
+        self.groups = groups
+        dev = DeviceLayout((groups, ranks), ("dp", "tp"))
+        self.split = _redistribute(dev("dp", "tp", "None"))
+        self.whole = _redistribute(dev("dp", "None", "None"))
+        self.concat = ops.Concat(1).shard(((groups, 1, 1), (groups, 1, 1)))
+        self.gather = ops.Gather(batch_dims=1).shard(((groups, 1, 1), (groups, 1)))
 
-    def construct(self, pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
-                  full_segment_ids, gather_index):
-        local = self.visual(pixel_values, vision_pos_ids, window_index, reverse_index, window_segment_ids,
-                            full_segment_ids)  # [pad_to, D], this rank's images in order, then padding
-        return ops.gather(self.all_gather(local), gather_index, 0)  # [t * pad_to, D] -> [M, D]
+    def construct(self, text, image, embed_index):
+        b, l, d = text.shape
+        g = self.groups
+        feats = self.whole(self.split(image.reshape(g, -1, d)))  # [dp, tp*Ud, D], whole in each group
+        table = self.concat((text.reshape(g, -1, d), feats.astype(text.dtype)))  # [dp, B/dp*L + tp*Ud, D]
+        return self.gather(table, embed_index.reshape(g, -1), 1).reshape(b, l, d)  # [B, L, D]

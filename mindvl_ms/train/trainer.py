@@ -58,7 +58,7 @@ from mindvl_ms.checkpoint.io import STATE, read_tensors, write_json
 from mindvl_ms.checkpoint.merge import merge
 from mindvl_ms.checkpoint.pretrained import load_into, load_pretrained, model_tensors
 from mindvl_ms.config.base import to_dict
-from mindvl_ms.data.collate import build_model_inputs, row_budget
+from mindvl_ms.data.collate import build_model_inputs, row_budget, share_budget
 from mindvl_ms.data.dataset import DataLoader, PackedShardSource
 from mindvl_ms.data.processor import ProcessorWriter
 from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprint
@@ -69,6 +69,7 @@ from mindvl_ms.parallel import apply_recompute, parallelize
 from mindvl_ms.parallel.moe import bind_mindformers_moe, set_moe_seq_length
 from mindvl_ms.parallel.runtime import DistInfo, HostAllReduce, gather_json, setup
 from mindvl_ms.parallel.validate import refuse_unsharded
+from mindvl_ms.parallel.vit_balance import balanced_batch
 from mindvl_ms.train.batches import LoaderSource, micro_batches, rank_slice
 from mindvl_ms.train.callbacks import (MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version,
                                        summarize)
@@ -93,14 +94,24 @@ def default_collate(run_cfg):
     return collate
 
 
+def static_collate(model_cfg, data_cfg, vision_ranks: int = 1, tp_rank: int = 0):
+    """Rows -> a rank's arrays under semi/auto parallel: every size the stage's fixed budget; with
+    `vision_ranks` > 1 the ViT inputs are this rank's share of its group's images (`parallel.vit_balance`)."""
+    budget = row_budget(model_cfg, data_cfg)
+    if vision_ranks == 1:
+        return lambda rows: build_model_inputs(rows, model_cfg, budget=budget)
+    share = share_budget(model_cfg, data_cfg, vision_ranks)
+    return lambda rows: balanced_batch(build_model_inputs(rows, model_cfg, budget=budget), model_cfg,
+                                       vision_ranks, share, tp_rank)[0]
+
+
 def default_data_factory(run_cfg, stage, stage_index: int, dist: DistInfo):
     """The data pipeline's per-rank loader for a stage: the run's `data` section merged with the stage's
     `data` overrides, with seq_length / micro batch / data-parallel rank and size taken from the stage."""
     cfg = dataclasses.replace(run_cfg.stage_data(stage), dp_size=dist.dp, dp_rank=dist.dp_rank)
     collate = None
     if dist.semi_auto:  # static shapes: every rank's arrays sized by the stage's fixed budget
-        budget = row_budget(run_cfg.model, cfg)
-        collate = lambda rows: build_model_inputs(rows, run_cfg.model, budget=budget)  # noqa: E731
+        collate = static_collate(run_cfg.model, cfg, run_cfg.parallel_config.vision_ranks, dist.tp_rank)
     loader = DataLoader.from_config(cfg, model_config=run_cfg.model, collate=collate)
     rows = None
     if isinstance(loader.source, PackedShardSource):

@@ -33,7 +33,7 @@ def model_8b():
 
 def _prims(model, prim_name, llm_only=True):
     for name, cell in model.cells_and_names():
-        if llm_only and name.startswith("visual"):
+        if llm_only and name.startswith(("visual", "merge")):  # the ViT and its merge: test_vision_parallel
             continue
         for attr, p in cell._primitives.items():
             if isinstance(p, Primitive) and p.name == prim_name:
@@ -130,17 +130,23 @@ def test_8b_shard_shapes_add_up(model_8b):
     assert wo == 0
 
 
-@pytest.mark.parametrize("vp,split", [("dp", 1), ("tp", 4)])
-def test_vision_parallel(model_8b, vp, split):
+@pytest.mark.parametrize("vp,rows,split", [("dp", 64, 1), ("tp", 16, 4)])
+def test_vision_parallel(model_8b, vp, rows, split):
+    """vision_parallel tp: the LLM's column/row split over 16 dp x 4 tp; dp: whole weights, the patches of
+    every rank's own share of its TP group's images split over all 64 ranks (parallel/vit_balance.py)."""
     cfg, m = model_8b
     parallelize(m, Layout(dp=16, tp=4), vision_parallel=vp)
     blk = m.visual.blocks[0]
-    assert strategy_of(blk.attn.qkv.matmul) == ((16, 1), (split, 1))
-    assert strategy_of(blk.attn.proj.matmul) == ((16, split), (1, split))
-    assert strategy_of(blk.mlp.down_proj.matmul) == ((16, split), (1, split))
-    assert strategy_of(m.visual.merger.mlp[0].matmul) == ((16, 1), (split, 1))
-    assert strategy_of(m.visual.patch_embed.proj.matmul) == ((16, 1), (1, 1))
-    assert strategy_of(blk.norm1.rms_norm) == ((16, 1), (1,))
+    assert strategy_of(blk.attn.qkv.matmul) == ((rows, 1), (split, 1))
+    assert strategy_of(blk.attn.proj.matmul) == ((rows, split), (1, split))
+    assert strategy_of(blk.mlp.down_proj.matmul) == ((rows, split), (1, split))
+    assert strategy_of(m.visual.merger.mlp[0].matmul) == ((rows, 1), (split, 1))
+    assert strategy_of(m.visual.patch_embed.proj.matmul) == ((rows, 1), (1, 1))
+    assert strategy_of(blk.norm1.rms_norm) == ((rows, 1), (1,))
+    if vp == "dp":  # each DP group's text rows and all-gathered shares, gathered per group
+        assert type(m.merge).__name__ == "GroupMerge"
+        assert strategy_of(m.merge.gather) == ((16, 1, 1), (16, 1))
+        assert strategy_of(m.merge.concat) == ((16, 1, 1), (16, 1, 1))
 
 
 def test_671b_moe_llm_strategies():
@@ -189,7 +195,7 @@ def test_nn_dense_in_llm_all_matched(model_8b):
 def test_fused_rope_self_defined_shard_as_mindformers():
     """The fused RotaryPositionEmbedding as MindFormers 1.9's ApplyRotaryPosEmb.shard: self_define_shard, Layouts
     over (dp, tp) for x, cos, sin and for the output (laid out as x); the shared MLA rope key and the ViT
-    (vision_parallel dp: heads whole, patches split dp) get theirs."""
+    (vision_parallel dp: heads whole, patches split over dp x tp, every rank its own share) get theirs."""
     cfg = load_model_config("configs/model/tiny.yaml")
     m = MindVLModel(cfg)
     parallelize(m, Layout(dp=2, tp=2), vision_parallel="dp")
@@ -201,7 +207,7 @@ def test_fused_rope_self_defined_shard_as_mindformers():
     assert rope.attrs["in_layout"][0]["alias_name"] == ("dp", "tp")
     vit = m.visual.blocks[0].attn.rotary.rope
     assert vit.attrs["self_define_shard"] is True
-    assert layout_splits(vit.attrs["in_layout"]) == ((1, 1, 2, 1), (1, 1, 2, 1), (1, 1, 2, 1))
+    assert layout_splits(vit.attrs["in_layout"]) == ((1, 1, 4, 1), (1, 1, 4, 1), (1, 1, 4, 1))
     moe = MindVLModel(load_model_config("configs/model/tiny-moe.yaml"))
     parallelize(moe, Layout(dp=2, tp=2))
     attn = next(layer.self_attn for layer in moe.model.layers if hasattr(layer.self_attn, "rotary_k"))

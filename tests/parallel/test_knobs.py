@@ -61,10 +61,10 @@ def test_vocab_emb_dp():
 
 
 def test_vision_parallel_field():
-    for vp, split in (("dp", 1), ("tp", 2)):
+    for vp, rows, split in (("dp", 4, 1), ("tp", 2, 2)):  # dp: each rank of a TP group its own images
         m = abstract()
         parallelize(m, run_cfg(parallel_config={"data_parallel": 2, "model_parallel": 2, "vision_parallel": vp}))
-        assert strategy_of(m.visual.blocks[0].mlp.gate_proj.matmul) == ((2, 1), (split, 1))
+        assert strategy_of(m.visual.blocks[0].mlp.gate_proj.matmul) == ((rows, 1), (split, 1))
     with pytest.raises(ConfigError, match="vision_parallel"):
         run_cfg(parallel_config={"vision_parallel": "ep"})
 

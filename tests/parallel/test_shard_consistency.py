@@ -27,7 +27,7 @@ from tests.support.video import write_mixed_media
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.config.video import VideoConfig
-from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs, row_budget
+from mindvl_ms.data.collate import INPUT_NAMES, VISION_NAMES, build_model_inputs, row_budget, share_budget
 from mindvl_ms.data.dataset import DataLoader
 from mindvl_ms.data.offline import pack_file
 from mindvl_ms.data.processor import MindVLProcessor
@@ -35,6 +35,8 @@ from mindvl_ms.data.schema import parse_line
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.config.train import load_run_config
 from mindvl_ms.parallel.runtime import SUPERVISED_GRIDS, auto_parallel_settings, dataset_strategy
+from mindvl_ms.parallel.vit_balance import GroupMerge
+from mindvl_ms.train.trainer import static_collate
 from mindvl_ms.train.batches import rank_slice
 from mindvl_ms.train.forward_loss import ForwardLoss
 from mindvl_ms.train.loss import TrainLoss
@@ -99,22 +101,28 @@ def _model(name):
 def _arrays(rows, model, budget):
     """One rank's graph inputs as its loader and train step build them: model inputs + the head's grids."""
     batch = build_model_inputs(rows, model.config, budget=budget)
+    return _step_arrays(batch), batch
+
+
+def _step_arrays(batch):
     lay = supervised_layout(batch["targets"], batch["segment_ids"], batch["token_index"], CHUNK, SEQ)
-    return [batch[k] for k in INPUT_NAMES] + [lay[k] for k in LOSS_NAMES], batch
+    return [batch[k] for k in INPUT_NAMES] + [lay[k] for k in LOSS_NAMES]
 
 
-def _assemble(local, dp, tp):
+def _assemble(local, dp, tp, vision_ranks=1):
     """The global arrays the graph sees: ranks' local arrays concatenated along the dimension each
-    dataset_strategy entry splits; TP peers must hold the same arrays."""
-    strategy = dataset_strategy(dp)
+    dataset_strategy entry splits (rank = dp_rank * tp + tp_rank); ranks that an entry does not split
+    (TP peers under a dp split) must hold the same arrays."""
+    strategy = dataset_strategy(dp, vision_ranks)
     assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS
     out = []
     for i, st in enumerate(strategy[:len(local[0])]):
-        assert st == (dp,) + (1,) * (local[0][i].ndim - 1)
-        for d in range(dp):
-            for t in range(1, tp):
-                np.testing.assert_array_equal(local[d * tp + t][i], local[d * tp][i])
-        out.append(np.concatenate([local[d * tp][i] for d in range(dp)], axis=0))
+        n = st[0]
+        assert st == (n,) + (1,) * (local[0][i].ndim - 1) and n in (dp, dp * tp)
+        per = dp * tp // n  # consecutive ranks that hold one slice
+        for r in range(dp * tp):
+            np.testing.assert_array_equal(local[r][i], local[r - r % per][i])
+        out.append(np.concatenate([local[k * per][i] for k in range(n)], axis=0))
     return out
 
 
@@ -143,6 +151,37 @@ def test_ranks_concatenated_equal_the_global_batch(rows, name):
         diff = float(np.abs(logits - ref_logits).max())
         assert diff <= TOL, f"dp{dp} x tp{tp}: logits differ from the global batch by {diff}"
         assert abs(loss - ref_loss) <= TOL, f"dp{dp} x tp{tp}: loss {loss} vs global {ref_loss}"
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny-moe.yaml"])
+def test_balanced_vision_shares_equal_the_global_batch(rows, name):
+    """vision_parallel dp, dp 2 x tp 2: each TP group's 2 ranks take their own share of the group's images
+    (`vit_balance.balanced_batch` through the trainer's collate under semi-auto), the ViT inputs split over all 4
+    ranks and the rest over dp; the concatenation through the graph with the group merge that
+    `parallelize` puts in (`GroupMerge`: the TP all-gather is where its two Identities' layouts differ, an
+    identity stand-alone; the shard strategies are checked in test_audit.py) gives the global batch's logits and loss. Every rank's arrays have one shape,
+    and each rank encodes a part of its group's images, every image once."""
+    model = _model(name)
+    data = _data_config(micro_batch_size=2)
+    budget, share = row_budget(model.config, data), share_budget(model.config, data, 2)
+    glob, batch = _arrays(rows, model, budget)
+    num_samples = int(batch["num_samples"])
+    ref_logits, ref_loss = _run(model, glob, num_samples)
+    dp, tp = 2, 2
+    local, encoded = [], []
+    for r in range(dp * tp):
+        d, t = divmod(r, tp)
+        mine = static_collate(model.config, data, tp, t)(rank_slice(rows, d, dp))  # the trainer's collate
+        local.append(_step_arrays(mine))
+        encoded.append(int((mine["pixel_values"] != 0).any(-1).sum()))
+    assert len({tuple(a.shape for a in arrs) for arrs in local}) == 1
+    assert local[0][INPUT_NAMES.index("pixel_values")].shape == (1, share.patches, 1176)
+    assert min(encoded) > 0 and sum(encoded) == int(np.prod(batch["image_grid_thw"], 1).sum())
+    model.merge = GroupMerge(dp, tp)  # as parallelize(..., vision_parallel="dp") does (tests/parallel/test_audit.py)
+    logits, loss = _run(model, _assemble(local, dp, tp, vision_ranks=tp), num_samples)
+    diff = float(np.abs(logits - ref_logits).max())
+    assert diff <= TOL, f"balanced dp2 x tp2: logits differ from the global batch by {diff}"
+    assert abs(loss - ref_loss) <= TOL, f"balanced dp2 x tp2: loss {loss} vs global {ref_loss}"
 
 
 def test_every_rank_has_equal_local_shapes_at_every_step(data_file, tmp_path):
@@ -193,8 +232,9 @@ def test_shipped_ascend_runs_split_rows_by_dataset_strategy(run):
     assert cfg.parallel.full_batch is False
     strategy = kw["dataset_strategy"]
     assert len(strategy) == len(INPUT_NAMES) + SUPERVISED_GRIDS  # the one-graph step's inputs
-    for st in strategy:
-        assert st[0] == sizes.data_parallel and set(st[1:]) <= {1}
+    vision = sizes.data_parallel * (sizes.model_parallel if sizes.vision_parallel == "dp" else 1)
+    for name, st in zip(INPUT_NAMES + LOSS_NAMES, strategy):  # the ViT's inputs: each rank its own share
+        assert st[0] == (vision if name in VISION_NAMES else sizes.data_parallel) and set(st[1:]) <= {1}
 
 
 def test_static_shapes_keep_constant_dims_and_fix_every_dim_per_stage(rows):

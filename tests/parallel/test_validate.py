@@ -14,7 +14,7 @@ from mindvl_ms.cli import main
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.config.train import load_run_config
-from mindvl_ms.data.collate import INPUT_NAMES
+from mindvl_ms.data.collate import INPUT_NAMES, VISION_NAMES
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.parallel import Layout, parallelize
 from mindvl_ms.parallel.parallelize import shard_loss_head
@@ -30,9 +30,10 @@ def _cfg(*overrides):
     return load_run_config(RUN, ["parallel.full_batch=false", *overrides])
 
 
-def _rows(dp, n=len(INPUT_NAMES)):
-    """A dataset_strategy with the rows (dim 0) of every input split dp ways."""
-    return tuple((dp, 1, 1) for _ in range(n))
+def _rows(dp, n=len(INPUT_NAMES), vision_ranks=8):
+    """A dataset_strategy with the rows (dim 0) of every input split dp ways, the ViT's inputs (each rank's
+    share of its TP group's images, vision_parallel dp) dp x vision_ranks ways."""
+    return tuple((dp * vision_ranks if name in VISION_NAMES else dp, 1, 1) for name in INPUT_NAMES[:n])
 
 
 def _refusal(cfg, settings):
@@ -71,8 +72,20 @@ def test_a_dataset_strategy_that_splits_all_devices_or_not_the_rows():
     bad[INPUT_NAMES.index("pixel_values")] = (512, 1, 1)   # dim 0 over every device, MindSpore's default
     bad[INPUT_NAMES.index("position_ids")] = (1, 8, 1)    # M-RoPE's 3 first: the rows are not dim 0
     msg = _refusal(_cfg(), {"dataset_strategy": tuple(bad)})
-    assert "does not split the rows of position_ids (1, 8, 1), pixel_values (512, 1, 1) data_parallel (8)" in msg
-    assert msg.endswith("expected (8, 1, ...)")
+    assert ("does not split the rows of position_ids (1, 8, 1) (expected (8, 1, ...)), pixel_values (512, 1, 1) "
+            "(expected (64, 1, ...)): the rows go data_parallel (8) ways, the ViT inputs data_parallel x "
+            "vision_ranks (64) ways") in msg
+
+
+def test_vision_inputs_split_by_rows_only_under_vision_parallel_dp():
+    """With vision_parallel dp each rank of a TP group feeds its own share of the images: a strategy that
+    gives the TP peers the same ViT inputs (split dp ways, as before the balanced split) is refused; with
+    vision_parallel tp (the ViT sharded like the LLM, peers reading the same rows) it is the right one."""
+    msg = _refusal(_cfg(), {"dataset_strategy": _rows(8, vision_ranks=1)})
+    assert "pixel_values (8, 1, 1) (expected (64, 1, ...))" in msg and "window_gather (8, 1, 1)" in msg
+    assert "input_ids" not in msg
+    validate_parallel(_cfg("parallel_config.vision_parallel=tp"), WORLD,
+                      {"dataset_strategy": _rows(8, vision_ranks=1)}, RUN)
 
 
 def test_fewer_micro_batches_per_rank_than_pipeline_stages():

@@ -1,6 +1,8 @@
 """Balanced encoder data parallelism (openPangu-VL section 6.1): the cost model against hand arithmetic and the
 ViT's own window metadata, the split against a brute-force optimum on skewed mixes, the gather index, and two
-msrun CPU workers (a stand-in TP group) whose all-gathered features equal one process encoding every image."""
+msrun CPU workers (a stand-in TP group) whose all-gathered, merged features equal one process's, the share
+budget and the token-count fallback by hand. The in-graph form over dp x tp ranks:
+tests/parallel/test_shard_consistency.py."""
 import itertools
 import os
 
@@ -8,8 +10,12 @@ import numpy as np
 import pytest
 
 from mindvl_ms.config import load_model_config
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.data.collate import share_budget
 from mindvl_ms.data.rope_index import vision_metadata
-from mindvl_ms.parallel.vit_balance import balance, gather_index, image_costs, lpt, makespan, rank_tokens
+from mindvl_ms.parallel.vit_balance import (assign, balance, gather_index, group_embed_index, image_costs, lpt,
+                                            makespan, rank_tokens)
 
 from tests.support import msrun
 from tests.support.paths import ROOT
@@ -95,25 +101,56 @@ def test_gather_index_restores_image_order():
         gather_index(grid, [[0], [1]], 2, pad)
 
 
-def test_two_msrun_workers_gather_what_one_process_encodes(tmp_path):
+def test_two_msrun_workers_merge_what_one_process_merges(tmp_path):
+    """Two msrun ranks as one TP group: each encodes its share, a real AllGather joins them, GroupMerge puts
+    them into the text; equal to one process's row-by-row merge."""
     out = tmp_path / "out"
     logs = msrun.run(2, os.path.join(ROOT, "tests", "workers", "vit_balance_msrun.py"), [out], tmp_path / "logs",
                      timeout=300)
     assert "RANK 0 OF 2" in logs and "RANK 1 OF 2" in logs
+    assert "IMAGES [0]" in logs and "IMAGES [1, 2, 3, 4, 5, 6]" in logs  # the 16x24 image alone
     got = np.load(out / "features.npz")
-    assert got["single"].shape == (167, 128) and sorted(got["sizes"]) == [1, 6]  # the 16x24 image alone
-    err = float(np.abs(got["gathered"] - got["single"]).max())
-    print(f"max |gathered - single process| = {err:.2e}")
-    np.testing.assert_allclose(got["gathered"], got["single"], rtol=1e-5, atol=1e-6)
+    assert got["single"].shape == (2, 192, 128) and int(got["share_patches"]) == 896  # of 1,024
+    err = float(np.abs(got["merged"] - got["single"]).max())
+    print(f"max |merged - single process| = {err:.2e}")
+    np.testing.assert_allclose(got["merged"], got["single"], rtol=1e-5, atol=1e-6)
 
 
-def test_rank_inputs_pad_with_a_zero_image():
-    from mindvl_ms.parallel.vit_balance import rank_vision_inputs
+def test_share_budget_by_hand():
+    """2 rows of P = 128 merged tokens = 512 patches; the largest item is a 384-patch image (max_pixels 384 x
+    196) or a 256-patch video (video_total_pixels): Pd = ceil(1024 / 2) + 384 = 896 for 2 ranks, 256 + 384 =
+    640 for 4, never above the micro-batch's 1024; the block budgets are a row's for Pd patches."""
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
+    data = DataConfig(seq_length=192, max_image_tokens=128, micro_batch_size=2,
+                      image=ImageConfig(min_pixels=16 * 196, max_pixels=384 * 196),
+                      video=VideoConfig(video_min_pixels=16 * 196, video_max_pixels=64 * 196,
+                                        video_total_pixels=256 * 196))
+    two, four, one = (share_budget(cfg, data, n) for n in (2, 4, 1))
+    assert (two.patches, four.patches, one.patches) == (896, 640, 1024)
+    assert (two.rows, two.seq_length) == (1, 192)
+    assert two.window_blocks == 896 // 4 and two.window_width == 64  # 4x4 merge units of 4 patches
+    assert two.full_blocks == 896 // 16 + 896 // 64 + 1 and two.full_width == 384
 
-    grid = np.array([[1, 4, 4], [1, 8, 6]])  # 16 + 48 patches, 4 + 12 merged tokens
-    pix = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
-    got = rank_vision_inputs(pix, grid, [1], TINY, pad_to=15)
-    assert np.array_equal(got["pixel_values"][:48], pix[16:]) and not got["pixel_values"][48:].any()
-    assert got["pixel_values"].shape == (60, 3) and len(got["window_index"]) == 15  # 12 + 3 padding tokens
-    with pytest.raises(ValueError, match="more than pad_to=10"):
-        rank_vision_inputs(pix, grid, [1], TINY, pad_to=10)
+
+def test_assign_falls_back_to_token_counts_when_the_cost_split_overflows():
+    """A 100x100-patch page (full attention: costly per token) against 200 8x8 thumbnails, Qwen2.5-ViT: the
+    cost-balanced split puts 3,056 of the 5,700 merged tokens on the thumbnails' rank; under a cap of 2,900
+    `assign` splits by token counts (list scheduling: 2,852 at most, within mean + one item)."""
+    grid = np.array([[1, 100, 100]] + [[1, 8, 8]] * 200)
+    assert sorted(rank_tokens(grid, balance(image_costs(grid, BIG), 2), 2)) == [2644, 3056]
+    assert assign(grid, BIG, 2, 3100) == balance(image_costs(grid, BIG), 2)  # fits: the cost split stays
+    got = assign(grid, BIG, 2, 2900)
+    assert sorted(i for a in got for i in a) == list(range(201))
+    assert max(rank_tokens(grid, got, 2)) == 2852 <= 5700 / 2 + 2500
+    with pytest.raises(ValueError, match="share budget of 2400"):
+        assign(grid, BIG, 2, 2400)  # the 2,500-token page alone is over it
+
+
+def test_group_embed_index_by_hand():
+    """2 rows of L = 4: row 0 = [t, img0 tok0, img0 tok1, t], row 1 = [img1 tok0, t, t, t]; image 0 (2 tokens)
+    on rank 1, image 1 (1 token) on rank 0, Ud = 3: gathered buffer rows 3, 4 (image 0) and 0 (image 1)."""
+    embed = np.array([[0, 4, 5, 3], [4, 1, 2, 3]])
+    where = gather_index(np.array([[1, 2, 4], [1, 2, 2]]), [[1], [0]], 2, 3)
+    assert where.tolist() == [3, 4, 0]
+    got = group_embed_index(embed, np.array([0, 1]), np.array([2, 1]), where)
+    assert got.tolist() == [[0, 8 + 3, 8 + 4, 3], [8 + 0, 5, 6, 7]]

@@ -1,9 +1,11 @@
-"""Worker for tests/parallel/test_vit_balance.py: the tiny ViT encodes a skewed micro-batch of images.
+"""Worker for tests/parallel/test_vit_balance.py: a micro-batch of two packed rows holding seven images of
+skewed sizes, merged into the text as the training graph does.
 
-Under msrun (2 ranks standing in for one tensor-parallel group) each rank encodes the images `balance`
-gives it (padded by a zero image to the largest rank's token count) through `BalancedVisualEncoder`, which
-all-gathers the merged tokens and puts them back in image order; the same process also encodes all images
-alone. Rank 0 writes both to OUT_DIR/features.npz.
+Under msrun the 2 ranks stand in for one tensor-parallel group under `vision_parallel: dp`: each takes its
+share of the images (`vit_balance.balanced_batch`), encodes it with the tiny ViT, all-gathers the features
+over the group (a real AllGather) and merges them into the text through `GroupMerge`. The same process also
+builds the embeddings as one process does (`RowMerge` over the rows' own ViT inputs). Rank 0 writes both
+to OUT_DIR/features.npz.
 
     python tests/workers/vit_balance_msrun.py OUT_DIR
 """
@@ -12,47 +14,64 @@ import sys
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
 from mindvl_ms.config import load_model_config
+from mindvl_ms.config.data import DataConfig, ImageConfig
+from mindvl_ms.config.video import VideoConfig
+from mindvl_ms.data.collate import VISION_NAMES, build_model_inputs, patch_dim, row_budget, share_budget
+from mindvl_ms.models.mindvl import RowMerge, flat_vision_inputs
 from mindvl_ms.models.vision import VisionTransformer
-from mindvl_ms.parallel.vit_balance import (BalancedVisualEncoder, balance, gather_index, image_costs, rank_tokens,
-                                            rank_vision_inputs)
+from mindvl_ms.parallel.vit_balance import GroupMerge, assign, balanced_batch
 from tests.support.paths import ROOT
 
 GRID = np.array([[1, 16, 24], [1, 4, 4], [1, 8, 8], [1, 4, 8], [1, 12, 8], [1, 4, 4], [1, 6, 10]])
-NAMES = ("pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids", "full_segment_ids")
+ROWS = ([0, 1, 2, 3], [4, 5, 6])  # images of each packed row's one sample
 
 
-def encode(vit, inputs):
-    return vit(*[Tensor(inputs[k]) for k in NAMES]).asnumpy()
+def sample(cfg, images, rng):
+    """A sample whose text holds <|vision_start|> <|image_pad|> x tokens <|vision_end|> per image."""
+    ids = [11, 12]
+    for i in images:
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * (int(GRID[i].prod()) // 4) + \
+               [cfg.vision_end_token_id, 13]
+    pixels = rng.standard_normal((int(GRID[images].prod(1).sum()), patch_dim(cfg))).astype(np.float32)
+    return {"input_ids": np.array(ids, np.int32), "pixel_values": pixels, "image_grid_thw": GRID[images]}
+
+
+def encode(vit, batch):
+    return vit(*flat_vision_inputs(*[Tensor(batch[k]) for k in VISION_NAMES]))
 
 
 def main(out: str) -> None:
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
-    vision = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml")).vision
+    cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
     ms.set_seed(0)
-    vit = VisionTransformer(vision)
-    dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    pixels = np.random.default_rng(3).standard_normal((int(GRID.prod(1).sum()), dim)).astype(np.float32)
-    single = encode(vit, rank_vision_inputs(pixels, GRID, list(range(len(GRID))), vision))  # [M, D]
+    vit = VisionTransformer(cfg.vision)
+    rng = np.random.default_rng(3)
+    data = DataConfig(seq_length=192, max_image_tokens=128, micro_batch_size=2,  # shares of 512 + 384 patches
+                      image=ImageConfig(min_pixels=16 * 196, max_pixels=384 * 196),
+                      video=VideoConfig(video_min_pixels=16 * 196, video_max_pixels=64 * 196,
+                                        video_total_pixels=384 * 196))
+    batch = build_model_inputs([[sample(cfg, list(r), rng)] for r in ROWS], cfg, budget=row_budget(cfg, data))
+    text = Tensor(rng.standard_normal((2, 192, cfg.text.hidden_size)).astype(np.float32))
+    single = RowMerge()(text, encode(vit, batch), Tensor(batch["embed_index"])).asnumpy()  # [B, L, D]
 
     from mindspore.communication import get_group_size, get_rank, init
 
     init()
     rank, ranks = get_rank(), get_group_size()
-    assignment = balance(image_costs(GRID, vision), ranks)
-    pad_to = max(rank_tokens(GRID, assignment, vision.spatial_merge_size))
-    local = rank_vision_inputs(pixels, GRID, assignment[rank], vision, pad_to)  # padded to pad_to tokens
-    index = gather_index(GRID, assignment, vision.spatial_merge_size, pad_to)
-    encoder = BalancedVisualEncoder(vit)
-    gathered = encoder(*[Tensor(local[k]) for k in NAMES], Tensor(index)).asnumpy()  # [M, D]
+    mine = balanced_batch(batch, cfg, ranks, share_budget(cfg, data, ranks), rank)[0]
+    feats = ops.AllGather()(encode(vit, mine))  # [ranks * Ud, D], rank order
+    merged = GroupMerge(1, ranks)(text, feats, Tensor(mine["embed_index"])).asnumpy()  # [B, L, D]
+    share = share_budget(cfg, data, ranks)
+    images = assign(GRID, cfg.vision, ranks, share.patches // 4)[rank]
     if rank == 0:
         os.makedirs(out, exist_ok=True)
-        np.savez(os.path.join(out, "features.npz"), single=single, gathered=gathered,
-                 sizes=np.array([len(a) for a in assignment]))
-    print("RANK", rank, "OF", ranks, "IMAGES", assignment[rank], flush=True)
+        np.savez(os.path.join(out, "features.npz"), single=single, merged=merged,
+                 share_patches=mine["pixel_values"].shape[1])
+    print("RANK", rank, "OF", ranks, "SHARE", mine["pixel_values"].shape, "IMAGES", images, flush=True)
 
 
 if __name__ == "__main__":
