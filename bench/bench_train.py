@@ -9,24 +9,32 @@ Configs (bench_model.SIZES, vocabulary 151,936): tiny (2-layer LLM, hidden 64, 3
 text, a 224x224 image, text, a 112x168 image (mixed sizes), then the answer text. As in SFT, only the
 answer carries labels (prompt text and image tokens are -100: ~20% of the positions); both
 implementations get the same tokens and labels. mindvl-ms pads rows to one length and uses
-block-diagonal attention; torch gets the same tokens (causal attention over the row; same matmul work)
-and computes logits at every position, as transformers does.
+block-diagonal attention; torch gets the same tokens (causal attention over the row; same matmul work).
+
+mindvl-ms computes the LM head only at the supervised positions (train/loss_head.py). torch runs two
+ways on one model, so both are measured in the same run:
+- full-head: logits at every position and transformers' own loss, as `Qwen2_5_VLForConditionalGeneration`
+  trains;
+- equal-head: `logits_to_keep` = the positions whose next token is supervised, cross-entropy on those rows
+  only: the head work mindvl-ms does. This is the fair comparison of the rest of the step.
 
 Each implementation runs in its own child process (so peak memory is its own), loading the same random
-Qwen2.5-VL weights. Both stay alive and the parent alternates them: `--warmup` steps each (compile),
-then `--rounds` rounds of `--steps` steps of each (which one goes first alternates), so machine load
-hits both alike. Reported per config: median step time of each (over rounds x steps steps) -> tokens/s;
-the ratio ours/torch (> 1: mindvl-ms is faster) as the median over rounds of each round's ratio, with the
-rounds' min-max (the two implementations' medians within one round are seconds apart, so load that drifts
-over a run cancels; the ratio of whole-run medians mixes quiet and busy minutes and spread more from run
-to run); peak RSS of each process; and achieved GFLOP/s against the machine's fp32 matmul peak (the best
-of a 1024^3 matmul in MindSpore and in torch). FLOPs counted are the useful ones, the same for both:
-6 x (non-embedding LLM parameters x tokens + LM head parameters x supervised positions + vision parameters
-x patches); attention score FLOPs are left out.
+Qwen2.5-VL weights. Both stay alive and the parent rotates the three (mindvl-ms, torch full-head, torch
+equal-head): `--warmup` steps each (compile), then `--rounds` rounds of `--steps` steps of each (which one
+goes first rotates), so machine load hits all alike. Reported per config and torch mode: median step time
+of each (over rounds x steps steps) -> tokens/s; the ratio ours/torch in tokens/s (> 1: mindvl-ms is
+faster; = torch step time / our step time) as the median over rounds of each round's ratio, with the
+rounds' min-max (the medians within one round are seconds apart, so load that drifts over a run cancels;
+the ratio of whole-run medians mixes quiet and busy minutes and spread more from run to run); peak RSS of
+each (torch's per mode: VmHWM is restarted before each mode's steps); and achieved GFLOP/s against the
+machine's fp32 matmul peak (the best of a 1024^3 matmul in MindSpore and in torch), with our share of it.
+FLOPs counted are the useful ones, the same for all: 6 x (non-embedding LLM parameters x tokens + LM head
+parameters x supervised positions + vision parameters x patches); attention score FLOPs are left out.
+The last line reads `equal-head ratio: tiny X, small Y` (the equal-head medians).
 
-Where the step's memory goes is measured phase by phase on the same step by `bench/profile_memory.py`.
-The ratios and peak memory measured so far, change by change, and the account of `small`'s memory against
-torch's are in docs/PERFORMANCE.md, ## bench.
+Where the step's memory goes is measured phase by phase on the same step by `bench/profile_memory.py`,
+where its time goes by `bench/profile_train.py`. The ratios and peak memory measured so far, change by
+change, and the account of `small`'s memory against torch's are in docs/PERFORMANCE.md, ## bench.
 """
 import argparse
 import json
@@ -124,6 +132,9 @@ def setup_ms(path: str, rows: int):
 
 
 def setup_torch(path: str, rows: int):
+    """The transformers step in two modes on one model: 'full' (logits at every position and transformers'
+    own loss, as `Qwen2_5_VLForConditionalGeneration` trains) and 'equal' (`logits_to_keep` = the positions
+    whose next token is supervised, cross-entropy on those rows only: the head work mindvl-ms does)."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -140,15 +151,25 @@ def setup_torch(path: str, rows: int):
         cat = np.concatenate([s["input_ids"] for s in row])
         lab = np.concatenate([s["labels"] for s in row])
         ids[r, :cat.size], labels[r, :cat.size], mask[r, :cat.size] = cat, lab, 1
-    kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels),
+    kw = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
               pixel_values=torch.tensor(np.concatenate([s["pixel_values"] for r in data for s in r])),
               image_grid_thw=torch.tensor(np.concatenate([s["image_grid_thw"] for r in data for s in r])))
+    keep = np.flatnonzero((labels[:, 1:] != -100).any(0))  # positions whose next token is supervised
+    keep_t, sup_targets = torch.tensor(keep), torch.tensor(labels[:, keep + 1])  # [n], [B, n]
+    full_labels = torch.tensor(labels)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
-    state = {"tokens": int(mask.sum())}
+    state = {"tokens": int(mask.sum()), "mode": "full"}
+
+    def loss_of(mode):
+        if mode == "full":
+            return hf(**kw, labels=full_labels).loss
+        logits = hf(**kw, logits_to_keep=keep_t).logits  # [B, n, V]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                 sup_targets.reshape(-1), ignore_index=-100)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = hf(**kw).loss
+        loss = loss_of(state["mode"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
         opt.step()
@@ -156,21 +177,42 @@ def setup_torch(path: str, rows: int):
     return step, state, _peak_matmul_torch
 
 
+def _reset_peak_rss() -> bool:
+    """Restart this process's VmHWM at its current RSS (/proc/self/clear_refs); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def child(impl: str, path: str, rows: int) -> None:
-    """Serve the parent: 'RUN k' -> k timed steps; 'PEAK' -> matmul peak; 'DONE' -> peak RSS and exit."""
+    """Serve the parent: 'RUN k [mode]' -> k timed steps (torch: mode 'full' or 'equal'); 'PEAK' -> matmul
+    peak; 'DONE' -> peak RSS (per mode: VmHWM restarted before each mode's steps) and exit."""
     step, state, peak = (setup_ms if impl == "ms" else setup_torch)(path, rows)
     print("READY", flush=True)
+    peaks = {}
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "RUN":
+            mode = cmd[2] if len(cmd) > 2 else "ms"
+            state["mode"] = mode
+            reset = _reset_peak_rss()
             times = [_timed(step) for _ in range(int(cmd[1]))]
+            hwm = _peak_rss_mb() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            peaks[mode] = max(peaks.get(mode, 0.0), hwm)
             print("TIMES " + json.dumps({"times": times, "loss": state["loss"], "tokens": state["tokens"]}),
                   flush=True)
         elif cmd[0] == "PEAK":
             print("PEAK " + json.dumps(peak()), flush=True)
         else:
-            print("RESULT " + json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
-                  flush=True)
+            print("RESULT " + json.dumps({"peak_rss_mb": peaks}), flush=True)
             return
 
 
@@ -216,6 +258,50 @@ def useful_flops(path: str, rows: int) -> float:
     return 6.0 * (llm * tokens + head * sup + vis * patches)
 
 
+MODES = {"full": "full-head", "equal": "equal-head"}  # torch's two steps (setup_torch)
+
+
+def run_config(size: str, args) -> dict:
+    """Interleaved rounds of mindvl-ms and both torch modes on one config; per torch mode: the median of
+    the rounds' ratios (tokens/s ours over torch's), their min-max, step medians, peak RSS and GFLOP/s."""
+    from bench_model import build_hf
+
+    runs = [("ms", "ms"), ("torch", "full"), ("torch", "equal")]
+    with tempfile.TemporaryDirectory() as d:
+        build_hf(size, vocab=151936).save_pretrained(d)
+        kids = {impl: Child(impl, d, args.rows) for impl in ("ms", "torch")}
+        for impl, mode in runs:
+            kids[impl].ask(f"RUN {args.warmup} {mode}", "TIMES ")
+        times = {mode: [] for _, mode in runs}
+        per_round = {m: [] for m in MODES}
+        info = {}
+        for rnd in range(args.rounds):
+            med = {}
+            for impl, mode in runs[rnd % 3:] + runs[:rnd % 3]:  # who goes first rotates
+                r = kids[impl].ask(f"RUN {args.steps} {mode}", "TIMES ")
+                times[mode] += r["times"]
+                med[mode] = float(np.median(r["times"]))
+                info[mode] = r
+            for m in MODES:
+                per_round[m].append(med[m] / med["ms"])
+            print(f"  {size} round {rnd + 1}: step ms {1e3 * med['ms']:.0f} / torch full {1e3 * med['full']:.0f}"
+                  f" / torch equal {1e3 * med['equal']:.0f}", file=sys.stderr, flush=True)
+        peak = max(c.ask("PEAK", "PEAK ") for c in kids.values())
+        rss = {impl: c.ask("DONE", "RESULT ")["peak_rss_mb"] for impl, c in kids.items()}
+        flops = useful_flops(d, args.rows)
+    step = {k: float(np.median(v)) for k, v in times.items()}
+    out = {}
+    for m in MODES:
+        ratios = [r * info["ms"]["tokens"] / info[m]["tokens"] for r in per_round[m]]  # tokens/s ratios
+        out[MODES[m]] = dict(
+            tokens=info["ms"]["tokens"], tps_ms=info["ms"]["tokens"] / step["ms"], tps_torch=info[m]["tokens"] / step[m],
+            ratio=float(np.median(ratios)), lo=min(ratios), hi=max(ratios), rss_ms=rss["ms"]["ms"],
+            rss_torch=rss["torch"][m], gf_ms=flops / step["ms"] / 1e9, gf_torch=flops / step[m] / 1e9,
+            peak=peak / 1e9, step_ms=1e3 * step["ms"], step_torch=1e3 * step[m], loss_ms=info["ms"]["loss"],
+            loss_torch=info[m]["loss"], steps=len(times["ms"]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
@@ -228,41 +314,22 @@ def main():
     if args.child:
         child(args.child[0], args.child[1], args.rows)
         return
-    from bench_model import build_hf
 
-    print(f"{'config':6s} {'tokens':>6s} | {'ms tok/s':>8s} {'torch tok/s':>11s} {'ratio':>6s} {'(rounds min-max)':>16s} | "
-          f"{'peak RSS ms/torch MB':>20s} | {'GFLOP/s ms/torch (peak)':>24s}")
+    print(f"{'config':6s} {'torch head':10s} {'tokens':>6s} | {'ms tok/s':>8s} {'torch tok/s':>11s} {'ratio':>6s} "
+          f"{'(rounds min-max)':>16s} | {'peak RSS ms/torch MB':>20s} | {'GFLOP/s ms/torch (peak)':>24s}")
+    summary = {}
     for size in args.configs:
-        with tempfile.TemporaryDirectory() as d:
-            build_hf(size, vocab=151936).save_pretrained(d)
-            kids = {impl: Child(impl, d, args.rows) for impl in ("ms", "torch")}
-            for c in kids.values():
-                c.ask(f"RUN {args.warmup}", "TIMES ")
-            times = {"ms": [], "torch": []}
-            per_round = []
-            info = {}
-            for rnd in range(args.rounds):
-                med = {}
-                for impl, c in (list(kids.items()) if rnd % 2 == 0 else list(kids.items())[::-1]):  # who goes first alternates
-                    r = c.ask(f"RUN {args.steps}", "TIMES ")
-                    times[impl] += r["times"]
-                    med[impl] = float(np.median(r["times"]))
-                    info[impl] = r
-                per_round.append(med["torch"] / med["ms"])
-                print(f"  {size} round {len(per_round)}: step ms {1e3 * med['ms']:.0f} / torch {1e3 * med['torch']:.0f}"
-                      f" -> ratio {per_round[-1]:.2f}", file=sys.stderr, flush=True)
-            peak = max(c.ask("PEAK", "PEAK ") for c in kids.values())
-            rss = {impl: c.ask("DONE", "RESULT ")["peak_rss_mb"] for impl, c in kids.items()}
-            flops = useful_flops(d, args.rows)
-        step = {k: float(np.median(v)) for k, v in times.items()}
-        tps = {k: info[k]["tokens"] / step[k] for k in step}
-        gf = {k: flops / step[k] / 1e9 for k in step}
-        per_round = [r * info["ms"]["tokens"] / info["torch"]["tokens"] for r in per_round]  # tokens/s ratios
-        print(f"{size:6s} {info['ms']['tokens']:6d} | {tps['ms']:8.1f} {tps['torch']:11.1f} "
-              f"{float(np.median(per_round)):6.2f} {'(' + f'{min(per_round):.2f}-{max(per_round):.2f}' + ')':>16s} | "
-              f"{rss['ms']:9.0f} / {rss['torch']:8.0f} | {gf['ms']:7.1f} / {gf['torch']:6.1f} ({peak / 1e9:6.1f})"
-              f"   step ms {1e3 * step['ms']:.0f} / {1e3 * step['torch']:.0f}, loss {info['ms']['loss']:.4f} / "
-              f"{info['torch']['loss']:.4f}, {len(times['ms'])} steps each", flush=True)
+        res = run_config(size, args)
+        summary[size] = res["equal-head"]["ratio"]
+        for mode, r in res.items():
+            spread = f"({r['lo']:.2f}-{r['hi']:.2f})"
+            print(f"{size:6s} {mode:10s} {r['tokens']:6d} | {r['tps_ms']:8.1f} {r['tps_torch']:11.1f} "
+                  f"{r['ratio']:6.2f} {spread:>16s} | "
+                  f"{r['rss_ms']:9.0f} / {r['rss_torch']:8.0f} | {r['gf_ms']:7.1f} / {r['gf_torch']:6.1f} "
+                  f"({r['peak']:6.1f})   ms at {100 * r['gf_ms'] / r['peak']:.0f}% of peak, step ms "
+                  f"{r['step_ms']:.0f} / {r['step_torch']:.0f}, loss {r['loss_ms']:.4f} / {r['loss_torch']:.4f}, "
+                  f"{r['steps']} steps each", flush=True)
+    print("equal-head ratio: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()), flush=True)
 
 
 if __name__ == "__main__":
