@@ -133,7 +133,7 @@ def test_init_from_run_builds_batches_for_the_checkpoints_config(demo_data, tmp_
     """A run with init_from trains the checkpoint's model, so its batches use the checkpoint's config (here
     the subset's token ids), not a YAML `model:` section over the full vocabulary."""
     from mindvl_ms.config.train import load_run_config
-    from mindvl_ms.train.trainer import checkpoint_model_config
+    from mindvl_ms.train.build import checkpoint_model_config
 
     _, _, sub_dir, _, _ = demo_data
     tiny = read_yaml(os.path.join(ROOT, "configs", "model", "tiny.yaml"))

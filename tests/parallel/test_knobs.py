@@ -289,7 +289,7 @@ def test_rank_coords_reach_the_loader_and_grad_reduce_flag(monkeypatch):
 
     # the data loader of rank 23 reads data-parallel shard 5 of 16 (not 23)
     from mindvl_ms.data import dataset
-    from mindvl_ms.train import trainer
+    from mindvl_ms.train import build
 
     seen = {}
 
@@ -302,12 +302,12 @@ def test_rank_coords_reach_the_loader_and_grad_reduce_flag(monkeypatch):
 
     monkeypatch.setattr(dataset.DataLoader, "from_config", staticmethod(from_config))
     info = D.fill_coords(D.DistInfo(rank=23, world=64), cfg)
-    trainer.default_data_factory(cfg, cfg.stages[0], 0, info)
+    build.default_data_factory(cfg, cfg.stages[0], 0, info)
     assert seen == {"dp_rank": 5, "dp_size": 16, "fixed_shapes": True}  # semi-auto: the stage's RowBudget
 
 
 def test_trainer_applies_parallelize_only_under_semi_auto():
-    from mindvl_ms.train.trainer import prepare_model
+    from mindvl_ms.train.build import prepare_model
 
     cfg = run_cfg(parallel_config={"data_parallel": 2, "model_parallel": 2})
     for semi, want in ((True, ((2, 1), (2, 1))), (False, None)):

@@ -24,7 +24,7 @@ from mindvl_ms.parallel import mindformers_moe  # noqa: F401  (sets MindFormers'
 from mindvl_ms.models.moe import DeepseekV3MoE
 from mindvl_ms.parallel.mindformers_moe import routing_rules_agree, transformer_config
 from mindvl_ms.parallel.moe import use_mindformers
-from mindvl_ms.train import trainer
+from mindvl_ms.train import build
 from tests.support.paths import ROOT
 
 
@@ -296,15 +296,15 @@ def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_min
 
 def test_ascend_default_binds_mindformers_moe_without_a_layout(monkeypatch):
     """On Ascend, MindFormers' router and dispatcher are the MoE default also without semi-auto parallel:
-    the trainer's prepare_model binds them on every MoE layer (as `apply_ep` does under a layout); on CPU
+    the trainer's prepare_model (train/build.py) binds them on every MoE layer (as `apply_ep` does under a layout); on CPU
     nothing is bound."""
     cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny-moe.yaml"))
     run = RunConfig()
     model = MindVLModel(cfg)
     moes = [c for _, c in model.cells_and_names() if isinstance(c, DeepseekV3MoE)]
     assert moes
-    trainer.prepare_model(model, run)
+    build.prepare_model(model, run)
     assert all(m.gate.mindformers_select is None and m.experts.parallel_experts is None for m in moes)
-    monkeypatch.setattr(trainer, "is_ascend", lambda: True)
-    trainer.prepare_model(model, run)
+    monkeypatch.setattr(build, "is_ascend", lambda: True)
+    build.prepare_model(model, run)
     assert all(m.gate.mindformers_select is not None and m.experts.parallel_experts is not None for m in moes)

@@ -36,7 +36,7 @@ from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.config.train import load_run_config
 from mindvl_ms.parallel.runtime import SUPERVISED_GRIDS, auto_parallel_settings, dataset_strategy
 from mindvl_ms.parallel.vit_balance import GroupMerge
-from mindvl_ms.train.trainer import static_collate
+from mindvl_ms.train.build import static_collate
 from mindvl_ms.train.batches import rank_slice
 from mindvl_ms.train.forward_loss import ForwardLoss
 from mindvl_ms.train.loss import TrainLoss

@@ -19,7 +19,7 @@ from mindvl_ms.checkpoint.io import read_tensors
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import LoaderSource
-from mindvl_ms.train.trainer import default_data_factory
+from mindvl_ms.train.build import default_data_factory
 from PIL import Image
 from skimage import data as skdata
 
