@@ -18,8 +18,9 @@ splits by rows under data parallelism like every model input):
 Graph side (`ChunkedHeadCE`): hidden [n, c, D] gathered at those positions, the head weight [V, D]
 and targets [n, c] -> per-position cross entropy [n, c] (0 at IGNORE). A `while` loop over the n
 chunks computes one [c, V] logits block at a time (forward: log-softmax and the target entry; the
-block is freed before the next). The backward is a custom bprop that recomputes each block's logits
-(one extra [c, D] x [D, V] matmul) and accumulates dW and dh chunk by chunk (the onehot is
+block is freed before the next, except chunk 0's log-softmax, which the backward reuses). The backward is a
+custom bprop that recomputes the logits of every further block (one extra [c, D] x [D, V] matmul each;
+none when there is one chunk) and accumulates dW and dh chunk by chunk (the onehot is
 scattered into the [c, V] block, row scalings are applied to [c, D] operands because a broadcast over
 a [c, V] block is slow on CPU (docs/PERFORMANCE.md, ## train); the first chunk's dW product is the
 accumulator, so one chunk means one [V, D] temporary), so no [N, V] tensor
@@ -84,38 +85,23 @@ def _cast(x, dtype):
     return x if x.dtype == dtype else x.astype(dtype)
 
 
-class ChunkedHeadCE(nn.Cell):
-    """construct(hidden [n, c, D], weight [V, D], targets int32 [n, c]) -> CE float32 [n, c] (0 at IGNORE).
+PRIMITIVES = ("mm_nt", "mm", "mm_tn", "max", "sub", "exp", "sum", "log", "onehot", "mul", "div", "sub_onehot")
 
-    One [c, V] logits block at a time in both passes (custom bprop recomputes the block). The loop bound n is
-    a static shape, so graph mode unrolls it: no control flow reaches the compiler.
 
-    Every primitive the blocks use is the cell's own, so `parallel.parallelize.shard_loss_head` can declare
-    MindFormers' vocab-parallel strategies on them (the head weight [V, D] split on V, the convention of
-    `lm_head`) and the audit (`parallel/audit.py`) reads them back. Sharded, the cell sets `vocab_parallel`
-    and each block runs in the form of MindFormers' VocabParallelCrossEntropy
-    (parallel_core/training_graph/loss_func.py): with z = logits - max, CE = log sum exp z - <z, onehot(t)>
-    and dCE/dlogits = exp z / sum exp z - onehot(t). The max and the two sums reduce over the split V axis,
-    which semi-auto parallel completes with an all-reduce over the vocab shards, so no rank ever holds a
-    full [c, V] block (tests/parallel/test_loss_head_parallel.py checks this split form against the full
-    cross entropy shard by shard). Unsharded (CPU, stand-alone) the block is the fused log-softmax / softmax
-    path, as before."""
+class _HeadBlocks(nn.Cell):
+    """The chunk loop with its custom bprop: construct(hidden [n, c, D], weight [V, D], targets [n, c]) ->
+    (CE [n, c], kept), kept = chunk 0's float32 log-softmax [c, V] (the fused path; a [1] zero in the
+    vocab-parallel form). The bprop reads chunk 0's probabilities from `kept` (exp of the log-softmax)
+    instead of recomputing its logits, one [c, D] x [D, V] matmul fewer per micro-step (all of them when
+    the step has one chunk). Only chunk 0's block is kept, so the head still holds O(C x V) memory: the
+    block lives from the head's forward to its backward, which runs next. The primitives are the owning
+    `ChunkedHeadCE`'s (shared objects: the strategies it is given are theirs)."""
 
-    def __init__(self):
+    def __init__(self, prims):
         super().__init__()
-        self.vocab_parallel = False                         # set by parallel.parallelize.shard_loss_head
-        self.mm_nt = ops.MatMul(transpose_b=True)           # [c, D] x [V, D]^T -> [c, V]
-        self.mm = ops.MatMul()                              # [c, V] x [V, D] -> [c, D]
-        self.mm_tn = ops.MatMul(transpose_a=True)           # [c, V]^T x [c, D] -> [V, D]
-        self.max = ops.ArgMaxWithValue(axis=-1, keep_dims=True)  # [c, V] -> [c, 1] (MindFormers' _LogSoftmax)
-        self.sub = ops.Sub()                                # [c, V] - [c, 1]
-        self.exp = ops.Exp()                                # [c, V]
-        self.sum = ops.ReduceSum(keep_dims=True)            # [c, V] -> [c, 1]
-        self.log = ops.Log()                                # [c, 1]
-        self.onehot = ops.OneHot()                          # targets [c] -> [c, V]
-        self.mul = ops.Mul()                                # z * onehot [c, V]
-        self.div = ops.RealDiv()                            # exp z / sum [c, V]
-        self.sub_onehot = ops.Sub()                         # P - onehot [c, V]
+        self.vocab_parallel = False                         # set through ChunkedHeadCE.vocab_parallel
+        for name in PRIMITIVES:
+            setattr(self, name, prims[name])
         self.on, self.off = ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)
 
     def _logits(self, h, w):
@@ -133,45 +119,49 @@ class ChunkedHeadCE(nn.Cell):
         return z, self.sum(e, -1), e, onehot
 
     def _block_ce(self, h, w, t):
-        """One chunk's CE [c] (0 at IGNORE)."""
+        """One chunk: (CE [c] (0 at IGNORE), the block's float32 log-softmax [c, V], or a [1] zero in the
+        vocab-parallel form)."""
         valid = (t != IGNORE).astype(ms.float32)
         if self.vocab_parallel:
             z, total, _, onehot = self._split_form(h, w, t)
-            return (self.log(total) - self.sum(self.mul(z, onehot), -1))[:, 0] * valid
+            return (self.log(total) - self.sum(self.mul(z, onehot), -1))[:, 0] * valid, ops.zeros((1,), ms.float32)
         logp = ops.log_softmax(self._logits(h, w), -1)                  # [c, V] (fused: no [c, V] broadcasts)
-        return -ops.gather_elements(logp, 1, ops.maximum(t, 0).reshape(-1, 1))[:, 0] * valid
+        return -ops.gather_elements(logp, 1, ops.maximum(t, 0).reshape(-1, 1))[:, 0] * valid, logp
 
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]
         w = _cast(weight, hidden.dtype)
         ce = ops.zeros(targets.shape, ms.float32)                    # [n, c]
-        i = 0
+        first, kept = self._block_ce(hidden[0], w, targets[0])
+        ce[0] = first
+        i = 1
         while i < n:
-            ce[i] = self._block_ce(hidden[i], w, targets[i])
+            ce[i] = self._block_ce(hidden[i], w, targets[i])[0]
             i += 1
-        return ce
+        return ce, kept
 
     def bprop(self, hidden, weight, targets, out, dout):
-        dh, dw = self._backward(hidden, weight, targets, dout, None)
+        dh, dw = self._backward(hidden, weight, targets, dout[0], out[1], None)
         return dh, _cast(dw, weight.dtype), ops.zeros_like(targets)
 
-    def _backward(self, hidden, weight, targets, dout, acc):
+    def _backward(self, hidden, weight, targets, dout, kept, acc):
         """-> (dh [n, c, D], dW). d CE / d logits = softmax - onehot(t), times s = dout * valid per row. The
         onehot is subtracted in the [c, V] block (c entries scattered), the row scaling applied to the
         [c, D] operands:
           G = P - onehot(t),  dh = (G @ W) * s,  dW = sum over chunks of G^T @ (h * s)
+        Chunk 0's P is exp(kept) (the forward's log-softmax), the other chunks' are recomputed.
         acc None: dW is that float32 [V, D] sum; the first chunk's product is the sum itself, so a
         single-chunk step holds one [V, D] product. acc (the head's accumulator): each chunk's product is
         added into acc in row blocks (`train.row_grads`) and dW is a [1] zero that depends on those adds."""
         n = hidden.shape[0]
         w = _cast(weight, hidden.dtype)
         dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
-        g, hs = self._block_grad(hidden[0], w, targets[0], dout[0])
+        g, hs = self._block_grad(hidden[0], w, targets[0], dout[0], kept)
         dh[0] = self.mm(g, w) * hs[1]
         dw = self._dw_first(g, hs[0], acc)
         i = 1
         while i < n:
-            g, hs = self._block_grad(hidden[i], w, targets[i], dout[i])
+            g, hs = self._block_grad(hidden[i], w, targets[i], dout[i], None)
             dh[i] = self.mm(g, w) * hs[1]                              # [c, D]
             dw = self._dw_add(dw, g, hs[0], acc)
             i += 1
@@ -187,17 +177,79 @@ class ChunkedHeadCE(nn.Cell):
             return dw + _cast(self.mm_tn(g, hs), ms.float32)          # [V, D]
         return ops.depend(dw, head_weight_grad_into(acc, g, hs))
 
-    def _block_grad(self, h, w, t, dout):
-        """One chunk: (G = softmax(h W^T) - onehot(t) [c, V], (h * s [c, D], s [c, 1])); IGNORE rows have s 0."""
+    def _block_grad(self, h, w, t, dout, kept):
+        """One chunk: (G = softmax(h W^T) - onehot(t) [c, V], (h * s [c, D], s [c, 1])); IGNORE rows have s 0.
+        `kept`: the block's log-softmax from the forward (fused path), or None (recompute the logits)."""
         c = t.shape[0]
         s = (dout * (t != IGNORE).astype(ms.float32)).reshape(-1, 1).astype(h.dtype)  # [c, 1]
         if self.vocab_parallel:
             _, total, e, onehot = self._split_form(h, w, t)
             return _cast(self.sub_onehot(self.div(e, total), onehot), h.dtype), (h * s, s)
-        p = _cast(ops.softmax(self._logits(h, w), -1), h.dtype)      # [c, V]
+        if kept is None:
+            p = _cast(ops.softmax(self._logits(h, w), -1), h.dtype)  # [c, V]
+        else:
+            p = _cast(ops.exp(kept), h.dtype)                          # [c, V]
         at = ops.stack((ops.arange(c, dtype=ms.int32), ops.maximum(t, 0).astype(ms.int32)), 1)  # [c, 2] (row, target)
         g = ops.tensor_scatter_sub(p, at, ops.ones((c,), p.dtype))    # P - onehot(t)
         return g, (h * s, s)
+
+
+class _HeadBlocksRowGrad(_HeadBlocks):
+    """`_HeadBlocks` whose bprop adds dW into the accumulator `acc` in row blocks (`train.row_grads`).
+    construct(hidden, weight, targets, acc, token) -> (CE [n, c], kept)."""
+
+    def construct(self, hidden, weight, targets, acc, token):
+        return _HeadBlocks.construct(self, hidden, weight, targets)
+
+    def bprop(self, hidden, weight, targets, acc, token, out, dout):
+        dh, done = self._backward(hidden, weight, targets, dout[0], out[1], acc)
+        return (dh, NO_GRAD, ops.zeros_like(targets), NO_GRAD, ops.depend(ops.zeros_like(token), done))
+
+
+class ChunkedHeadCE(nn.Cell):
+    """construct(hidden [n, c, D], weight [V, D], targets int32 [n, c]) -> CE float32 [n, c] (0 at IGNORE).
+
+    One [c, V] logits block at a time in both passes (custom bprop recomputes the block). The loop bound n is
+    a static shape, so graph mode unrolls it: no control flow reaches the compiler.
+
+    Every primitive the blocks use is the cell's own, so `parallel.parallelize.shard_loss_head` can declare
+    MindFormers' vocab-parallel strategies on them (the head weight [V, D] split on V, the convention of
+    `lm_head`) and the audit (`parallel/audit.py`) reads them back. Sharded, the cell sets `vocab_parallel`
+    and each block runs in the form of MindFormers' VocabParallelCrossEntropy
+    (parallel_core/training_graph/loss_func.py): with z = logits - max, CE = log sum exp z - <z, onehot(t)>
+    and dCE/dlogits = exp z / sum exp z - onehot(t). The max and the two sums reduce over the split V axis,
+    which semi-auto parallel completes with an all-reduce over the vocab shards, so no rank ever holds a
+    full [c, V] block (tests/parallel/test_loss_head_parallel.py checks this split form against the full
+    cross entropy shard by shard). Unsharded (CPU, stand-alone) the block is the fused log-softmax / softmax
+    path, as before."""
+
+    def __init__(self, blocks=_HeadBlocks):
+        super().__init__()
+        self.mm_nt = ops.MatMul(transpose_b=True)           # [c, D] x [V, D]^T -> [c, V]
+        self.mm = ops.MatMul()                              # [c, V] x [V, D] -> [c, D]
+        self.mm_tn = ops.MatMul(transpose_a=True)           # [c, V]^T x [c, D] -> [V, D]
+        self.max = ops.ArgMaxWithValue(axis=-1, keep_dims=True)  # [c, V] -> [c, 1] (MindFormers' _LogSoftmax)
+        self.sub = ops.Sub()                                # [c, V] - [c, 1]
+        self.exp = ops.Exp()                                # [c, V]
+        self.sum = ops.ReduceSum(keep_dims=True)            # [c, V] -> [c, 1]
+        self.log = ops.Log()                                # [c, 1]
+        self.onehot = ops.OneHot()                          # targets [c] -> [c, V]
+        self.mul = ops.Mul()                                # z * onehot [c, V]
+        self.div = ops.RealDiv()                            # exp z / sum [c, V]
+        self.sub_onehot = ops.Sub()                         # P - onehot [c, V]
+        self.blocks = blocks({name: getattr(self, name) for name in PRIMITIVES})
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """The vocab-parallel form's switch (set by parallel.parallelize.shard_loss_head)."""
+        return self.blocks.vocab_parallel
+
+    @vocab_parallel.setter
+    def vocab_parallel(self, on: bool) -> None:
+        self.blocks.vocab_parallel = bool(on)
+
+    def construct(self, hidden, weight, targets):
+        return self.blocks(hidden, weight, targets)[0]
 
 
 class ChunkedHeadCERowGrad(ChunkedHeadCE):
@@ -206,9 +258,8 @@ class ChunkedHeadCERowGrad(ChunkedHeadCE):
 
     construct(hidden [n, c, D], weight [V, D], targets [n, c], acc [V, D], token [1]) -> CE [n, c]."""
 
-    def construct(self, hidden, weight, targets, acc, token):
-        return ChunkedHeadCE.construct(self, hidden, weight, targets)
+    def __init__(self):
+        super().__init__(_HeadBlocksRowGrad)
 
-    def bprop(self, hidden, weight, targets, acc, token, out, dout):
-        dh, done = self._backward(hidden, weight, targets, dout, acc)
-        return (dh, NO_GRAD, ops.zeros_like(targets), NO_GRAD, ops.depend(ops.zeros_like(token), done))
+    def construct(self, hidden, weight, targets, acc, token):
+        return self.blocks(hidden, weight, targets, acc, token)[0]
