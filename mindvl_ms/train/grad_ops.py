@@ -5,6 +5,8 @@
   as an argument because it lives in `parallel/`).
 - `allreduce_into(op, acc)`: replace an accumulator by `op(acc)` (the data-parallel AllReduce).
 - `scale_into(k, acc)`: multiply an accumulator by `k` in place (the 1/dp of `gradients_mean`).
+- `sum_squares_into(kernel, s, acc)`: sum((acc * s)^2) of one accumulator by the `SumSquares` CPU kernel
+  (the global gradient norm, `train.step_cells.KernelGradNorm`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from mindspore import ops
 accumulate = ops.MultitypeFuncGraph("accumulate")
 allreduce_into = ops.MultitypeFuncGraph("allreduce_into")
 scale_into = ops.MultitypeFuncGraph("scale_into")
+sum_squares_into = ops.MultitypeFuncGraph("sum_squares_into")
 
 
 @accumulate.register("Tensor", "Tensor")
@@ -30,3 +33,8 @@ def _allreduce_into_one(op, acc):
 @scale_into.register("Tensor", "Tensor")
 def _scale_into_one(k, acc):
     return ops.assign(acc, acc * k)
+
+
+@sum_squares_into.register("Function", "Tensor", "Tensor")
+def _sum_squares_one(kernel, s, acc):
+    return kernel(acc, s)

@@ -6,7 +6,8 @@
   communication here.
 - `ReduceStep`: once per global batch: all-reduce (sum, in place) of the accumulated gradients and the
   loss across data-parallel ranks (the single gradient synchronisation of openPangu-VL's asynchronous
-  accumulation), divided by dp when `parallel.gradients_mean`, and the global gradient norm.
+  accumulation), divided by dp when `parallel.gradients_mean`, and the global gradient norm (`grad_norm`:
+  one C++ pass per accumulator on CPU, `optim.GradNorm` otherwise).
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from typing import Sequence
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from mindvl_ms.train.grad_ops import accumulate, allreduce_into, scale_into
+from mindvl_ms.ops.cpu_kernels import custom_op
+from mindvl_ms.ops.dispatch import is_ascend
+from mindvl_ms.train.grad_ops import accumulate, allreduce_into, scale_into, sum_squares_into
 from mindvl_ms.train.optim import GradNorm
 
 
@@ -47,6 +50,31 @@ class MicroStep(nn.Cell):
         return ops.depend(scaled / args[-1], done), load
 
 
+class KernelGradNorm(nn.Cell):
+    """`optim.GradNorm`'s value with the `SumSquares` CPU kernel (ops/csrc/sum_squares.cc): construct(inv_scale
+    []) -> sqrt(sum over accumulators of sum((acc * inv_scale)^2)). One pass over each accumulator where
+    GradNorm runs Mul, Square and two ReduceSum kernels per row block with their temporaries; the [V, D]
+    tables made the gradient norm the step's third cost on CPU (docs/PERFORMANCE.md, ## bench). The sums
+    are kept in double, so the norm may differ from GradNorm's float32 one in the last bits."""
+
+    def __init__(self, accum: ParameterTuple, kernel):
+        super().__init__(auto_prefix=False)
+        self.accum = accum
+        self.kernel = kernel
+        self.hyper_map = ops.HyperMap()
+
+    def construct(self, inv_scale):
+        sums = self.hyper_map(ops.partial(sum_squares_into, self.kernel, inv_scale), self.accum)  # [1] each
+        return ops.sqrt(ops.addn(sums)).reshape(())
+
+
+def grad_norm(accum: ParameterTuple, kernel: bool = True) -> nn.Cell:
+    """The global gradient norm cell: `KernelGradNorm` when `kernel` and the CPU kernel library is available
+    (not on Ascend, not under a compiler-sharded layout, where the kernel has no strategy), else GradNorm."""
+    op = custom_op("SumSquares", 2) if kernel and not is_ascend() else None
+    return GradNorm(accum) if op is None else KernelGradNorm(accum, op)
+
+
 class ReduceStep(nn.Cell):
     """Once per global batch: reduce the accumulators (in place) and the loss over data-parallel ranks, then
     measure the global gradient norm. construct(loss_sum [1], inv_scale []) -> (global loss [1], grad norm []).
@@ -67,7 +95,7 @@ class ReduceStep(nn.Cell):
         self.reduce = bool(explicit) and dp > 1
         self.mean = self.reduce and bool(mean)
         self.inv_dp = Tensor(1.0 / dp, ms.float32)
-        self.norm = GradNorm(accum)
+        self.norm = grad_norm(accum, kernel=bool(explicit))
         self.hyper_map = ops.HyperMap()
         if self.reduce:
             self.allreduce = allreduce if allreduce is not None else ops.AllReduce()

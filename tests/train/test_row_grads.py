@@ -11,7 +11,8 @@ from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.config.train import StageConfig
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLModel
-from mindvl_ms.train import optim, row_grads
+from mindvl_ms.ops import cpu_kernels
+from mindvl_ms.train import optim, row_grads, step_cells
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.forward_loss import ForwardLoss
@@ -151,3 +152,23 @@ def test_gradient_norm_sums_large_tables_in_row_blocks(monkeypatch):
     got = float(optim.GradNorm(accum)(Tensor(0.25, ms.float32)).asnumpy())
     ref = 0.25 * np.sqrt((big.astype(np.float64) ** 2).sum() + (small.astype(np.float64) ** 2).sum())
     assert got == pytest.approx(ref, rel=1e-6)
+
+
+def test_kernel_gradient_norm_matches_numpy_and_grad_norm():
+    """ReduceStep's norm with the SumSquares CPU kernel (one pass per accumulator: a 3-D tensor, a table, a
+    vector, a 9-element tail after the 8-wide partial sums) is the unscaled global norm numpy computes in
+    float64, and GradNorm's within float32 rounding."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C++ compiler to build the kernels")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal(s).astype(np.float32) * k for s, k in
+              (((3, 4, 5), 1.0), ((41, 7), 30.0), ((9,), 1e-3))]
+    accum = ParameterTuple([Parameter(Tensor(a), name=f"acc{i}") for i, a in enumerate(arrays)])
+    norm = step_cells.grad_norm(accum)
+    assert isinstance(norm, step_cells.KernelGradNorm)
+    got = float(norm(Tensor(0.25, ms.float32)).asnumpy())
+    ref = np.sqrt(sum(((a * np.float32(0.25)).astype(np.float64) ** 2).sum() for a in arrays))
+    assert got == pytest.approx(ref, rel=2e-7)
+    assert got == pytest.approx(float(optim.GradNorm(accum)(Tensor(0.25, ms.float32)).asnumpy()), rel=1e-6)
+    assert isinstance(step_cells.grad_norm(accum, kernel=False), optim.GradNorm)
