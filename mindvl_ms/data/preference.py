@@ -33,6 +33,7 @@ from mindvl_ms.data.schema import (IMAGE_PLACEHOLDER, Sample, SampleError, norma
 from mindvl_ms.data.tokens import IGNORE_INDEX, IM_END
 
 PREF_FIELDS = ("chosen", "rejected")
+PREF_IDS = ("chosen_ids", "rejected_ids")  # optional: the token ids a rollout sampled (`infer.rollout`)
 RL_FIELDS = ("answer", "reward")
 
 
@@ -48,6 +49,8 @@ class PostSample:
     rejected: str = ""
     answer: str = ""
     reward: str = ""
+    chosen_ids: Optional[List[int]] = None  # with rejected_ids: what the rollout sampled, trained as is
+    rejected_ids: Optional[List[int]] = None
     id: str = ""
     source: str = ""
     line: int = 0
@@ -69,11 +72,12 @@ def parse_post(obj: Any, source: str, line: int) -> PostSample:
         rl = any(k in obj for k in RL_FIELDS)
         if pref and rl:
             raise ValueError("a line is either a preference pair (chosen/rejected) or an RL prompt (answer/reward)")
-        extra = PREF_FIELDS if pref else RL_FIELDS
+        extra = PREF_FIELDS + PREF_IDS if pref else RL_FIELDS
         unknown = set(obj) - {"id", "images", "image_sizes", "messages", "source", "meta", *extra}
         if unknown:
             raise ValueError(f"unknown field(s) {sorted(unknown)} (expected id, images, image_sizes, messages, "
                              f"{', '.join(extra)})")
+        _check_ids(obj)
         messages = normalise_messages(obj.get("messages"))
         if messages[-1]["role"] != "user":
             raise ValueError("messages: the prompt must end with a user turn (the answers are "
@@ -93,7 +97,19 @@ def parse_post(obj: Any, source: str, line: int) -> PostSample:
                         | {"messages": obj["messages"] + [{"role": "assistant", "content": "-"}]}, source, line)
     return PostSample("preference" if pref else "prompt", messages, base.images, base.image_sizes,
                       obj.get("chosen", ""), obj.get("rejected", ""), obj.get("answer", ""), obj.get("reward", ""),
-                      base.id, source, line)
+                      obj.get("chosen_ids"), obj.get("rejected_ids"), base.id, source, line)
+
+
+def _check_ids(obj: Dict[str, Any]) -> None:
+    """chosen_ids / rejected_ids: both or neither, each a non-empty list of token ids (ints >= 0)."""
+    given = [k for k in PREF_IDS if k in obj]
+    if given and len(given) != len(PREF_IDS):
+        raise ValueError(f"'{given[0]}' without '{(set(PREF_IDS) - set(given)).pop()}': give both or neither")
+    for k in given:
+        v = obj[k]
+        if not isinstance(v, list) or not v or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                       for t in v):
+            raise ValueError(f"'{k}': expected a non-empty list of token ids (integers >= 0)")
 
 
 def read_post_file(path: str, kind: str) -> List[PostSample]:
@@ -170,6 +186,16 @@ def encode_response(prompt: Dict[str, Any], response_ids, end: List[int] = ()) -
 
 def encode_text_response(processor, prompt: Dict[str, Any], text: str) -> Dict[str, Any]:
     return encode_response(prompt, processor.tokenizer.encode(text), end_ids(processor))
+
+
+def encode_pair(processor, prompt: Dict[str, Any], s: PostSample) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(chosen, rejected) samples of a preference line: the token ids a rollout sampled when the line carries
+    them (a decoded text need not encode back to the same tokens: '(' then 'circle' sampled may encode as
+    '(circle', which a vocabulary subset has no row for), else the texts encoded."""
+    if s.chosen_ids is not None:
+        end = end_ids(processor)
+        return encode_response(prompt, s.chosen_ids, end), encode_response(prompt, s.rejected_ids, end)
+    return encode_text_response(processor, prompt, s.chosen), encode_text_response(processor, prompt, s.rejected)
 
 
 def parse_line_any(text: str, source: str, line: int):

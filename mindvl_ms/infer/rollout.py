@@ -12,7 +12,9 @@ the report's thresholds mapped by (score - 1) / 4. A pair whose chosen and rejec
 thresholds overlap, or two samples agree) is no preference and is not written.
 
 `mindvl rollout --ckpt DIR --data PROMPTS.jsonl --out PAIRS.jsonl -k 4` writes preference lines
-(data/preference.py) with the prompt's messages and images and the chosen/rejected texts.
+(data/preference.py) with the prompt's messages and images, the chosen/rejected texts (what the verifier
+read) and their sampled token ids (`chosen_ids` / `rejected_ids`, what DPO trains on: a decoded text need
+not encode back to the same tokens).
 """
 from __future__ import annotations
 
@@ -108,6 +110,7 @@ def rollout_pairs(model, processor, prompts, verifier, k: int, seed: int, max_ne
             continue
         line = {"id": f"{s.id}-pair", "messages": s.messages,
                 "chosen": texts[pick[0]], "rejected": texts[pick[1]],
+                "chosen_ids": strip_eos(outs[pick[0]], eos), "rejected_ids": strip_eos(outs[pick[1]], eos),
                 "meta": {"scores": [float(x) for x in scores], "prompt_id": s.id}}
         if s.images:
             line["images"] = list(s.images)  # absolute here; relative to the output file when written

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mindvl_ms.data.preference import encode_response, parse_post, read_post_file
+from mindvl_ms.config.data import DataConfig
+from mindvl_ms.data.preference import encode_pair, encode_response, parse_post, read_post_file
+from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import SampleError
 from mindvl_ms.data.validate import validate_file
 
@@ -122,3 +124,30 @@ def test_sft_lines_serve_as_prompts(tmp_path):
     with pytest.raises(SampleError):
         p.write_text(json.dumps(sft) + "\n")
         read_post_file(str(p), "preference")
+
+
+def test_a_pair_with_sampled_ids_trains_on_the_ids():
+    """A rollout's pair carries the token ids it sampled: DPO's samples hold exactly them (+ <|im_end|>),
+    not the decoded text encoded again, which can give other tokens ('(' then 'circle' sampled decodes to
+    '(circle'); a pair without ids encodes its texts. Ids come both or neither, as lists of ints >= 0."""
+    proc = MindVLProcessor(config=DataConfig())
+    tok = proc.tokenizer
+    sampled = tok.encode("(") + tok.encode("circle")
+    assert tok.encode("(circle") != sampled  # the text does not give the sampled tokens back
+    user = [{"role": "user", "content": "Which shape?"}]
+    line = {"messages": user, "chosen": "(circle", "rejected": "square", "chosen_ids": sampled,
+            "rejected_ids": tok.encode("square")}
+    prompt = {"input_ids": np.array([7, 8, 9]), "pixel_values": None, "image_grid_thw": None}
+    end = tok.token_to_id("<|im_end|>")
+    chosen, rejected = encode_pair(proc, prompt, parse_post(line, "p.jsonl", 1))
+    assert chosen["input_ids"].tolist() == [7, 8, 9] + sampled + [end]
+    assert rejected["input_ids"].tolist() == [7, 8, 9] + tok.encode("square") + [end]
+    plain = {k: v for k, v in line.items() if not k.endswith("_ids")}
+    chosen, _ = encode_pair(proc, prompt, parse_post(plain, "p.jsonl", 1))
+    assert chosen["input_ids"].tolist() == [7, 8, 9] + tok.encode("(circle") + [end]
+    for bad, msg in (({"chosen_ids": sampled}, "give both or neither"),
+                     ({"chosen_ids": [-1], "rejected_ids": [3]}, "integers >= 0"),
+                     ({"chosen_ids": [], "rejected_ids": [3]}, "non-empty list"),
+                     ({"chosen_ids": "1 2", "rejected_ids": [3]}, "list of token ids")):
+        with pytest.raises(SampleError, match=msg):
+            parse_post({**plain, **bad}, "p.jsonl", 4)

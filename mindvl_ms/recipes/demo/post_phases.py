@@ -34,24 +34,8 @@ def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any
                                    Verifier("grounding_iou"), int(ro.get("k", 4)), seed,
                                    int(ro.get("max_new_tokens", 24)), float(ro.get("temperature", 1.0)), 1.0,
                                    float(ro.get("high", 0.75)), float(ro.get("low", 0.25)), progress=progress)
-    kept = [ln for ln in lines if _encodable(proc, ln)]
-    if len(kept) < len(lines):
-        log.warning("rollout: %d of %d pairs left out: a sampled answer, written as text, encodes to a token "
-                    "outside the model's vocabulary subset (e.g. '(' then 'circle' sampled, '(circle' encoded)",
-                    len(lines) - len(kept), len(lines))
-    write_pairs(kept, out)
-    return dict(summary, pairs=len(kept), left_out=len(lines) - len(kept), out=out)
-
-
-def _encodable(proc, line: Dict[str, Any]) -> bool:
-    """Whether both answers of a pair encode within the tokenizer's vocabulary (a demo.vocab: data subset
-    refuses a token the model has no row for; DPO encodes the pair's texts)."""
-    try:
-        proc.tokenizer.encode(line["chosen"])
-        proc.tokenizer.encode(line["rejected"])
-    except ValueError:
-        return False
-    return True
+    write_pairs(lines, out)
+    return dict(summary, pairs=len(lines), out=out)
 
 
 def train_phase(run_cfg, out_dir: str, progress: bool) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from mindvl_ms.data.preference import encode_prompt, encode_text_response, read_post_file
+from mindvl_ms.data.preference import encode_pair, encode_prompt, read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import SampleError, iter_jsonl
 from mindvl_ms.train.batches import RowSource
@@ -81,7 +81,7 @@ def post_data_factory(run_cfg, stage, stage_index: int, dist, sampler: Optional[
     pairs = []
     for s in lines:
         p = encode_prompt(proc, s)
-        pairs.append((encode_text_response(proc, p, s.chosen), encode_text_response(proc, p, s.rejected)))
+        pairs.append(encode_pair(proc, p, s))
     return PairSource(pairs, ntp_rows(stage, proc) or None, cfg.seed)
 
 

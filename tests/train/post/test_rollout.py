@@ -13,6 +13,7 @@ from PIL import Image
 from mindvl_ms.cli import main
 from mindvl_ms.config import MindVLConfig
 from mindvl_ms.config.base import load, read_yaml
+from mindvl_ms.data.preference import read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.validate import validate_file
 from mindvl_ms.infer.generate import stop_token_ids
@@ -71,8 +72,12 @@ def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeyp
         assert H.char_parity(p["chosen"], "x") == 1.0 and H.char_parity(p["rejected"], "x") == 0.0
         assert sorted(p["meta"]["scores"]) != [p["meta"]["scores"][0]] * 4
         assert p["images"] == ["../img/a.png"]
+        assert p["chosen_ids"] and p["rejected_ids"] != p["chosen_ids"]  # the sampled tokens, eos stripped
+        assert all(isinstance(t, int) and t >= 0 for t in p["chosen_ids"] + p["rejected_ids"])
     rep = validate_file(str(tmp_path / "out" / "pairs0.jsonl"), workers=1, progress=False)
     assert rep["num_bad"] == 0, rep["errors"]
+    read = read_post_file(str(tmp_path / "out" / "pairs0.jsonl"), "preference")
+    assert [(s.chosen_ids, s.rejected_ids) for s in read] == [(p["chosen_ids"], p["rejected_ids"]) for p in pairs]
     assert main(["rollout", "--ckpt", ckpt, "--data", str(data), "--out", str(out), "-k", "1"]) == 2
     assert "at least 2 candidates" in capsys.readouterr().err
 
