@@ -91,7 +91,7 @@ def trained_ckpt(tmp_path_factory):
     from mindvl_ms.checkpoint import trainer_state as ts
     from mindvl_ms.config.train import load_run_config
     from mindvl_ms.models.mindvl import MindVLModel
-    from mindvl_ms.train.trainer import _processor_writer
+    from mindvl_ms.train.build import processor_writer
 
     run = load_run_config(os.path.join(ROOT, "configs", "stage", "tiny-cpu.yaml"),
                           ["data.system_prompt=''", "stages.2.data={image: {min_pixels: 12544, max_pixels: 12544}}"])
@@ -99,7 +99,7 @@ def trained_ckpt(tmp_path_factory):
     model = MindVLModel(run.model)
     out = tmp_path_factory.mktemp("run")
     path = ts.save_checkpoint(str(out / stage.name / "checkpoint-000001"), model, {}, {"stage": stage.name},
-                              str(out), extra=_processor_writer(run, stage, model))
+                              str(out), extra=processor_writer(run, stage, model))
     return path, model
 
 
