@@ -62,11 +62,11 @@ def main(out: str) -> None:
 
     init()
     rank, ranks = get_rank(), get_group_size()
-    mine = balanced_batch(batch, cfg, ranks, share_budget(cfg, data, ranks), rank)[0]
+    share = share_budget(cfg, data, ranks)
+    mine = balanced_batch(batch, cfg, ranks, share, rank)[0]
     feats = ops.AllGather()(encode(vit, mine))  # [ranks * Ud, D], rank order
     merged = GroupMerge(1, ranks)(text, feats, Tensor(mine["embed_index"])).asnumpy()  # [B, L, D]
-    share = share_budget(cfg, data, ranks)
-    images = assign(GRID, cfg.vision, ranks, share.patches // 4)[rank]
+    images = assign(GRID, cfg.vision, ranks, share.patches // 4)[rank]  # what balanced_batch gave this rank
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         np.savez(os.path.join(out, "features.npz"), single=single, merged=merged,
