@@ -20,11 +20,13 @@ Design:
 - Memory stays about a few chunks, not N checkpoints: each input file's header is read once and tensor
   bytes are fetched with positional reads in chunks of `CHUNK` elements (small enough that the widening,
   the float64 sum and the rounding of a chunk run in the CPU's cache: the arithmetic, not the disk, bounds
-  a merge; rate in docs/PERFORMANCE.md, ## checkpoint); the output is written as a
-  stream (header first, then tensor bytes in order) and each written shard is checked by opening it with
-  `safetensors.safe_open`. Reading the inputs through `safe_open` instead keeps the memory-mapped pages
-  of all N inputs resident, and its numpy frontend cannot hold bf16 (peak memory of both ways:
-  docs/PERFORMANCE.md, ## checkpoint).
+  a merge; rate in docs/PERFORMANCE.md, ## checkpoint). The main thread reads (and checks) the chunks in
+  order; their arithmetic runs on `WORKERS` threads (`ChunkPipe`: numpy releases the GIL, so a second core
+  does arithmetic too), at most `AHEAD` bytes of chunks in flight, and the results are written in order.
+  The output is written as a stream (header first, then tensor bytes in order, by a writer thread) and each written
+  shard is checked by opening it with `safetensors.safe_open`. Reading the inputs through `safe_open`
+  instead keeps the memory-mapped pages of all N inputs resident, and its numpy frontend cannot hold bf16
+  (peak memory of both ways: docs/PERFORMANCE.md, ## checkpoint).
 - Floating tensors are read as float32 (float64 stays float64); linear and task-arithmetic merges add them
   up in float64, so an average is the exact mean rounded once to the output dtype (bf16 with
   round-to-nearest-even; float32 sums would be off by an ulp of the sum). Integer/bool tensors must be identical across inputs and are copied.
@@ -51,7 +53,7 @@ import struct
 import sys
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import crc32c
@@ -67,6 +69,8 @@ from mindvl_ms.data.processor import carry_processor
 from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
 CHUNK = 1 << 16  # elements per streamed chunk: its float64 sum (512 KiB) and temporaries stay in the CPU's cache
+WORKERS = 2  # threads merging chunks (ChunkPipe) while the main thread reads and checks the inputs
+AHEAD = 4 << 20  # bytes of input chunks in flight (read, being merged, or waiting to be written in order)
 METHODS = ("linear", "task_arithmetic", "ties")
 NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
@@ -293,6 +297,11 @@ class StreamWriter:
             self.f.close()
         record_written(self.path, self.crc, self.tensors)
 
+    def abort(self) -> None:
+        """Stop writing after an error (the partial file is removed with the output's temporary directory)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.f.close()
+
 
 def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray],
              thresholds: Optional[List[float]], scale: float) -> np.ndarray:
@@ -373,6 +382,65 @@ def plan_output(ref: Checkpoint, max_shard_bytes: Optional[int]) -> List[Tuple[s
     return [(shard_name(i, len(groups)), [s.name for s in g], meta) for i, g in enumerate(groups)]
 
 
+def _merge_chunk(method: str, dtype: str, raws: List[np.ndarray], braw: Optional[np.ndarray], w: np.ndarray,
+                 thresholds: Optional[List[float]], scale: float) -> np.ndarray:
+    """One merged chunk in storage dtype from the inputs' (and base's) storage chunks; runs on a pool thread."""
+    bx = to_float(braw, dtype) if braw is not None else None
+    read = lambda i: to_float(raws[i], dtype)  # noqa: E731
+    return from_float(_combine(method, read, len(raws), w, bx, thresholds, scale), dtype, reuse=True)
+
+
+class ChunkPipe:
+    """Merges chunks on `workers` threads while the caller reads the next ones, and writes the results in
+    the order they were put. The chunks in flight hold at most `ahead` bytes of input (or one chunk per
+    worker, when chunks are larger), so memory stays a few chunks whatever N and `CHUNK` are.
+
+    The reads stay on the caller's thread, in order, so each input's running CRC32C sees its tensor front
+    to back (`SafetensorsFile._check`); the widening, sum and rounding of a chunk run on a pool thread,
+    where numpy releases the GIL, so a second core does arithmetic while the first reads and writes
+    (rates in docs/PERFORMANCE.md, ## checkpoint)."""
+
+    def __init__(self, workers: int, ahead: int):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="merge")
+        self._workers, self._ahead = workers, ahead
+        self._pending: deque = deque()  # (writer, tensor name, Future or ready array, input bytes), in order
+        self._bytes = 0  # input bytes of the pending chunks
+
+    def submit(self, wr: StreamWriter, key: str, nbytes: int, fn, *args) -> None:
+        """Queue `fn(*args)` (an array nobody changes afterwards; its inputs hold `nbytes`) as the next bytes
+        of `key` in `wr`."""
+        self._put(wr, key, self._pool.submit(fn, *args), nbytes)
+
+    def put(self, wr: StreamWriter, key: str, arr: np.ndarray) -> None:
+        """Queue `arr` as the next bytes of `key` in `wr` (written after the chunks before it)."""
+        if self._pending:
+            self._put(wr, key, arr, arr.nbytes)
+        else:
+            wr.write(arr, key)
+
+    def _put(self, wr: StreamWriter, key: str, job, nbytes: int) -> None:
+        self._pending.append((wr, key, job, nbytes))
+        self._bytes += nbytes
+        while len(self._pending) > self._workers and self._bytes > self._ahead:
+            self._write_next()
+
+    def _write_next(self) -> None:
+        wr, key, job, nbytes = self._pending.popleft()
+        self._bytes -= nbytes
+        wr.write(job.result() if isinstance(job, Future) else job, key)
+
+    def flush(self) -> None:
+        """Write every queued chunk."""
+        while self._pending:
+            self._write_next()
+
+    def close(self) -> None:
+        """Stop the threads; chunks still queued (after an error) are dropped."""
+        self._pending.clear()
+        self._bytes = 0
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _write_shards(tmp: str, cks: List[Checkpoint], bck: Optional[Checkpoint], sel: set, method: str,
                   w: np.ndarray, density: float, scale: float, progress: bool,
                   plan: List[Tuple[str, List[str], Optional[dict]]]) -> None:
@@ -381,20 +449,30 @@ def _write_shards(tmp: str, cks: List[Checkpoint], bck: Optional[Checkpoint], se
     ref = cks[0]
     total = sum(int(np.prod(ref.info(k)[1], dtype=np.int64)) for k in ref.where)
     bar = tqdm(total=total, unit="param", unit_scale=True, desc=f"merge ({method})", disable=not progress)
-    for shard, order, metadata in plan:
-        wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], metadata)
-        for key in order:
-            bar.update(_write_tensor(wr, key, cks, bck, sel, method, w, density, scale))
-        wr.close()
-        with safe_open(os.path.join(tmp, shard), "np") as check:  # the reference reader accepts the file
-            if sorted(check.keys()) != sorted(order):
-                raise MergeError(f"written shard {shard} does not list the expected tensors")
+    pipe = ChunkPipe(WORKERS, AHEAD)
+    try:
+        for shard, order, metadata in plan:
+            wr = StreamWriter(os.path.join(tmp, shard), [(k, *ref.info(k)) for k in order], metadata)
+            try:
+                for key in order:
+                    bar.update(_write_tensor(pipe, wr, key, cks, bck, sel, method, w, density, scale))
+                pipe.flush()
+            except BaseException:
+                wr.abort()
+                raise
+            wr.close()
+            with safe_open(os.path.join(tmp, shard), "np") as check:  # the reference reader accepts the file
+                if sorted(check.keys()) != sorted(order):
+                    raise MergeError(f"written shard {shard} does not list the expected tensors")
+    finally:
+        pipe.close()
     bar.close()
 
 
-def _write_tensor(wr: StreamWriter, key: str, cks: List[Checkpoint], bck: Optional[Checkpoint], sel: set,
-                  method: str, w: np.ndarray, density: float, scale: float) -> int:
-    """Merge (or copy) one tensor chunk by chunk into `wr`; returns its element count."""
+def _write_tensor(pipe: ChunkPipe, wr: StreamWriter, key: str, cks: List[Checkpoint], bck: Optional[Checkpoint],
+                  sel: set, method: str, w: np.ndarray, density: float, scale: float) -> int:
+    """Read one tensor chunk by chunk and queue its merged (or copied) chunks for `wr`; returns its element
+    count."""
     ref = cks[0]
     dtype, shape = ref.info(key)
     numel = int(np.prod(shape, dtype=np.int64))
@@ -404,18 +482,19 @@ def _write_tensor(wr: StreamWriter, key: str, cks: List[Checkpoint], bck: Option
     for a in range(0, max(numel, 1), CHUNK):
         b = min(numel, a + CHUNK)
         if key not in sel:
-            wr.write(ref.read(key, a, b), key)
+            pipe.put(wr, key, ref.read(key, a, b))
         elif dtype not in FLOATS:
             x0 = ref.read(key, a, b)
             for c in cks[1:]:
                 if not np.array_equal(c.read(key, a, b), x0):
                     raise MergeError(f"tensor '{key}' has dtype {dtype} (not averageable) and differs "
                                      f"between {ref.path} and {c.path}")
-            wr.write(x0, key)
+            pipe.put(wr, key, x0)
         else:
-            bx = to_float(bck.read(key, a, b), dtype) if bck is not None else None
-            read = lambda i: to_float(cks[i].read(key, a, b), dtype)  # noqa: E731
-            wr.write(from_float(_combine(method, read, len(cks), w, bx, ths, scale), dtype, reuse=True), key)
+            braw = bck.read(key, a, b) if bck is not None else None
+            raws = [c.read(key, a, b) for c in cks]
+            nbytes = sum(r.nbytes for r in raws) + (braw.nbytes if braw is not None else 0)
+            pipe.submit(wr, key, nbytes, _merge_chunk, method, dtype, raws, braw, w, ths, scale)
     return numel
 
 

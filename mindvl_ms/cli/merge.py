@@ -12,7 +12,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "merge", help="average checkpoints (linear, task arithmetic, TIES)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Merge checkpoints tensor by tensor, streamed in 16 MB chunks (memory stays far below one checkpoint).\n\n"
+        description="Merge checkpoints tensor by tensor, streamed in small chunks merged on two threads (memory stays far "
+                    "below one checkpoint).\n\n"
                     "linear:           sum w_i ckpt_i / sum w_i  (weights default to 1, i.e. a uniform average)\n"
                     "task_arithmetic:  base + scale * sum w_i (ckpt_i - base)  (weights default to 1/N)\n"
                     "ties:             base + scale * TIES(ckpt_i - base): keep the top --density fraction of\n"

@@ -167,12 +167,13 @@ def test_only_prefix_merges_llm_with_base_llm(tmp_path):
 
 
 def test_streaming_memory_is_not_n_checkpoints(tmp_path):
-    """3 x 48 MB inputs: the merge's peak RSS growth stays well under one checkpoint."""
+    """3 x 96 MB inputs: the merge's peak RSS growth (a few chunks per merging thread, whatever the
+    checkpoint's size) stays well under one checkpoint."""
     g = np.random.default_rng(0)
     paths = []
     for i in range(3):
         t = {f"layer.{j}.weight": torch.from_numpy(g.standard_normal((1024, 1024), dtype=np.float32))
-             for j in range(12)}
+             for j in range(24)}
         paths.append(_ckpt(str(tmp_path / f"in{i}"), t))
     size = os.path.getsize(os.path.join(paths[0], "model.safetensors"))
     code = ("import sys, json; import mindvl_ms.checkpoint.merge as m\n"
@@ -314,3 +315,54 @@ def test_bf16_rounding_matches_torch_bit_for_bit():
     with np.errstate(invalid="ignore"):  # NaN payloads widened to float64
         wide = x.astype(np.float64)
     assert np.array_equal(from_float(wide, "BF16"), want)  # from a float64 sum too
+
+
+def test_threaded_chunks_match_numpy_mean_and_corruption_is_named(tmp_path, monkeypatch):
+    """Chunks merged on the pool threads (many in flight, written in order) give the bytes of a numpy
+    reference: the float64 weighted mean rounded once to float32 (power-of-two weights, so the weighted
+    inputs are exact in float32), and for bf16 the mean of two inputs (exact in float32) rounded by
+    torch; a byte flipped in a middle chunk of an input is still named."""
+    import threading
+
+    import mindvl_ms.checkpoint.merge as merge_mod
+    from mindvl_ms.checkpoint.io import CheckpointError
+
+    monkeypatch.setattr(merge_mod, "CHUNK", 64)  # 1000-element tensors: 16 chunks each, several in flight
+    threads = set()
+    real_chunk = merge_mod._merge_chunk
+    monkeypatch.setattr(merge_mod, "_merge_chunk",
+                        lambda *a: (threads.add(threading.current_thread().name), real_chunk(*a))[1])
+    g = torch.Generator().manual_seed(7)
+    shapes = {"a.weight": (40, 25), "b.weight": (1000,), "c.bias": (3,), "d.weight": (25, 40)}
+    ins = [{k: torch.randn(s, generator=g) * (1 + 9 * i) for k, s in shapes.items()} for i in range(3)]
+    f32 = [_ckpt(str(tmp_path / f"f{i}"), t) for i, t in enumerate(ins)]
+    merge(f32, str(tmp_path / "m32"), weights=[1.0, 2.0, 4.0], progress=False)  # w * x exact in float32
+    got = _load_dir(str(tmp_path / "m32"))
+    for k in shapes:
+        want = sum(wi * t[k].numpy().astype(np.float64) for wi, t in zip([1.0, 2.0, 4.0], ins)) / 7.0
+        assert np.array_equal(got[k].numpy().view(np.uint32), want.astype(np.float32).view(np.uint32)), k
+    assert threads and not any(t == threading.main_thread().name for t in threads), threads
+
+    bf = [_ckpt(str(tmp_path / f"b{i}"), {k: v.to(torch.bfloat16) for k, v in t.items()})
+          for i, t in enumerate(ins[:2])]
+    merge(bf, str(tmp_path / "m16"), progress=False)
+    got = _load_dir(str(tmp_path / "m16"))
+    for k in shapes:
+        mean = (ins[0][k].to(torch.bfloat16).double() + ins[1][k].to(torch.bfloat16).double()) / 2
+        want = mean.float().to(torch.bfloat16)
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k].view(torch.int16), want.view(torch.int16)), k
+
+    path = os.path.join(str(tmp_path / "m16"), "model.safetensors")  # written with checksums.json
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    at = 8 + n + header["b.weight"]["data_offsets"][0] + 2 * 520  # element 520 of 1000: chunk 9 of 16
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError) as e:
+        merge([bf[0], str(tmp_path / "m16")], str(tmp_path / "m3"), progress=False)
+    assert str(e.value).startswith(f"{path}: tensor 'b.weight' fails its checksum (crc32c "), str(e.value)
+    assert not os.path.exists(tmp_path / "m3")
