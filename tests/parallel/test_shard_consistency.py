@@ -15,12 +15,13 @@ peers reading the same rows; rank = dp_rank * tp + tp_rank, the coordinates of r
 """
 import json
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import mindspore as ms
-from mindspore import Tensor
+from mindspore import Tensor, nn
 from mindspore.nn.utils import no_init_parameters
 
 from tests.support.video import write_mixed_media
@@ -126,47 +127,71 @@ def _assemble(local, dp, tp, vision_ranks=1):
     return out
 
 
-def _run(model, arrays, num_samples):
-    n = len(INPUT_NAMES)
-    logits = model(*[Tensor(a) for a in arrays[:n]])[0].asnumpy()
-    step = ForwardLoss(model, TrainLoss("balanced"), n, INPUT_NAMES.index("segment_ids"), sparse=True)
+class _LogitsAndLoss(nn.Cell):
+    """(*model inputs, *loss inputs, token_norm, num_samples, scale) -> (the model's logits, the train step's
+    loss): the model and its `ForwardLoss` (sparse head, balanced loss) in one graph, one compile per shape."""
+
+    def __init__(self, model):
+        super().__init__(auto_prefix=False)  # keep the model's parameter names
+        self.model = model
+        self.step = ForwardLoss(model, TrainLoss("balanced"), len(INPUT_NAMES), INPUT_NAMES.index("segment_ids"),
+                                sparse=True)
+
+    def construct(self, *args):
+        return self.model(*args[:len(INPUT_NAMES)])[0], self.step(*args)[0]
+
+
+def _run(net, arrays, num_samples):
     scalars = [Tensor(-1.0, ms.float32), Tensor(float(num_samples), ms.float32), Tensor(1.0, ms.float32)]
-    loss = step(*[Tensor(a) for a in arrays], *scalars)[0].asnumpy()
-    return logits, float(loss)
+    logits, loss = net(*[Tensor(a) for a in arrays], *scalars)
+    return logits.asnumpy(), float(loss.asnumpy())
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "tiny-moe.yaml"])
-def test_ranks_concatenated_equal_the_global_batch(rows, name):
-    model = _model(name)
+@pytest.fixture(scope="module")
+def ref(request, rows):
+    """One model config's global batch built at once, its logits and loss: the reference of both the
+    plain ranks' and the balanced shares' test."""
+    model = _model(request.param)
     budget = row_budget(model.config, _data_config())
     glob, batch = _arrays(rows, model, budget)
+    net = _LogitsAndLoss(model)
     num_samples = int(batch["num_samples"])
-    ref_logits, ref_loss = _run(model, glob, num_samples)
+    logits, loss = _run(net, glob, num_samples)
+    return SimpleNamespace(model=model, net=net, budget=budget, glob=glob, batch=batch, num_samples=num_samples,
+                           logits=logits, loss=loss)
+
+
+@pytest.mark.parametrize("ref", ["tiny.yaml", "tiny-moe.yaml"], indirect=True)
+def test_ranks_concatenated_equal_the_global_batch(rows, ref):
+    model, budget, glob, num_samples = ref.model, ref.budget, ref.glob, ref.num_samples
+    ref_logits, ref_loss = ref.logits, ref.loss
     assert np.isfinite(ref_loss) and ref_loss > 0
     for dp, tp in ((2, 1), (2, 2)):
         local = [_arrays(rank_slice(rows, r // tp, dp), model, budget)[0] for r in range(dp * tp)]
         assert {tuple(a.shape for a in arrs) for arrs in local} == {tuple(a.shape[:0] + (a.shape[0] // dp,)
                                                                           + a.shape[1:] for a in glob)}
-        logits, loss = _run(model, _assemble(local, dp, tp), num_samples)
+        logits, loss = _run(ref.net, _assemble(local, dp, tp), num_samples)  # the global batch's shapes
         diff = float(np.abs(logits - ref_logits).max())
         assert diff <= TOL, f"dp{dp} x tp{tp}: logits differ from the global batch by {diff}"
         assert abs(loss - ref_loss) <= TOL, f"dp{dp} x tp{tp}: loss {loss} vs global {ref_loss}"
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "tiny-moe.yaml"])
-def test_balanced_vision_shares_equal_the_global_batch(rows, name):
+@pytest.mark.parametrize("ref", ["tiny.yaml", "tiny-moe.yaml"], indirect=True)
+def test_balanced_vision_shares_equal_the_global_batch(rows, ref):
     """vision_parallel dp, dp 2 x tp 2: each TP group's 2 ranks take their own share of the group's images
     (`vit_balance.balanced_batch` through the trainer's collate under semi-auto), the ViT inputs split over all 4
     ranks and the rest over dp; the concatenation through the graph with the group merge that
     `parallelize` puts in (`GroupMerge`: the TP all-gather is where its two Identities' layouts differ, an
     identity stand-alone; the shard strategies are checked in test_audit.py) gives the global batch's logits and loss. Every rank's arrays have one shape,
     and each rank encodes a part of its group's images, every image once."""
-    model = _model(name)
+    model = ref.model
     data = _data_config(micro_batch_size=2)
     budget, share = row_budget(model.config, data), share_budget(model.config, data, 2)
     glob, batch = _arrays(rows, model, budget)
+    for a, b in zip(glob, ref.glob, strict=True):  # this budget's global batch is the reference's
+        np.testing.assert_array_equal(a, b)
     num_samples = int(batch["num_samples"])
-    ref_logits, ref_loss = _run(model, glob, num_samples)
+    ref_logits, ref_loss = ref.logits, ref.loss
     dp, tp = 2, 2
     local, encoded = [], []
     for r in range(dp * tp):
@@ -177,8 +202,12 @@ def test_balanced_vision_shares_equal_the_global_batch(rows, name):
     assert len({tuple(a.shape for a in arrs) for arrs in local}) == 1
     assert local[0][INPUT_NAMES.index("pixel_values")].shape == (1, share.patches, 1176)
     assert min(encoded) > 0 and sum(encoded) == int(np.prod(batch["image_grid_thw"], 1).sum())
+    row_merge = model.merge
     model.merge = GroupMerge(dp, tp)  # as parallelize(..., vision_parallel="dp") does (tests/parallel/test_audit.py)
-    logits, loss = _run(model, _assemble(local, dp, tp, vision_ranks=tp), num_samples)
+    try:  # a new graph Cell: compiled with the group merge (the reference's graph keeps the row merge)
+        logits, loss = _run(_LogitsAndLoss(model), _assemble(local, dp, tp, vision_ranks=tp), num_samples)
+    finally:
+        model.merge = row_merge  # the module's model is shared with the other tests of its config
     diff = float(np.abs(logits - ref_logits).max())
     assert diff <= TOL, f"balanced dp2 x tp2: logits differ from the global batch by {diff}"
     assert abs(loss - ref_loss) <= TOL, f"balanced dp2 x tp2: loss {loss} vs global {ref_loss}"
