@@ -3,7 +3,13 @@ pipeline (JSONL over a real photo, online packing): a stage with three variants,
 length and pixel budget, each started from the multitask checkpoint; the trainer's merge equals the numpy
 mean of the three saved variant checkpoints; and a run killed between two variants, then resumed, ends
 bit-identical to an uninterrupted one (losses, every variant's checkpoint, the merge), as does a resume
-after the last variant whose merge was not written."""
+after the last variant whose merge was not written.
+
+The killed run continues the uninterrupted run's multitask stage: it starts from a copy of that run's
+directory as it was when multitask ended (latest.json naming multitask's end), trains the first variant in
+a process of its own and is killed there; so the module trains multitask once. The model's vocabulary is
+the token ids the data uses (data/vocab_subset.py): none of this depends on the vocabulary's size, and
+Qwen3's 151,936 rows would be most of each step, checkpoint and merge."""
 import json
 import os
 import shutil
@@ -16,6 +22,9 @@ import numpy as np
 import pytest
 
 from mindvl_ms.checkpoint.io import read_tensors
+from mindvl_ms.data.processor import MindVLProcessor
+from mindvl_ms.data.schema import iter_jsonl
+from mindvl_ms.data.vocab_subset import follow_vocab_subset, subset_ids, write_subset
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import LoaderSource
@@ -42,7 +51,8 @@ def resized_area(w, h, max_pixels, f=28):
 
 
 def write_data(d, n=24, seed=2):
-    """n one-image samples on the same 448x336 photo (short question and answer) in d/train.jsonl."""
+    """n one-image samples on the same 448x336 photo (short question and answer) in d/train.jsonl, and in
+    d/tokenizer the vocabulary subset they use (`run_cfg` trains over it)."""
     os.makedirs(d, exist_ok=True)
     Image.fromarray(skdata.astronaut()).convert("RGB").resize(PHOTO).save(os.path.join(d, "photo.png"))
     rng = np.random.default_rng(seed)
@@ -52,19 +62,27 @@ def write_data(d, n=24, seed=2):
             f.write(json.dumps({"id": f"s{i}", "images": ["photo.png"], "image_sizes": [list(PHOTO)], "messages": [
                 {"role": "user", "content": "<image>" + words(int(rng.integers(3, 8)))},
                 {"role": "assistant", "content": words(int(rng.integers(2, 10)))}]}) + "\n")
+    proc = MindVLProcessor()  # the full Qwen3 tokenizer
+    write_subset(os.path.join(d, "tokenizer"), proc.tokenizer,
+                 subset_ids(proc, [s for _, s in iter_jsonl(os.path.join(d, "train.jsonl"))]))
     return os.path.join(d, "train.jsonl")
 
 
 def run_cfg(data_path):
+    """The run over write_data's files: the model's vocabulary their subset (as run_training would set it,
+    set here so that `tiny_model` builds the model run_training trains)."""
     common = dict(trainable="all", global_batch_size=2, micro_batch_size=2, max_lr=1e-3, warmup_ratio=0.0,
                   epochs=None, max_steps=STEPS)
-    return load_run_config(data={
+    cfg = load_run_config(data={
         "seed": 5, "plot": False,
         "model": {"_include_": os.path.join(ROOT, "configs", "model", "tiny.yaml"), **SMALLER},
-        "data": {"sources": [{"path": data_path}], "packing": "online", "max_skip_fraction": 0.9},
+        "data": {"sources": [{"path": data_path}], "tokenizer": os.path.join(os.path.dirname(data_path), "tokenizer"),
+                 "packing": "online", "max_skip_fraction": 0.9},
         "stages": [dict(common, name="multitask", seq_length=256),
                    dict(common, name="sft", seq_length=256, variants={
                        n: {"seq_length": s, "data": {"image": {"max_pixels": p}}} for n, (s, p) in VARIANTS.items()})]})
+    follow_vocab_subset(cfg)
+    return cfg
 
 
 def tiny_model(cfg):
@@ -74,14 +92,18 @@ def tiny_model(cfg):
 
 class Recorder:
     """data_factory: the default loader per stage, recording the model's parameters when the stage starts,
-    the stage's pixel budget and the shape of every micro-batch it gives the trainer."""
+    the stage's pixel budget and the shape of every micro-batch it gives the trainer. `stop_at`: SIGKILL the
+    process when that stage starts; `copy_at` (stage, run directory, copy): copy the run directory when that
+    stage starts (the previous stage's end saved, latest.json naming it)."""
 
-    def __init__(self, model, stop_at=None):
-        self.model, self.stop_at, self.seen = model, stop_at, {}
+    def __init__(self, model, stop_at=None, copy_at=None):
+        self.model, self.stop_at, self.copy_at, self.seen = model, stop_at, copy_at, {}
 
     def __call__(self, rc, stage, i, dist):
         if stage.name == self.stop_at:  # between two variants, the first one's end saved
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.copy_at and stage.name == self.copy_at[0]:
+            shutil.copytree(self.copy_at[1], self.copy_at[2])
         src = default_data_factory(rc, stage, i, dist)
         rec = self.seen[stage.name] = {"params": {p.name: p.asnumpy().copy() for p in self.model.get_parameters()},
                                        "max_pixels": src.loader.config.image.max_pixels, "batches": []}
@@ -139,18 +161,19 @@ def test_variant_config_errors_name_the_key(variants, merge, first, message):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted run: multitask, then the three variants, then their merge."""
+    """An uninterrupted run: multitask, then the three variants, then their merge; and a copy of its
+    directory as it was when multitask ended (the killed run starts there)."""
     d = tmp_path_factory.mktemp("variants")
     data = write_data(str(d / "data"))
     cfg = run_cfg(data)
     model = tiny_model(cfg)
-    rec = Recorder(model)
+    rec = Recorder(model, copy_at=("sft_2k", str(d / "ref"), str(d / "after_multitask")))
     summary = run_training(cfg, str(d / "ref"), model=model, data_factory=rec, progress=False)
-    return data, str(d / "ref"), summary, rec.seen
+    return data, str(d / "ref"), summary, rec.seen, str(d / "after_multitask")
 
 
 def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(reference):
-    _, out, summary, seen = reference
+    _, out, summary, seen, _ = reference
     assert [s["stage"] for s in summary["stages"]] == ["multitask", *VARIANTS]
     start = read_tensors(summary["stages"][0]["checkpoint"])  # the multitask stage's final checkpoint
     for name, (seq, pixels) in VARIANTS.items():
@@ -175,7 +198,7 @@ def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(re
 
 
 def test_merge_is_the_mean_of_the_three_variants(reference):
-    _, out, summary, _ = reference
+    _, out, summary, _, _ = reference
     (m,) = summary["merges"]
     assert m["stage"] == "sft" and m["checkpoint"] == os.path.join(out, "sft", "merged")
     ends = [read_tensors(s["checkpoint"]) for s in summary["stages"][1:]]
@@ -189,8 +212,11 @@ def test_merge_is_the_mean_of_the_three_variants(reference):
 
 
 def test_kill_between_variants_then_resume_is_bit_identical(reference, tmp_path):
-    data, ref_dir, summary, _ = reference
+    data, ref_dir, summary, _, after_multitask = reference
     out = str(tmp_path / "killed")
+    shutil.copytree(after_multitask, out)  # the uninterrupted run when multitask ended
+    with open(os.path.join(out, "latest.json")) as f:
+        assert json.load(f)["stage"] == "multitask"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "train_variants_kill.py"), data, out,
                         "sft_4k"], capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT))

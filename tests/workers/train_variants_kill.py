@@ -1,5 +1,6 @@
-"""Worker for tests/train/test_variants.py: trains the variant run and is killed with SIGKILL when the named
-variant is about to start (the previous variant's end is saved).
+"""Worker for tests/train/test_variants.py: resumes the variant run from OUT_DIR's latest checkpoint (the
+test copies there the uninterrupted run's directory as it was when multitask ended) and is killed with
+SIGKILL when the named variant is about to start (the previous variant's end is saved).
 
     python tests/workers/train_variants_kill.py DATA.jsonl OUT_DIR VARIANT
 """
@@ -16,4 +17,4 @@ if __name__ == "__main__":
     data, out, stop_at = sys.argv[1:4]
     cfg = run_cfg(data)
     model = tiny_model(cfg)
-    run_training(cfg, out, model=model, data_factory=Recorder(model, stop_at=stop_at), progress=False)
+    run_training(cfg, out, resume=out, model=model, data_factory=Recorder(model, stop_at=stop_at), progress=False)
