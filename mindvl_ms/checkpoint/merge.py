@@ -76,7 +76,6 @@ NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uin
          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
          "U16": np.uint16, "U32": np.uint32, "U64": np.uint64}
 FLOATS = ("F64", "F32", "F16", "BF16")
-_HIGH = 1 if sys.byteorder == "little" else 0  # the uint16 holding a uint32's upper half
 SKIP_FILES = ("trainer_state.json", "merge_record.json", MANIFEST)  # not carried over from the first input
 SKIP_PREFIXES = ("optimizer", "rng_state", "scheduler")
 
@@ -201,7 +200,8 @@ def from_float(x: np.ndarray, dtype: str, reuse: bool = False) -> np.ndarray:
     odd &= 1
     odd += 0x7FFF
     u += odd
-    out = u.view(np.uint16)[_HIGH::2].copy()  # the upper half of each word: the rounded bf16 bits
+    u >>= 16  # the upper half of each word: the rounded bf16 bits
+    out = u.astype(np.uint16)
     if nan is not None:
         out[nan] = 0x7FC0
     return out
@@ -318,8 +318,8 @@ def _combine(method: str, read, n: int, w: np.ndarray, base: Optional[np.ndarray
             if w[i] != 1:  # x * 1 is x: skipped, the same values
                 x *= w[i]
             acc = x.astype(np.float64) if acc is None else np.add(acc, x, out=acc)
-        if method == "linear":  # the float64 mean rounded into the last input's chunk (float32, or float64)
-            return np.divide(acc, w.sum(), out=x, casting="same_kind")
+        if method == "linear":  # the float64 mean, then rounded once to float32 (float64 stays)
+            return np.divide(acc, w.sum(), out=acc).astype(x.dtype, copy=False)
         acc *= scale
         return np.add(acc, base, out=acc)
     trimmed = []
