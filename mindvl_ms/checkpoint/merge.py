@@ -50,7 +50,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
