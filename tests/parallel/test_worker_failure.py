@@ -1,17 +1,22 @@
 """A worker that dies under msrun: 2-rank data parallel of the tiny stand-in (tests/workers/kill_target.py:
-8 steps, a checkpoint every 2) launched by scripts/msrun_train.sh, one rank SIGKILLed in the middle of a
+4 steps, a checkpoint after each) launched by scripts/msrun_train.sh, one rank SIGKILLed in the middle of a
 step or in the middle of a checkpoint save.
 
 - the launcher exits non-zero within FAILURE_TIMEOUT + 15 s of the death (FAILURE_TIMEOUT set to 15 s
   here, half the default), and no worker, scheduler or log tail of the job is left;
 - every checkpoint directory on disk is complete and loads; the killed save is only a temporary directory,
   never the resume point;
-- `--resume` through the same launcher ends with both ranks' parameters bit-identical to an uninterrupted run.
+- `--resume` through the same launcher ends with both ranks' parameters bit-identical to an uninterrupted run
+  (the reference and both resumes are three runs of one job's workers, tests/workers/kill_target.py).
 A killed msrun takes its workers, scheduler and log tails with it (parallel/runtime.py end_with_launcher).
 """
 import os
+import shutil
 import signal
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
 
 import numpy as np
 import pytest
@@ -27,14 +32,57 @@ pytestmark = pytest.mark.slow
 WORKER = os.path.join(ROOT, "tests", "workers", "kill_target.py")
 FAILURE_TIMEOUT = 15  # seconds; scripts/msrun_train.sh passes it to MindSpore as MS_NODE_TIMEOUT
 BOUND = FAILURE_TIMEOUT + 15  # death -> exit: the scheduler's heartbeat checks and exit, msrun's 1 s polls
+KILLS = {"mid_step": (1, "step:2"), "mid_save": (0, "save:2")}  # name -> (rank, KILL_AT)
+
+
+@dataclass
+class Killed:
+    """A job one of whose ranks killed itself: what the launcher and the machine showed when it ended."""
+    out: Path                # the run directory as the kill left it
+    status: int              # the launcher's exit status
+    elapsed: Optional[float]  # seconds from the death (the rank's marker file) to the launcher's exit
+    left_job: list           # processes naming `out` still there when the launcher had exited (killed since)
+    left_tails: list         # msrun's log tails still there (killed since)
+    logs: str                # the launcher's output and the workers' logs, for the messages
+
+
+def kill_job(base: Path, rank: int, kill_at: str) -> Killed:
+    """Run until `rank` kills itself at `kill_at` (FAILURE_TIMEOUT as above)."""
+    out = base / "out"
+    env = {"FAILURE_TIMEOUT": str(FAILURE_TIMEOUT), "KILL_RANK": str(rank), "KILL_AT": kill_at}
+    with msrun.launch(2, WORKER, [out], base / "logs", env=env) as job:
+        status = job.wait(timeout=600)
+    marker = out / f"killed_rank{rank}"
+    elapsed = job.ended - float(marker.read_text()) if marker.is_file() else None
+    return Killed(out, status, elapsed, leftovers(str(out)), leftovers(str(base / "logs")),
+                  job.output[-2000:] + msrun.worker_logs(base / "logs"))
+
+
+@dataclass
+class Jobs:
+    killed: Dict[str, Killed]
+    resumed: Dict[str, Path]   # a copy of each killed run directory, continued with --resume
+    reference: Dict[int, Dict[str, np.ndarray]]  # both ranks' final parameters of the uninterrupted run
+    logs: str                  # the workers' logs of the job that trained the reference and resumed
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Both ranks' final parameters of the uninterrupted 2-rank run."""
-    base = tmp_path_factory.mktemp("reference")
-    msrun.run(2, WORKER, [base / "out"], base / "logs", timeout=600)
-    return {r: dict(np.load(base / "out" / f"params_rank{r}.npz")) for r in (0, 1)}
+def jobs(tmp_path_factory) -> Jobs:
+    """The two killed jobs, then one job through the same launcher whose workers train the uninterrupted
+    reference and resume a copy of each killed run, one run after another (one start-up and cluster for the
+    three runs instead of three jobs). The copies leave the killed directories as the kills left them."""
+    base = tmp_path_factory.mktemp("jobs")
+    killed = {name: kill_job(base / name, rank, kill_at) for name, (rank, kill_at) in KILLS.items()}
+    resumed, args = {}, [base / "reference"]
+    for name, k in killed.items():
+        if (k.out / ts.LATEST).is_file():  # else its test fails on the kill's checks
+            resumed[name] = base / name / "resumed"
+            shutil.copytree(k.out, resumed[name])
+            args += [resumed[name], "--resume"]
+    msrun.run(2, WORKER, args, base / "logs_resume", timeout=900)
+    logs = msrun.worker_logs(base / "logs_resume", tail=100_000)  # every run's DONE lines
+    reference = {r: dict(np.load(base / "reference" / f"params_rank{r}.npz")) for r in (0, 1)}
+    return Jobs(killed, resumed, reference, logs)
 
 
 def leftovers(marker: str, wait: float = 0.0) -> list:
@@ -54,22 +102,15 @@ def leftovers(marker: str, wait: float = 0.0) -> list:
     return left
 
 
-def killed_run(tmp_path, rank: int, kill_at: str):
-    """Run until `rank` kills itself at `kill_at`; checks the exit and leftovers. Returns the output dir."""
-    out = tmp_path / "out"
-    env = {"FAILURE_TIMEOUT": str(FAILURE_TIMEOUT), "KILL_RANK": str(rank), "KILL_AT": kill_at}
-    with msrun.launch(2, WORKER, [out], tmp_path / "logs", env=env) as job:
-        status = job.wait(timeout=600)
-    logs = job.output[-2000:] + msrun.worker_logs(tmp_path / "logs")
-    marker = out / f"killed_rank{rank}"
-    assert marker.is_file(), logs
-    elapsed = job.ended - float(marker.read_text())
-    print(f"{kill_at} on rank {rank}: launcher exit status {status}, {elapsed:.1f} s after the death")
-    assert status != 0, logs
-    assert elapsed <= BOUND, f"the launcher took {elapsed:.1f} s (bound {BOUND} s)\n{logs}"
-    assert not leftovers(str(out)), "processes of the job outlived the launcher"
-    assert not leftovers(str(tmp_path / "logs")), "msrun's log tails outlived the launcher"
-    return out
+def check_kill(k: Killed, rank: int, kill_at: str) -> Path:
+    """The rank died; the launcher exited non-zero within BOUND of it, leaving nothing running. The run dir."""
+    assert k.elapsed is not None, k.logs  # the rank's marker file
+    print(f"{kill_at} on rank {rank}: launcher exit status {k.status}, {k.elapsed:.1f} s after the death")
+    assert k.status != 0, k.logs
+    assert k.elapsed <= BOUND, f"the launcher took {k.elapsed:.1f} s (bound {BOUND} s)\n{k.logs}"
+    assert not k.left_job, "processes of the job outlived the launcher"
+    assert not k.left_tails, "msrun's log tails outlived the launcher"
+    return k.out
 
 
 def check_checkpoints(out) -> int:
@@ -90,34 +131,34 @@ def check_checkpoints(out) -> int:
     return ts.load_checkpoint(latest)[0]["step"]
 
 
-def resume_matches(out, tmp_path, reference) -> None:
+def resume_matches(jobs: Jobs, name: str) -> None:
     """--resume through the same launcher; both ranks end bit-identical to the uninterrupted run."""
-    logs = msrun.run(2, WORKER, [out, "--resume"], tmp_path / "logs_resume", timeout=600)
-    assert logs.count("DONE rank") == 2
+    out = jobs.resumed[name]
+    assert sum(f"DONE rank {r} {out}\n" in jobs.logs for r in (0, 1)) == 2
     assert not [n for n in os.listdir(out / "dp") if ".tmp-" in n]  # the unfinished save was cleaned up
     for rank in (0, 1):
         got = np.load(out / f"params_rank{rank}.npz")
-        assert set(got.files) == set(reference[rank])
-        for k, want in reference[rank].items():
+        assert set(got.files) == set(jobs.reference[rank])
+        for k, want in jobs.reference[rank].items():
             assert np.array_equal(got[k], want), f"rank {rank} {k}: max diff {np.abs(got[k] - want).max()}"
 
 
-def test_kill_mid_step_then_resume(tmp_path, reference):
-    """Rank 1 dies in step 5 before the gradient all-reduce: rank 0 is inside the step's collectives."""
-    out = killed_run(tmp_path, 1, "step:5")
-    assert check_checkpoints(out) == 4
-    assert sorted(os.listdir(out / "dp")) == ["checkpoint-000002", "checkpoint-000004"]
-    resume_matches(out, tmp_path, reference)
-
-
-def test_kill_during_checkpoint_save_then_resume(tmp_path, reference):
-    """Rank 0 (the one that writes checkpoints) dies in its 2nd save, after the weights, before the
-    optimizer state; rank 1 goes on into step 4's collectives."""
-    out = killed_run(tmp_path, 0, "save:2")
+def test_kill_mid_step_then_resume(jobs):
+    """Rank 1 dies in step 2 (the third) before the gradient all-reduce: rank 0 is inside the step's collectives."""
+    out = check_kill(jobs.killed["mid_step"], *KILLS["mid_step"])
     assert check_checkpoints(out) == 2
+    assert sorted(os.listdir(out / "dp")) == ["checkpoint-000001", "checkpoint-000002"]
+    resume_matches(jobs, "mid_step")
+
+
+def test_kill_during_checkpoint_save_then_resume(jobs):
+    """Rank 0 (the one that writes checkpoints) dies in its 2nd save, after the weights, before the
+    optimizer state; rank 1 goes on into step 2's collectives."""
+    out = check_kill(jobs.killed["mid_save"], *KILLS["mid_save"])
+    assert check_checkpoints(out) == 1
     names = sorted(os.listdir(out / "dp"))
-    assert names[0].startswith(".checkpoint-000004.tmp-") and names[1:] == ["checkpoint-000002"], names
-    resume_matches(out, tmp_path, reference)
+    assert names[0].startswith(".checkpoint-000002.tmp-") and names[1:] == ["checkpoint-000001"], names
+    resume_matches(jobs, "mid_save")
 
 
 def parent(pid: int) -> int:
@@ -126,11 +167,11 @@ def parent(pid: int) -> int:
 
 
 def test_killed_msrun_takes_its_processes(tmp_path):
-    """SIGKILL to msrun itself (none of its code runs) while rank 1 holds in step 3: the workers and the
+    """SIGKILL to msrun itself (none of its code runs) while rank 1 holds in step 1 (the second): the workers and the
     scheduler die with it, the launcher ends what is left of msrun's process group (its log tails) and exits
     128 + 9."""
     out, logs = tmp_path / "out", tmp_path / "logs"
-    with msrun.launch(2, WORKER, [out], logs, env={"KILL_RANK": "1", "KILL_AT": "hold:3"}) as job:
+    with msrun.launch(2, WORKER, [out], logs, env={"KILL_RANK": "1", "KILL_AT": "hold:1"}) as job:
         deadline = time.time() + 600
         while not (out / "held_rank1").exists() and job.proc.poll() is None and time.time() < deadline:
             time.sleep(0.5)

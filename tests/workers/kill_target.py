@@ -1,8 +1,9 @@
 """Worker for tests/parallel/test_worker_failure.py: 2-rank data parallel of the tiny stand-in model under
-msrun (8 steps, a checkpoint every 2), one rank of which kills itself with SIGKILL at a chosen point:
+msrun (4 steps, a checkpoint after each), one rank of which kills itself with SIGKILL at a chosen point:
 
-    KILL_RANK=1 KILL_AT=step:5 scripts/msrun_train.sh 2 tests/workers/kill_target.py OUT_DIR [--resume]
+    KILL_RANK=1 KILL_AT=step:2 scripts/msrun_train.sh 2 tests/workers/kill_target.py OUT_DIR
     KILL_RANK=0 KILL_AT=save:2 ...   # in the 2nd checkpoint save, after the weights, before the optimizer state
+    scripts/msrun_train.sh 2 tests/workers/kill_target.py REF_DIR OUT_A --resume OUT_B --resume
 
 step:N  the rank dies in step N after its micro-batches' forward and backward, before the gradient
         all-reduce, so its peer is inside the step's collectives when it goes;
@@ -10,14 +11,18 @@ save:N  the rank dies in its N-th checkpoint save (rank 0 writes checkpoints), b
         and optimizer.safetensors, so the checkpoint's temporary directory is half-written;
 hold:N  the rank stops in step N where step:N would die and sleeps (its peer waits in the collective), so
         the job is sure to be running when a test kills something else.
-Before dying (holding) the rank writes OUT_DIR/killed_rank<r> (held_rank<r>); a test's clock starts there.
-Without KILL_AT the run is uninterrupted; `--resume` continues from OUT_DIR's latest checkpoint. Both ranks
-save their final parameters to OUT_DIR/params_rank<r>.npz.
+Before dying (holding) the rank writes OUT_DIR/killed_rank<r> (held_rank<r>), OUT_DIR the first run's; a
+test's clock starts there. Without KILL_AT the runs are uninterrupted.
+
+Each OUT_DIR is a run, trained one after another in the same processes (one job's start-up and cluster for
+all of them); an OUT_DIR followed by `--resume` continues from its latest checkpoint, any other trains from
+the start. Both ranks save each run's final parameters to OUT_DIR/params_rank<r>.npz.
 """
 import os
 import signal
 import sys
 import time
+from typing import List, Tuple
 
 import mindspore as ms
 import numpy as np
@@ -28,7 +33,7 @@ from mindvl_ms.train.batches import RowSource
 from mindvl_ms.train.train_step import TrainStep
 from tests.support.train_tiny import TinyVLM, collate, make_rows
 
-STEPS, SAVE_EVERY = 8, 2
+STEPS, SAVE_EVERY = 4, 1
 
 
 def run_cfg():
@@ -82,19 +87,46 @@ def arm(out: str, rank: int, kill_at: str) -> None:
         raise SystemExit(f"KILL_AT={kill_at}: expected step:N, save:N or hold:N")
 
 
+def runs(argv) -> List[Tuple[str, bool]]:
+    """(OUT_DIR, resume) of each run named on the command line: OUT_DIR [--resume] [OUT_DIR [--resume]] ..."""
+    out = []
+    for arg in argv:
+        if arg == "--resume":
+            if not out:
+                raise SystemExit("--resume: expected an OUT_DIR before it")
+            out[-1] = (out[-1][0], True)
+        else:
+            out.append((arg, False))
+    return out
+
+
 def main(out: str, resume: bool) -> None:
+    """One run: train (or, resuming, continue) OUT_DIR and save this rank's final parameters there."""
     rank = int(os.environ.get("RANK_ID", "0"))
-    kill_at = os.environ.get("KILL_AT", "")
-    if kill_at and int(os.environ.get("KILL_RANK", "1")) == rank:
-        arm(out, rank, kill_at)
     rows = make_rows(64, seed=7)
     ms.set_seed(0)
     model = TinyVLM()
     run_training(run_cfg(), out, resume=out if resume else None, model=model, progress=False,
                  data_factory=lambda rc, st, i, d: RowSource(rows, seed=rc.seed), collate=collate)
     np.savez(os.path.join(out, f"params_rank{rank}.npz"), **{p.name: p.asnumpy() for p in model.get_parameters()})
-    print("DONE rank", rank, flush=True)
+    print("DONE rank", rank, out, flush=True)
+
+
+def same_device(set_device):
+    """`ms.set_device` for this process's later runs: the device as the first run left it. Under msrun,
+    `mindspore.communication.init()` gives rank r device id r (DEVICE_ID), and set_device refuses a call
+    with another id, which each run's `parallel.runtime.setup` makes (set_device(target): id 0)."""
+    def keep(device_target, device_id=None):
+        return set_device(device_target, int(os.environ.get("DEVICE_ID", "0")) if device_id is None else device_id)
+    return keep
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--resume" in sys.argv[2:])
+    todo = runs(sys.argv[1:])
+    kill_at = os.environ.get("KILL_AT", "")
+    if kill_at and int(os.environ.get("KILL_RANK", "1")) == int(os.environ.get("RANK_ID", "0")):
+        arm(todo[0][0], int(os.environ.get("RANK_ID", "0")), kill_at)
+    for i, run in enumerate(todo):
+        if i == 1:
+            ms.set_device = same_device(ms.set_device)
+        main(*run)
