@@ -1,17 +1,21 @@
 """GRPO stage in the trainer on a tiny MindVL (rollouts with the KV-cache engine's sampler, verifier rewards
 from a `module:function` name): metrics per step, a rising reward, exact resume; rollouts reproducible from a
-seed; a GRPO stage without a sampler is a clear error."""
+seed; a GRPO stage without a sampler is a clear error.
+
+The GRPO and KV-cache sampling tests share one tiny model (`fresh`), handed to each at its seed-0 initial
+weights, so the graphs compiled on it (the engine's vision, prefill and decode cells) are compiled once."""
 import os
 import shutil
 
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import Tensor
 
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.infer.rollout import EngineSampler
 from tests.support import post as H
-from mindvl_ms.infer.generate import generate
+from mindvl_ms.infer.generate import generate, get_engine
 from mindvl_ms.infer.rollout import sample_group, sample_groups
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
@@ -24,9 +28,26 @@ GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_si
                        "reward": "tests.support.post:low_ids", "kl_coef": 0.01}}
 
 
-def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def fresh():
+    """fresh() -> the module's tiny MindVL with the weights `ms.set_seed(0); MindVLModel(H.MODEL)` gives (set
+    back before each use, the engine's image features dropped): one model, one set of compiled graphs."""
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    model = MindVLModel(cfg.model)
+    init = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
+
+    def reset():
+        for p in model.get_parameters():
+            p.set_data(Tensor(init[p.name]))
+        get_engine(model).image_cache.clear()
+        return model
+    return reset
+
+
+def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path, fresh):
     out = str(tmp_path / "g")
-    model, summary, recs = H.run(out, GRPO_STAGE, lambda *a: H.prompt_source())
+    model, summary, recs = H.run(out, GRPO_STAGE, lambda *a: H.prompt_source(), model=fresh())
     assert len(recs) == 4 and all(r["applied"] for r in recs)
     for r in recs:
         assert r["updates"] == 2 and r["response_length"] == 4.0
@@ -41,17 +62,15 @@ def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path):
     b = str(tmp_path / "b")
     shutil.copytree(out, b)
     model_b, _, recs_b = H.run(b, GRPO_STAGE, lambda *a: H.prompt_source(), plot=False,
-                               resume=os.path.join(b, "grpo", "checkpoint-000002"))
+                               resume=os.path.join(b, "grpo", "checkpoint-000002"), model=fresh())
     for k, v in final.items():
         np.testing.assert_array_equal(model_b.parameters_dict()[k].asnumpy(), v, err_msg=k)
     keys = ("loss", "reward_mean", "clip_frac", "entropy", "kl", "response_length")
     assert [[r[k] for k in keys] for r in recs_b] == [[r[k] for k in keys] for r in recs]
 
 
-def test_rollouts_reproducible_from_seed():
-    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
-    ms.set_seed(0)
-    model = MindVLModel(cfg.model)
+def test_rollouts_reproducible_from_seed(fresh):
+    model = fresh()
     p = H.prompt(np.random.default_rng(3))
     a = sample_group(model, p, 4, rollout_seed(0, 1, 3), 6)
     b = sample_group(model, p, 4, rollout_seed(0, 1, 3), 6)
@@ -64,12 +83,10 @@ def test_rollouts_reproducible_from_seed():
     assert rollout_seed(0, 1, 3) != rollout_seed(0, 1, 4) != rollout_seed(1, 1, 3)
 
 
-def test_batched_groups_sample_what_each_prompt_samples_alone():
+def test_batched_groups_sample_what_each_prompt_samples_alone(fresh):
     """Several prompts of different lengths in one engine call (left-padded, one generator per prompt)
     give each prompt the responses of its own `sample_group` call."""
-    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
-    ms.set_seed(0)
-    model = MindVLModel(cfg.model)
+    model = fresh()
     rng = np.random.default_rng(5)
     prompts = [H.prompt(rng) for _ in range(3)]
     prompts[1] = dict(prompts[1], input_ids=np.concatenate([prompts[1]["input_ids"][:4], [11, 12, 13],
