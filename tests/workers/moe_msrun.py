@@ -1,6 +1,8 @@
 """Worker for tests/parallel/test_moe_msrun.py: trains the tiny MindVL-MoE (configs/model/tiny-moe.yaml with a
-256-token vocabulary) through the project trainer for a few steps on a mixed image/text set, then saves the
-final parameters. Run under msrun (2 data-parallel ranks) or as one process with the same global batch.
+256-token vocabulary, cut to a 1-block ViT and one dense and one MoE text layer besides its MTP layer: the
+graph compile is most of the run, and every rank and the reference compile it) through the project trainer for
+a few steps on a mixed image/text set, then saves the final parameters. Run under msrun (2 data-parallel ranks)
+or as one process with the same global batch.
 
     python tests/workers/moe_msrun.py OUT_DIR
 """
@@ -36,7 +38,8 @@ def make_rows(n_rows, seed=0):
 
 def main(out: str) -> None:
     model = read_yaml(os.path.join(ROOT, "configs", "model", "tiny-moe.yaml"))
-    model["text"]["vocab_size"] = hf_tiny.VOCAB
+    model["text"].update(vocab_size=hf_tiny.VOCAB, num_hidden_layers=2)  # 1 dense + 1 MoE layer (and the MTP one)
+    model["vision"].update(depth=1, fullatt_block_indexes=[0])
     model.update(image_token_id=hf_tiny.IMAGE, video_token_id=253, vision_start_token_id=hf_tiny.VSTART,
                  vision_end_token_id=hf_tiny.VEND)
     cfg = load_run_config(data={"seed": 5, "plot": False, "model": model, "stages": [
