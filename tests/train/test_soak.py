@@ -1,7 +1,9 @@
-"""Kill/resume soak of `run_training` on the tiny stand-in: 300 steps with a checkpoint every 20, killed with
+"""Kill/resume soak of `run_training` on the tiny stand-in: 100 steps with a checkpoint every 20, killed with
 SIGKILL at 5 points drawn by a seeded RNG and resumed from the run directory's latest checkpoint each time
-(the trainer's own resume), ends with weights, optimizer state, trainer state and logged losses bitwise
-equal to an uninterrupted run's, and with only complete checkpoints on disk.
+(the trainer's own resume; started afresh in the same directory when a kill came before the first complete
+checkpoint), ends with weights, optimizer state, trainer state and logged losses bitwise equal to an
+uninterrupted run's, and with only complete checkpoints on disk. The five killed runs are worker
+processes; the uninterrupted run and the last resume, which nothing kills, run in the test's process.
 
 The kill points (tests/workers/soak.py says where each kind lands): one in the middle of a step, one in
 the middle of a save (weights written, optimizer state not), one between a complete checkpoint and the
@@ -21,7 +23,7 @@ import pytest
 
 from mindvl_ms.checkpoint import trainer_state as ts
 from tests.support.paths import ROOT
-from tests.workers.soak import SAVE_EVERY, STEPS
+from tests.workers.soak import SAVE_EVERY, STEPS, train
 
 WORKER = os.path.join(ROOT, "tests", "workers", "soak.py")
 SEED = int(os.environ.get("MINDVL_SOAK_SEED", "19"))
@@ -146,8 +148,9 @@ def assert_checkpoints_complete(out):
 
 
 def soak(out, progress, log, plan):
-    """Run the plan's kills one after another, each resumed from `out`'s latest checkpoint, then run to the
-    end; returns the last step each killed worker drew and (resume point, save cut short) after each kill."""
+    """Run the plan's kills one after another, each in a worker process resumed from `out`'s latest
+    checkpoint, then run to the end (in this process: nothing kills it); returns the last step each killed
+    worker drew and (resume point, save cut short) after each kill."""
     landed_at, resumed_from = [], []
     for kill in plan:
         resume = os.path.isfile(os.path.join(out, ts.LATEST))
@@ -161,11 +164,8 @@ def soak(out, progress, log, plan):
         assert rc == -signal.SIGKILL, f"kill {kill}: worker exited with {rc}:\n{tail(log)}"
         landed_at.append(progress_of(progress))
         resumed_from.append(check_after_kill(out, kill, landed_at[-1]))
-    proc = launch(out, progress, log, resume=True)
-    try:
-        assert proc.wait(timeout=TIMEOUT) == 0, tail(log)
-    finally:
-        stop(proc)
+    ends = [(r["stage"], r["checkpoint"]) for r in train(out, progress, resume=True)["stages"]]
+    assert ends == [("sft", os.path.join(out, "sft", f"checkpoint-{STEPS:06d}"))], ends  # ran to the end
     return landed_at, resumed_from
 
 
@@ -176,16 +176,13 @@ def stop(proc):
         proc.wait()
 
 
-@pytest.mark.slow  # seven processes, each importing MindSpore and compiling the step, and 300+ steps
+@pytest.mark.slow  # five worker processes, each importing MindSpore and compiling the step, and 200+ steps
 def test_killed_and_resumed_five_times_ends_bitwise_equal(tmp_path):
     ref, out = str(tmp_path / "ref"), str(tmp_path / "soak")
     t0, plan = time.monotonic(), kill_plan(SEED)
-    ref_proc = launch(ref, str(tmp_path / "ref.progress"), str(tmp_path / "ref.log"), resume=False)
-    try:
-        landed_at, resumed_from = soak(out, str(tmp_path / "soak.progress"), str(tmp_path / "soak.log"), plan)
-        assert ref_proc.wait(timeout=TIMEOUT) == 0, tail(str(tmp_path / "ref.log"))
-    finally:
-        stop(ref_proc)
+    ends = [(r["stage"], r["checkpoint"]) for r in train(ref, str(tmp_path / "ref.progress"))["stages"]]
+    assert ends == [("sft", os.path.join(ref, "sft", f"checkpoint-{STEPS:06d}"))], ends  # uninterrupted, here
+    landed_at, resumed_from = soak(out, str(tmp_path / "soak.progress"), str(tmp_path / "soak.log"), plan)
     print(f"\nsoak seed {SEED}: kills (step, kind, delay) {[(a, k, round(d, 3)) for a, k, d in plan]}, "
           f"last steps drawn {landed_at}, (resume point, save cut short) {resumed_from}, "
           f"{time.monotonic() - t0:.1f} s")

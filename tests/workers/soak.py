@@ -1,4 +1,4 @@
-"""Worker for tests/train/test_soak.py: the tiny stand-in trained for 300 steps with a checkpoint every
+"""Worker for tests/train/test_soak.py: the tiny stand-in trained for 100 steps with a checkpoint every
 20, resumed from OUT_DIR's latest checkpoint when --resume is given, optionally killed with SIGKILL.
 
     python tests/workers/soak.py OUT_DIR PROGRESS_FILE [--resume] [--kill KIND --at STEP]
@@ -27,8 +27,8 @@ from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from tests.support.train_tiny import TinyVLM, collate, make_rows
 
-STEPS, SAVE_EVERY, GLOBAL_BATCH = 300, 20, 4
-ROWS = make_rows(48, seed=23)  # 48 rows, 4 per step: an epoch every 12 steps, 25 epochs in all
+STEPS, SAVE_EVERY, GLOBAL_BATCH = 100, 20, 4
+ROWS = make_rows(48, seed=23)  # 48 rows, 4 per step: an epoch every 12 steps, 8 1/3 epochs in all
 
 
 def soak_cfg():
@@ -122,6 +122,21 @@ def arm(kind, at, source, coll):
         raise SystemExit(f"unknown kill kind {kind}")
 
 
+def train(out, progress, resume=False, kill=None, at=None):
+    """One run into `out`, from its latest checkpoint when `resume`, killed as `kill` says (module
+    docstring); returns run_training's summary. The test also calls it in its own process, for the
+    uninterrupted run and the last resume (they are not killed)."""
+    def report(step):
+        with open(progress, "w") as f:
+            f.write(f"{step}\n")
+    coll = NoisyCollate()
+    source = SoakSource(ROWS, seed=soak_cfg().seed, first_step=resume_step(out) if resume else 0, on_step=report)
+    if kill:
+        arm(kill, at, source, coll)
+    return run_training(soak_cfg(), out, resume=out if resume else None, model=tiny_model(),
+                        data_factory=lambda rc, st, i, d: source, collate=coll, progress=False)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -132,17 +147,7 @@ def main():
     args = p.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-
-    def report(step):
-        with open(args.progress, "w") as f:
-            f.write(f"{step}\n")
-    coll = NoisyCollate()
-    source = SoakSource(ROWS, seed=soak_cfg().seed, first_step=resume_step(args.out) if args.resume else 0,
-                        on_step=report)
-    if args.kill:
-        arm(args.kill, args.at, source, coll)
-    run_training(soak_cfg(), args.out, resume=args.out if args.resume else None, model=tiny_model(),
-                 data_factory=lambda rc, st, i, d: source, collate=coll, progress=False)
+    train(args.out, args.progress, args.resume, args.kill, args.at)
 
 
 if __name__ == "__main__":
