@@ -54,7 +54,10 @@ def launch(out, progress, log, resume, kill=None):
     cmd = [sys.executable, WORKER, out, progress] + (["--resume"] if resume else [])
     if kill is not None and kill[1] != "clock":
         cmd += ["--kill", kill[1], "--at", str(kill[0])]
-    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT)
+    # MindSpore's compile cache: the first worker saves its graphs, the next ones (the same script, network and
+    # graphs, compiled in the same order) load them instead of compiling again
+    env = dict(os.environ, GLOG_v="3", PYTHONPATH=ROOT, MS_COMPILER_CACHE_ENABLE="1",
+               MS_COMPILER_CACHE_PATH=os.path.join(os.path.dirname(out), "compile_cache"))
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
