@@ -39,11 +39,17 @@ def exported(tmp_path_factory):
     return path, out, meta
 
 
-def test_graphcell_runner_equals_eager_model(exported):
+@pytest.fixture(scope="module")
+def runner32(exported):
+    """The fp32 export loaded once by the GraphCell runner (its graphs compile on first use), for every test."""
+    return ExportedRunner(exported[1], backend="graphcell")
+
+
+def test_graphcell_runner_equals_eager_model(exported, runner32):
     _, out, meta = exported
     model = infer_tiny.setup()[2]
     samples = _uint8_samples()
-    runner = ExportedRunner(out, backend="graphcell")
+    runner = runner32
     got = runner.generate(samples, N_NEW)
     assert got == generate(model, samples, N_NEW)
     assert runner.generate(samples, N_NEW, padding_side="right") == got
@@ -124,13 +130,13 @@ def test_each_weight_is_written_once(exported):
     assert meta["total_bytes"] == files + sum(g["bytes"] for g in meta["graphs"].values())
 
 
-def test_fp16_export_runs_and_is_close(exported, tmp_path, capsys, monkeypatch):
+def test_fp16_export_runs_and_is_close(exported, runner32, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.cli.infer"])  # `mindvl export` alone
     path, out32, meta32 = exported
     out16 = str(tmp_path / "fp16")
     assert main(["export", "--ckpt", path, "--out", out16, "--fp16"]) == 0
     assert "MiB" in capsys.readouterr().out
-    r16, r32 = ExportedRunner(out16, "graphcell"), ExportedRunner(out32, "graphcell")
+    r16, r32 = ExportedRunner(out16, "graphcell"), runner32
     assert r16.meta["dtype"] == "float16" and r16.meta["kv_cache"]["dtype"] == "float16"
     # weights are half the bytes (each weight is stored once in weights/, padded to 64 bytes; the graph
     # files hold structure only, so the totals differ by less than the weights do)
@@ -149,7 +155,7 @@ def test_fp16_export_runs_and_is_close(exported, tmp_path, capsys, monkeypatch):
             out = real_prefill(arrays, cache)
             first.append(out[0])
             return out
-        r.engine.backend.prefill = spy
+        monkeypatch.setattr(r.engine.backend, "prefill", spy)  # the shared runner32 gets its own back
         r.generate(samples, 1)
         logits.append(first[0])
     assert logits[0].shape == (3, 256)
