@@ -1,8 +1,9 @@
 """MindVL-MoE under msrun data parallel: 2 CPU workers (mccl) vs one process on the same global batch.
 
 The worker (tests/workers/moe_msrun.py) trains the tiny MindVL-MoE (one dense and one MoE layer, the MTP layer,
-a 1-block ViT) through the project trainer on a mixed image/text set; the reference runs in this process. Both ranks must end with the single-process parameters (fp32 tolerance), and training must
-have moved the router, the stacked expert weights and the balancing bias (updated on the global load).
+a 1-block ViT) through the project trainer on a mixed image/text set; the reference runs in this process.
+Both ranks must end with the single-process parameters (fp32 tolerance), and training must have moved the
+router, the stacked expert weights and the balancing bias (updated on the global load).
 """
 import os
 
