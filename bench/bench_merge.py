@@ -9,10 +9,18 @@ then merges them twice, each in a fresh subprocess so VmHWM (peak RSS) is that m
   of every input stay resident), results collected and written with `save_file` (F32 only)
 - reference: `safetensors.torch.load_file` of every input, fp32 average, `save_file`
 Prints peak RSS growth in MB, as a multiple of one checkpoint, and the ratios reference / streaming.
+
+    python bench/bench_merge.py --ab OLD_MERGE_PY --ckpt DIR [--rounds 3]
+
+A/B of two versions of mindvl_ms/checkpoint/merge.py (e.g. `git show HEAD~1:mindvl_ms/checkpoint/merge.py >
+/tmp/old_merge.py`): `mindvl merge DIR DIR` run as a CLI process under GNU time, alternating old and this
+tree's, each printing its wall, MB/s of output, peak RSS and the load average; at the end, whether the two
+outputs hold the same safetensors bytes.
 """
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -94,12 +102,55 @@ def run(code: str, out: str, paths: list) -> tuple:
     return (int(peak) - int(before)) / 1024.0, float(secs)  # MB grown, seconds
 
 
+CLI_WITH = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("mindvl_ms.checkpoint.merge", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod
+spec.loader.exec_module(mod)
+from mindvl_ms.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def ab(old: str, ckpt: str, rounds: int) -> None:
+    """`mindvl merge CKPT CKPT` with merge.py `old` vs this tree's, alternating (outputs next to CKPT)."""
+    variants = {"old": os.path.abspath(old), "new": os.path.join(ROOT, "mindvl_ms", "checkpoint", "merge.py")}
+    outs = {k: os.path.join(os.path.dirname(os.path.abspath(ckpt)), f"merged_{k}") for k in variants}
+    for r in range(rounds):
+        for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            load = os.getloadavg()[0]
+            t = time.perf_counter()
+            p = subprocess.run(["/usr/bin/time", "-f", "MAXRSS %M", sys.executable, "-c", CLI_WITH, variants[name],
+                                "merge", ckpt, ckpt, "--out", outs[name], "--overwrite", "--quiet"],
+                               capture_output=True, text=True, cwd=ROOT)
+            wall = time.perf_counter() - t
+            if p.returncode:
+                raise SystemExit(p.stderr[-3000:])
+            rss = [int(x.split()[1]) for x in p.stderr.splitlines() if x.startswith("MAXRSS ")][-1] / 1e6
+            size = sum(os.path.getsize(os.path.join(outs[name], f)) for f in os.listdir(outs[name])
+                       if f.endswith(".safetensors"))
+            print(f"round {r} {name}: {wall:.1f} s, {size / 1e6 / wall:.0f} MB/s, peak RSS {rss:.2f} GB, "
+                  f"load {load:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+    files = sorted(f for f in os.listdir(outs["old"]) if f.endswith(".safetensors"))
+    same = files == sorted(f for f in os.listdir(outs["new"]) if f.endswith(".safetensors")) and all(
+        filecmp.cmp(os.path.join(outs["old"], f), os.path.join(outs["new"], f), shallow=False) for f in files)
+    print(f"outputs {'identical' if same else 'DIFFER'}: {', '.join(files)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=300, help="size of each input checkpoint in MB")
     ap.add_argument("--n", type=int, default=3, help="number of checkpoints")
     ap.add_argument("--dtype", choices=["F32", "BF16"], default="F32")
+    ap.add_argument("--ab", metavar="OLD_MERGE_PY", help="A/B this merge.py against the tree's on --ckpt")
+    ap.add_argument("--ckpt", help="--ab: the checkpoint merged with itself")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: runs of each version")
     args = ap.parse_args()
+    if args.ab:
+        if not args.ckpt:
+            ap.error("--ab needs --ckpt")
+        ab(args.ab, args.ckpt, args.rounds)
+        return
     root = tempfile.mkdtemp(prefix="bench_merge_")
     try:
         t = time.perf_counter()
