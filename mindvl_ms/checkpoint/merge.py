@@ -102,19 +102,27 @@ class SafetensorsFile:
         self.data_start = 8 + n
         self.checksums = checksums or {}
         self._running: Dict[str, Tuple[int, int]] = {}  # key -> (bytes checksummed so far, their CRC32C)
+        self._layouts: Dict[str, Tuple[np.dtype, int, int]] = {}  # key -> (dtype, numel, file offset)
         self._fd = os.open(path, os.O_RDONLY)
+
+    def _layout(self, key: str) -> Tuple[np.dtype, int, int]:
+        """Storage dtype, element count and file offset of `key`, worked out once per tensor (a read per
+        chunk would otherwise redo them tens of thousands of times in a merge)."""
+        got = self._layouts.get(key)
+        if got is None:
+            info = self.tensors[key]
+            got = self._layouts[key] = (np.dtype(NUMPY[info["dtype"]]), int(np.prod(info["shape"], dtype=np.int64)),
+                                        self.data_start + info["data_offsets"][0])
+        return got
 
     def read(self, key: str, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """Flat elements [start, stop) of `key` in their storage dtype (bf16 as uint16)."""
-        info = self.tensors[key]
-        dt = np.dtype(NUMPY[info["dtype"]])
-        numel = int(np.prod(info["shape"], dtype=np.int64))
+        dt, numel, at = self._layout(key)
         stop = numel if stop is None else stop
         nbytes = (stop - start) * dt.itemsize
         buf = np.empty(stop - start, dtype=dt)
         raw = memoryview(buf).cast("B")
-        got = os.preadv(self._fd, [raw], self.data_start + info["data_offsets"][0]
-                        + start * dt.itemsize) if nbytes else 0
+        got = os.preadv(self._fd, [raw], at + start * dt.itemsize) if nbytes else 0
         if got != nbytes:
             raise MergeError(f"{self.path}: tensor '{key}' is truncated")
         if key in self.checksums:
