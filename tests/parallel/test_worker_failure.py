@@ -35,6 +35,14 @@ BOUND = FAILURE_TIMEOUT + 15  # death -> exit: the scheduler's heartbeat checks 
 KILLS = {"mid_step": (1, "step:2"), "mid_save": (0, "save:2")}  # name -> (rank, KILL_AT)
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> Dict[str, str]:
+    """The workers' environment for MindSpore's compile cache, shared by the module's jobs: every job runs the
+    same script and graphs, so the first job's ranks save them and the later ones load them instead of
+    compiling (rank r's graphs under rank_<r>)."""
+    return {"MS_COMPILER_CACHE_ENABLE": "1", "MS_COMPILER_CACHE_PATH": str(tmp_path_factory.mktemp("compile_cache"))}
+
+
 @dataclass
 class Killed:
     """A job one of whose ranks killed itself: what the launcher and the machine showed when it ended."""
@@ -46,10 +54,10 @@ class Killed:
     logs: str                # the launcher's output and the workers' logs, for the messages
 
 
-def kill_job(base: Path, rank: int, kill_at: str) -> Killed:
+def kill_job(base: Path, rank: int, kill_at: str, cache: Dict[str, str]) -> Killed:
     """Run until `rank` kills itself at `kill_at` (FAILURE_TIMEOUT as above)."""
     out = base / "out"
-    env = {"FAILURE_TIMEOUT": str(FAILURE_TIMEOUT), "KILL_RANK": str(rank), "KILL_AT": kill_at}
+    env = {"FAILURE_TIMEOUT": str(FAILURE_TIMEOUT), "KILL_RANK": str(rank), "KILL_AT": kill_at, **cache}
     with msrun.launch(2, WORKER, [out], base / "logs", env=env) as job:
         status = job.wait(timeout=600)
     marker = out / f"killed_rank{rank}"
@@ -67,19 +75,19 @@ class Jobs:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> Jobs:
+def jobs(tmp_path_factory, compile_cache) -> Jobs:
     """The two killed jobs, then one job through the same launcher whose workers train the uninterrupted
     reference and resume a copy of each killed run, one run after another (one start-up and cluster for the
     three runs instead of three jobs). The copies leave the killed directories as the kills left them."""
     base = tmp_path_factory.mktemp("jobs")
-    killed = {name: kill_job(base / name, rank, kill_at) for name, (rank, kill_at) in KILLS.items()}
+    killed = {name: kill_job(base / name, rank, kill_at, compile_cache) for name, (rank, kill_at) in KILLS.items()}
     resumed, args = {}, [base / "reference"]
     for name, k in killed.items():
         if (k.out / ts.LATEST).is_file():  # else its test fails on the kill's checks
             resumed[name] = base / name / "resumed"
             shutil.copytree(k.out, resumed[name])
             args += [resumed[name], "--resume"]
-    msrun.run(2, WORKER, args, base / "logs_resume", timeout=900)
+    msrun.run(2, WORKER, args, base / "logs_resume", timeout=900, env=compile_cache)
     logs = msrun.worker_logs(base / "logs_resume", tail=100_000)  # every run's DONE lines
     reference = {r: dict(np.load(base / "reference" / f"params_rank{r}.npz")) for r in (0, 1)}
     return Jobs(killed, resumed, reference, logs)
@@ -166,12 +174,12 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def test_killed_msrun_takes_its_processes(tmp_path):
+def test_killed_msrun_takes_its_processes(tmp_path, compile_cache):
     """SIGKILL to msrun itself (none of its code runs) while rank 1 holds in step 1 (the second): the workers and the
     scheduler die with it, the launcher ends what is left of msrun's process group (its log tails) and exits
     128 + 9."""
     out, logs = tmp_path / "out", tmp_path / "logs"
-    with msrun.launch(2, WORKER, [out], logs, env={"KILL_RANK": "1", "KILL_AT": "hold:1"}) as job:
+    with msrun.launch(2, WORKER, [out], logs, env={"KILL_RANK": "1", "KILL_AT": "hold:1", **compile_cache}) as job:
         deadline = time.time() + 600
         while not (out / "held_rank1").exists() and job.proc.poll() is None and time.time() < deadline:
             time.sleep(0.5)
