@@ -76,3 +76,39 @@ def test_post_train_demo_config_paths_and_overrides(tmp_path):
         load_post_config(path, out, ["demo.rollout.kk=8"])
     with pytest.raises(ConfigError, match=r"run `mindvl demo --out .*` first"):
         run_post_train(out, progress=False)
+
+
+def test_eval_phase_backend_takes_the_next_checkpoints_weights(tmp_path):
+    """The post-training evaluation streams each next checkpoint of the same model config into the model it
+    already compiled (`post_phases.checkpoint_backend`): every parameter then holds that checkpoint's
+    values, the image features of the previous weights are dropped; another config gets a model of its own."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindvl_ms.checkpoint.pretrained import save_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
+    from mindvl_ms.recipes.demo.post_phases import checkpoint_backend
+    from tests.support import post as H
+
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    model = MindVLModel(cfg.model)
+    save_pretrained(model, str(tmp_path / "a"))
+    rng = np.random.default_rng(0)
+    want = {}
+    for p in model.get_parameters():
+        want[p.name] = (p.asnumpy() + rng.standard_normal(p.shape)).astype(p.asnumpy().dtype)
+        p.set_data(Tensor(want[p.name]))
+    save_pretrained(model, str(tmp_path / "b"))
+    first = checkpoint_backend(None, str(tmp_path / "a"), cfg.data, 4)
+    first.engine.image_cache["x"] = np.zeros(1)
+    second = checkpoint_backend(first, str(tmp_path / "b"), cfg.data, 4)
+    assert second is first and not second.engine.image_cache
+    for p in second.model.get_parameters():
+        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
+    other = load_run_config(data={"seed": 0, "model": dict(H.MODEL, text=dict(H.MODEL["text"], num_hidden_layers=2)),
+                                  "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    save_pretrained(MindVLModel(other.model), str(tmp_path / "c"))
+    third = checkpoint_backend(second, str(tmp_path / "c"), cfg.data, 4)
+    assert third is not second and third.model.config.text.num_hidden_layers == 2

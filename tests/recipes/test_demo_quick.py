@@ -136,13 +136,15 @@ BOX = re.compile(r"<\|box_start\|>\((\d{1,3}),(\d{1,3})\),\((\d{1,3}),(\d{1,3})\
 
 
 @pytest.mark.slow
-def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
+def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch, capsys):
     """The demo's eval path is replayed in-process (its predictions must equal the demo's file) with the
-    generated ids recorded; `mindvl generate` then answers the first held-out grounding questions with a
-    well-formed box whose tokens are those ids (`mindvl generate` prints the grounding tags as text)."""
+    generated ids recorded; `mindvl generate` (`cli.main`, in this process: a model of its own, loaded from
+    the checkpoint) then answers the first held-out grounding questions with a well-formed box whose tokens
+    are those ids (`mindvl generate` prints the grounding tags as text)."""
     import mindspore as ms
 
     import mindvl_ms.infer.generate as gen
+    from mindvl_ms.cli import main
     from mindvl_ms.recipes.demo.config import load_demo_config
     from mindvl_ms.recipes.demo.evaluation import eval_backend
     from mindvl_ms.eval.metrics import parse_box
@@ -178,14 +180,13 @@ def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch):
     for ids in recorded:  # every held-out answer ends by itself and, printed as the CLI prints it, is a box
         assert ids[-1] in stops, "the eval answer was cut at max_new_tokens"
         assert BOX.fullmatch(gen.decode_answer(backend.processor, ids)), tok.decode(ids)
-    env = dict(os.environ, GLOG_v="3")
-    for line, ids in list(zip(_records(heldout), recorded))[:1]:  # one CLI call: a process and three graph compiles
+    monkeypatch.undo()  # the CLI's generation is not recorded
+    capsys.readouterr()
+    for line, ids in list(zip(_records(heldout), recorded))[:1]:  # one CLI call: three graph compiles
         question = line["messages"][0]["content"].replace("<image>\n", "")
         image = os.path.join(out, "data", line["images"][0])
-        proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "generate", "--ckpt", merged, "--image", image,
-                               "--prompt", question], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        text = proc.stdout.strip()
+        assert main(["generate", "--ckpt", merged, "--image", image, "--prompt", question]) == 0
+        text = capsys.readouterr().out.strip()
         m = BOX.fullmatch(text)
         assert m, (line["id"], text)
         assert parse_box(text) == tuple(int(v) for v in m.groups())
@@ -204,28 +205,27 @@ def test_subset_vocab_checkpoint_has_no_hf_export(run, tmp_path):
 
 
 @pytest.mark.slow
-def test_post_train_on_the_quick_model(run):
+def test_post_train_on_the_quick_model(run, capsys):
     """`mindvl demo --post-train` on the quick run, a few steps per stage: the prompt images are new, the pairs
     are the rollout's own samples under the pair rule, the chain is DPO from merged then GRPO from DPO, and
-    the held-out table is recomputed from the prediction files with a numpy IoU."""
+    the held-out table is recomputed from the prediction files with a numpy IoU. The command runs in this
+    process (`cli.main`, what `mindvl` calls; its phases still run in their own processes), without plots."""
     import hashlib
 
     from mindvl_ms.checkpoint.io import read_tensors as rt
+    from mindvl_ms.cli import main
     from mindvl_ms.eval.metrics import parse_box
 
     out, _, _ = run  # the post-training run reads the demo's files and writes OUT/post only
     sets = ["demo.prompts=6", "demo.rollout.high=-1", "demo.rollout.low=1.01", "demo.rollout.k=3"] + [
         f"stages.{i}.{k}" for i in (0, 1) for k in ("max_steps=2", "global_batch_size=2", "micro_batch_size=2")] + [
         "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.0.dpo.ntp_ratio=0.5",
-        "stages.0.epochs=null"]
-    env = dict(os.environ, GLOG_v="3")
-    proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "demo", "--post-train", "--out", out, "--no-progress"]
-                          + [a for s in sets for a in ("--set", s)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        "stages.0.epochs=null", "plot=false"]
+    assert main(["demo", "--post-train", "--out", out, "--no-progress"] + [a for s in sets for a in ("--set", s)]) == 0
+    stdout = capsys.readouterr().out
     post = os.path.join(out, "post")
     rep = json.load(open(os.path.join(post, "post_report.json")))
-    assert "held-out grounding" in proc.stdout and "merged" in proc.stdout
+    assert "held-out grounding" in stdout and "merged" in stdout
 
     prompts = _records(os.path.join(post, "data", "prompts.jsonl"))
     assert len(prompts) == 6 and all(p["reward"] == "grounding_iou" for p in prompts)

@@ -10,14 +10,15 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from mindvl_ms.checkpoint.hf import Sources, open_checkpoint
+from mindvl_ms.checkpoint.pretrained import stream_into
 from mindvl_ms.data.grounding import box_iou
 from mindvl_ms.data.preference import read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.eval.benchmark import evaluate
 from mindvl_ms.eval.metrics import parse_box
-from mindvl_ms.infer.generate import load_model
+from mindvl_ms.infer.generate import EvalBackend, load_model
 from mindvl_ms.infer.rollout import EngineSampler, rollout_pairs, write_pairs
-from mindvl_ms.recipes.demo.evaluation import eval_backend
 from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.train import run_training
 from mindvl_ms.train.post.rewards import Verifier
@@ -75,6 +76,24 @@ def reusable_eval(d: str, ckpt: str, heldout: str, data_cfg) -> bool:
         (s.get("min_pixels"), s.get("max_pixels")) == (data_cfg.image.min_pixels, data_cfg.image.max_pixels)
 
 
+def checkpoint_backend(prev: Optional[EvalBackend], ckpt: str, data_cfg, tokens: int) -> EvalBackend:
+    """The evaluation backend of ckpt (the processor the demo trained with). When ckpt's model config is
+    that of `prev`'s model (the post-training chain's checkpoints all are), ckpt's weights are streamed
+    into that model instead of a new one: the graphs compiled on it (vision, prefill, decode) serve every
+    checkpoint, three graph compiles fewer per checkpoint after the first."""
+    if prev is not None:
+        cfg, sources = open_checkpoint(ckpt)
+        try:
+            if cfg == prev.model.config:
+                stream_into(prev.model, sources)
+                prev.engine.image_cache.clear()  # image features computed with the previous weights
+                return prev
+        finally:
+            if isinstance(sources, Sources):
+                sources.close()
+    return EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), tokens)
+
+
 def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, Any], out_dir: str,
                progress: bool, reuse: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
@@ -83,13 +102,15 @@ def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, An
     reuse = reuse or {}
     out = {}
     tokens = int(demo.get("max_new_tokens", 24))
+    backend = None
     for name, ckpt in ckpts.items():
         d = reuse.get(name) or os.path.join(out_dir, name)
         if name in reuse:
             with open(os.path.join(d, "scores.json"), encoding="utf-8") as f:
                 res = json.load(f)
         else:
-            res = evaluate(ckpt, heldout, d, backend=eval_backend(ckpt, data_cfg, tokens),
+            backend = checkpoint_backend(backend, ckpt, data_cfg, tokens)
+            res = evaluate(ckpt, heldout, d, backend=backend,
                            min_pixels=data_cfg.image.min_pixels, max_pixels=data_cfg.image.max_pixels,
                            batch_size=int(demo.get("eval_batch_size", 8)), max_new_tokens=tokens,
                            progress=progress)
