@@ -23,10 +23,10 @@ Design:
   a merge; rate in docs/PERFORMANCE.md, ## checkpoint). The main thread reads (and checks) the chunks in
   order; their arithmetic runs on `WORKERS` threads (`ChunkPipe`: numpy releases the GIL, so a second core
   does arithmetic too), at most `AHEAD` bytes of chunks in flight, and the results are written in order.
-  The output is written as a stream (header first, then tensor bytes in order, by a writer thread) and each written
-  shard is checked by opening it with `safetensors.safe_open`. Reading the inputs through `safe_open`
-  instead keeps the memory-mapped pages of all N inputs resident, and its numpy frontend cannot hold bf16
-  (peak memory of both ways: docs/PERFORMANCE.md, ## checkpoint).
+  The output is written as a stream (header first, then tensor bytes in order, by a writer thread) and
+  each written shard is checked by opening it with `safetensors.safe_open`. Reading the inputs through
+  `safe_open` instead keeps the memory-mapped pages of all N inputs resident, and its numpy frontend
+  cannot hold bf16 (peak memory of both ways: docs/PERFORMANCE.md, ## checkpoint).
 - Floating tensors are read as float32 (float64 stays float64); linear and task-arithmetic merges add them
   up in float64, so an average is the exact mean rounded once to the output dtype (bf16 with
   round-to-nearest-even; float32 sums would be off by an ulp of the sum). Integer/bool tensors must be identical across inputs and are copied.
