@@ -101,8 +101,8 @@ def test_one_graph_step_equals_train_step(monkeypatch):
         ms.set_seed(0)
         model = MindVLModel(cfg)
         params = select_trainable(model, stage.trainable_prefixes())
-        if kind == "host":  # TrainStep as it runs under semi/auto parallel: dense table gradients
-            eng = TrainStep(model, params, model.INPUT_NAMES, stage.loss, stage, row_grads=False)
+        if kind == "host":  # TrainStep as it runs under semi/auto parallel: dense table gradients, static shapes
+            eng = TrainStep(model, params, model.INPUT_NAMES, stage.loss, stage, compiler_reduces=True)
         else:
             eng = mf_step.MFStep(model, params, model.INPUT_NAMES, stage.loss, stage)
             assert eng.k == 4 and type(eng.cell).__name__ == "MFTrainOneStepCell"

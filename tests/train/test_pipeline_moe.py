@@ -6,7 +6,8 @@ MindFormers' PipelineCellWithMultiOutputs over the rank's 4 micro-batches):
   fail with "StridedSlice begin[0] must be in [-1, 1)");
 - with the layers placed on two pipeline stages, the aux-loss-free bias update runs once per step and every
   MoE layer's bias moves as numpy predicts from that load;
-- loss, expert load, biases and parameters equal the plain micro-batch accumulation (TrainStep).
+- loss, expert load, biases and parameters equal the plain micro-batch accumulation (TrainStep, built as
+  under semi/auto parallel: static shapes).
 
 Stand-alone, MFStep runs the pipeline cell under MFTrainOneStepCell (MFPipelineWithLossScaleCell needs
 semi/auto parallel); its finite check is Ascend-only, so monkeypatch swaps in the CPU check of
@@ -82,8 +83,8 @@ def _run(pipeline_stages, steps=2):
         placed = assign_pipeline_stages(model, pipeline_stages, [1, 0])  # 3 layers: 2 on stage 0, 1 on stage 1
         assert [placed[f"layers.{i}"] for i in range(3)] == [0, 0, 1] and placed["lm_head"] == 1
         eng = mf_step.MFStep(model, params, model.INPUT_NAMES, st.loss, st, pipeline_stages=pipeline_stages)
-    else:
-        eng = TrainStep(model, params, model.INPUT_NAMES, st.loss, st)
+    else:  # as the trainer builds it under semi/auto parallel: static shapes, the compiler's reduction
+        eng = TrainStep(model, params, model.INPUT_NAMES, st.loss, st, compiler_reduces=True)
     assert eng.bias_updater is not None
     routers = model.model.routers()
     rng = np.random.RandomState(0)
