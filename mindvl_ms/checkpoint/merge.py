@@ -19,8 +19,9 @@ Design:
   the same shapes and dtypes; the error lists every difference per input.
 - Memory stays about a few chunks, not N checkpoints: each input file's header is read once and tensor
   bytes are fetched with positional reads in chunks of `CHUNK` elements (small enough that the widening,
-  the float64 sum and the rounding of a chunk run in the CPU's cache: the arithmetic, not the disk, bounds
-  a merge; rate in docs/PERFORMANCE.md, ## checkpoint). The main thread reads (and checks) the chunks in
+  the float64 sum and the rounding of a chunk run in the CPU's cache, large enough that the threads below
+  seldom wait for the GIL: the arithmetic, not the disk, bounds a merge; rate in docs/PERFORMANCE.md,
+  ## checkpoint). The main thread reads (and checks) the chunks in
   order; their arithmetic runs on `WORKERS` threads (`ChunkPipe`: numpy releases the GIL, so a second core
   does arithmetic too), at most `AHEAD` bytes of chunks in flight, and the results are written in order.
   The output is written as a stream (header first, then tensor bytes in order, by a writer thread) and
@@ -67,7 +68,8 @@ from mindvl_ms.checkpoint.io import DEFAULT_SHARD_BYTES, INDEX, CheckpointError,
 from mindvl_ms.data.processor import carry_processor
 from mindvl_ms.data.processor_files import CHAT_TEMPLATE, PREPROCESSOR, PROCESSOR_FILES, has_tokenizer
 
-CHUNK = 1 << 16  # elements per streamed chunk: its float64 sum (512 KiB) and temporaries stay in the CPU's cache
+CHUNK = 1 << 18  # elements per streamed chunk: few numpy calls (each hands the GIL between threads) per element,
+# while a chunk's float64 sum (2 MiB) and temporaries stay in the CPU's cache (docs/PERFORMANCE.md, ## checkpoint)
 WORKERS = 2  # threads merging chunks (ChunkPipe) while the main thread reads and checks the inputs
 AHEAD = 4 << 20  # bytes of input chunks in flight (read, being merged, or waiting to be written in order)
 METHODS = ("linear", "task_arithmetic", "ties")
