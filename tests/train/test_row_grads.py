@@ -103,10 +103,12 @@ def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_train_step_with_row_grads_equals_plain_autodiff(tied):
-    """Two steps of the tiny MindVL: the tables (untied: embedding and head; tied: one table fed by both)
-    take the row-wise path, and losses and every parameter match the plain autodiff step."""
+    """Two steps of the tiny MindVL (one ViT block: the tables are the language model's): the tables (untied:
+    embedding and head; tied: one table fed by both) take the row-wise path, and losses and every parameter
+    match the plain autodiff step."""
     ms.set_context(mode=ms.GRAPH_MODE)
-    spec = dict(MODEL, text=dict(MODEL["text"], tie_word_embeddings=tied))
+    spec = dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0]),
+                text=dict(MODEL["text"], tie_word_embeddings=tied))
     cfg = load(MindVLConfig, spec, "test")
     st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
                             "max_steps": 2, "max_lr": 1e-2, "loss": {"logits_chunk_tokens": 5}})
