@@ -91,6 +91,8 @@ def checkpoint_backend(prev: Optional[EvalBackend], ckpt: str, data_cfg, tokens:
         finally:
             if isinstance(sources, Sources):
                 sources.close()
+    # not evaluation.eval_backend: its backends are cached by checkpoint path, and the one returned here
+    # takes the next checkpoint's weights, so a cached one would later answer with the wrong weights
     return EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), tokens)
 
 
