@@ -17,6 +17,8 @@ os.environ.setdefault("GLOG_v", "3")  # MindSpore: errors only
 
 import mindspore as ms  # noqa: E402
 
+from mindvl_ms.ops.process import freeze_imported_objects  # noqa: E402
+
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
@@ -64,6 +66,13 @@ UNITS = {"tests/infer/": "tests/infer/", "tests/models/test_video_parity.py": "t
 def _unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     return next((name for prefix, name in UNITS.items() if path.startswith(prefix)), path)
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported now (MindSpore, torch, transformers with it): freeze those objects, so
+    the full collection MindSpore runs before each graph compile visits only what the tests create
+    (mindvl_ms/ops/process.py)."""
+    freeze_imported_objects()
 
 
 def pytest_collection_modifyitems(config, items):
