@@ -9,6 +9,8 @@ import argparse
 import json
 import os
 
+from mindvl_ms.cli import freeze_for_the_run
+
 _FORMAT = "@BENCHMARK_FORMAT@"  # filled in by _FormatHelp when a help is shown
 
 
@@ -74,6 +76,7 @@ def _run_eval(args: argparse.Namespace) -> int:
     from mindvl_ms.infer.generate import use_graph_mode
     from mindvl_ms.eval.benchmark import evaluate, load_backend
 
+    freeze_for_the_run()
     use_graph_mode()
     os.makedirs(args.out, exist_ok=True)  # an unwritable output fails before the model is loaded
     with skip_verification(args.no_verify):
@@ -103,6 +106,7 @@ def _run_search_resolution(args: argparse.Namespace) -> int:
     from mindvl_ms.infer.generate import use_graph_mode
     from mindvl_ms.eval.resolution_search import search, summary
 
+    freeze_for_the_run()
     use_graph_mode()
     with skip_verification(args.no_verify):
         res = search(args.ckpt, args.data, args.out, min_grid=args.min_grid, max_grid=args.max_grid,

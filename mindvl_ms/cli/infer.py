@@ -14,6 +14,8 @@ MindSpore is imported inside the handlers so `mindvl --help` stays fast.
 import argparse
 import sys
 
+from mindvl_ms.cli import freeze_for_the_run
+
 HELP_SAMPLING = "greedy decoding unless --do-sample"
 
 
@@ -118,6 +120,7 @@ def _run_export(args) -> int:
     from mindvl_ms.infer.export import export
     from mindvl_ms.infer.generate import use_graph_mode
 
+    freeze_for_the_run()
     use_graph_mode()
     with skip_verification(args.no_verify):
         meta = export(args.ckpt, args.out, fp16=args.fp16)
@@ -159,6 +162,7 @@ class _Session:
         from mindvl_ms.checkpoint.integrity import skip_verification
         from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
 
+        freeze_for_the_run()
         use_graph_mode()
         with skip_verification(args.no_verify):
             self.model = load_model(args.ckpt, args.fp16)

@@ -5,6 +5,8 @@ import argparse
 import json
 import logging
 
+from mindvl_ms.cli import freeze_for_the_run
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -46,6 +48,7 @@ def _run_rollout(args) -> int:
         raise ValueError(f"--low {args.low} is above --high {args.high}")
     verifier = Verifier(args.reward, 1.0, args.format_weight)
     prompts = read_post_file(args.data, "prompt")
+    freeze_for_the_run()
     use_graph_mode()
     model = load_model(args.ckpt)
     proc = load_processor(args.ckpt, model.config)

@@ -11,6 +11,8 @@ import json
 import logging
 import sys
 
+from mindvl_ms.cli import freeze_for_the_run
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -47,6 +49,7 @@ def _run_train(args) -> int:
     from mindvl_ms.infer.rollout import EngineSampler
     from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 
+    freeze_for_the_run()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_run_config(resolve_config(args.config)[0], args.set)

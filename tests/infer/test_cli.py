@@ -3,6 +3,7 @@ than the context, all reported as one clear line (exit code 2) before any graph 
 Run: pytest tests/infer/test_cli.py
 """
 import builtins
+import gc
 import os
 
 import pytest
@@ -54,6 +55,23 @@ def test_prompt_longer_than_context(small_ckpt, capsys):
     assert main(["generate", "--ckpt", small_ckpt, "--prompt", "word " * 80, "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert "exceeds the model's context of 64 tokens" in err
+
+
+def test_model_command_freezes_the_imported_objects_once(small_ckpt, capsys):
+    """`mindvl generate` freezes the objects alive before it builds its model (MindSpore's gc.collect() before
+    each graph compile then skips them), once per process: a second command in the same process freezes
+    nothing more, so the first command's model stays collectable."""
+    argv = ["generate", "--ckpt", small_ckpt, "--prompt", "word " * 80, "--max-new-tokens", "4"]
+    gc.unfreeze()  # as in a fresh `mindvl` process (the test session froze its imports)
+    try:
+        assert main(argv) == 2
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        assert main(argv) == 2
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.freeze()
+    assert "exceeds the model's context" in capsys.readouterr().err
 
 
 def test_chat_reports_errors_and_keeps_going(small_ckpt, tmp_path, monkeypatch, capsys):
