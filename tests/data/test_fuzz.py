@@ -31,6 +31,7 @@ from mindvl_ms.config.data import DataConfig
 from mindvl_ms.config.model import MindVLConfig
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.data.dataset import DataLoader
+from mindvl_ms.data import offline
 from mindvl_ms.data.offline import sample_meta
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.schema import SampleError, parse_sample
@@ -148,7 +149,16 @@ def world(tmp_path_factory):
     with open(config, "w") as f:
         yaml.safe_dump({"data": DATA_SECTION}, f)
     cfg = load(DataConfig, DATA_SECTION)
-    return w, config, MindVLProcessor(config=cfg), MindVLConfig()
+    proc = MindVLProcessor(config=cfg)
+
+    def same_processor(config: DataConfig) -> MindVLProcessor:
+        assert config == cfg, "`mindvl data pack` read another data section than the loader's"
+        return proc
+    # `mindvl data pack` builds a processor from the file's data section (the tokenizer load is most of a
+    # pack's time): it gets the loader's one, built from the same section
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offline, "MindVLProcessor", same_processor)
+        yield w, config, proc, MindVLConfig()
 
 
 SPEC = st.tuples(st.integers(0, len(TEMPLATES) - 1), st.one_of(st.none(), st.sampled_from(MUTATION_NAMES)),
