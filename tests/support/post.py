@@ -4,9 +4,10 @@ import os
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import Tensor, nn, ops
 
 from mindvl_ms.data.preference import encode_response
+from mindvl_ms.infer.generate import get_engine
 from mindvl_ms.infer.rollout import EngineSampler
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
@@ -53,6 +54,23 @@ def low_ids(response, answer):
     """Fraction of response tokens with an id below int(answer) (a dense reward for the tests)."""
     toks = response.split()
     return sum(int(t) < int(answer) for t in toks) / max(len(toks), 1)
+
+
+def fresh_model(model_spec=None):
+    """-> reset(): a tiny MindVL with the weights `ms.set_seed(0); MindVLModel(MODEL)` gives, set back before each
+    use (the engine's image features dropped): one model for a module, so the graphs compiled on it (the post
+    stage's step kept on it, the engine's cells) are compiled once."""
+    cfg = load_run_config(data={"seed": 0, "model": model_spec or MODEL, "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    model = MindVLModel(cfg.model)
+    init = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
+
+    def reset():
+        for p in model.get_parameters():
+            p.set_data(Tensor(init[p.name]))
+        get_engine(model).image_cache.clear()
+        return model
+    return reset
 
 
 def run(tmp, stage, factory, resume=None, model=None, plot=True):

@@ -53,6 +53,7 @@ class DPOObjective(nn.Cell):
     def __init__(self, beta: float = 0.1, preference_weight: float = 1.0, quality_weight: float = 0.0):
         super().__init__()
         self.beta, self.w_pref, self.w_qual = float(beta), float(preference_weight), float(quality_weight)
+        self.key = ("dpo", self.beta, self.w_pref, self.w_qual)  # the constants its graph holds
 
     def construct(self, logits, targets, segment_ids, ce_weight, pair_c, pair_r, ref_c, ref_r, pair_w, delta):
         logp, _, _ = target_logp(logits, targets)                           # [B, L]

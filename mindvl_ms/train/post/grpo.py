@@ -65,6 +65,7 @@ class GRPOObjective(nn.Cell):
             raise ValueError(f"GRPO clip ranges: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
         self.lo, self.hi, self.kl_coef = 1.0 - float(clip_low), 1.0 + float(clip_high), float(kl_coef)
         self.temperature = float(temperature)
+        self.key = ("grpo", self.lo, self.hi, self.kl_coef, self.temperature)  # the constants its graph holds
 
     def construct(self, logits, targets, old_logp, ref_logp, adv, token_norm):
         logp, mask, entropy = target_logp(logits, targets, self.temperature)  # [B, L] each

@@ -31,7 +31,7 @@ from mindvl_ms.train.post.dpo import DPOObjective, RunningMean, dpo_arrays, resp
 from mindvl_ms.train.post.grpo import GRPOObjective, group_advantages
 from mindvl_ms.train.post.rewards import Verifier
 from mindvl_ms.train.post.sampler import ResponseSampler, require_sampler, rollout_seed
-from mindvl_ms.train.post.step import PostTrainStep
+from mindvl_ms.train.post.step import PostTrainStep, post_train_step
 
 
 def pack_rows(samples: Sequence[Dict], seq_length: int) -> List[List[Dict]]:
@@ -64,10 +64,11 @@ class StepDriver:
         #                           collate, stage_dir, resuming, sampler
 
     def _engine(self, objective, temperature: float = 1.0) -> PostTrainStep:
+        """The stage's step: the previous post stage's on this network when its graphs fit (step.post_train_step)."""
         c = self.run_cfg.context
-        return PostTrainStep(self.net, self.params, self.names, objective, self.stage, self.dist.dp, self.allreduce,
-                             c.precision, c.loss_scale_value, c.loss_scale_factor, c.loss_scale_window,
-                             temperature=temperature)
+        return post_train_step(self.net, self.params, self.names, objective, objective.key, self.stage, self.dist.dp,
+                               self.allreduce, c.precision, c.loss_scale_value, c.loss_scale_factor,
+                               c.loss_scale_window, temperature=temperature)
 
     def _stage_file(self, name: str, compute: Callable[[], Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
         """Arrays fixed at the stage's start (reference log-probs / weights): computed on a fresh stage,

@@ -13,6 +13,13 @@ log-probs are computed with it.
 
 The MoE aux loss is added like in SFT; the aux-loss-free expert-bias update is not run in these
 stages (the stats output takes the place of the expert load).
+
+`post_train_step` keeps the last step built for a network on that network: a later post stage (a chain of
+post stages, a resumed run on the same model) takes it back with its state reset. Its ReduceStep, AdamW and
+zeroing graphs serve any post stage on the same trainable parameters and optimizer constants, its LogProbs
+graph any stage at the same sampling temperature (DPO and GRPO score the same graph) and its micro-step any
+stage with the same objective constants; only what differs is built and compiled again (figures in
+docs/PERFORMANCE.md, ## train).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindvl_ms.parallel.moe import EPExperts
 from mindvl_ms.train.loss import IGNORE
 from mindvl_ms.train.step_cells import MicroStep
 from mindvl_ms.train.train_step import StepResult, TrainStep, ms_dtype
@@ -83,7 +91,7 @@ class PostTrainStep(TrainStep):
         super().__init__(model, params, input_names, stage.loss, stage, dp, allreduce_host, precision,
                          loss_scale_value, loss_scale_factor, loss_scale_window)
         n_model = len(self.input_names)
-        self.objective = objective
+        self.objective, self.micro_model = objective, model
         self.micro = MicroStep(PolicyForward(model, objective, n_model), params, self.accum)
         self.logprobs = LogProbs(model, n_model, temperature)
         self._lp_shaped = False
@@ -123,3 +131,64 @@ class PostTrainStep(TrainStep):
         loss, norm, applied = self.apply(loss_sum, lr)
         toks = sum(int((arr[self.input_names.index("segment_ids")] > 0).sum()) for arr in arrays)
         return StepResult(loss, norm, applied, float(self.scale.asnumpy()), toks, 0, 0), stats
+
+    def reset_state(self, loss_scale_value: float) -> None:
+        """The state a new step starts with: zero accumulators and AdamW moments, step 0, the initial loss
+        scale, no objective state; the compiled graphs stay."""
+        for p in list(self.accum) + list(self.update.m) + list(self.update.v):
+            p.set_data(Tensor(np.zeros(p.shape, ms.dtype_to_nptype(p.dtype))))
+        self.update.step.set_data(Tensor(0, ms.int32))
+        self.scale.set_data(Tensor(loss_scale_value if self.dynamic else 1.0, ms.float32))
+        self.good.set_data(Tensor(0, ms.int32))
+        self.extra_state = {}
+        self.compiles = 0
+
+    def retarget(self, objective: nn.Cell, temperature: float) -> None:
+        """Another objective (a new micro-step on the same accumulators) and/or sampling temperature (a new
+        LogProbs); the reduce, AdamW and zeroing graphs stay compiled."""
+        n_model = len(self.input_names)
+        self.objective = objective
+        self.micro = MicroStep(PolicyForward(self.micro_model, objective, n_model), self.params, self.accum)
+        self._shaped = False
+        if float(temperature) != self.logprobs.temperature:
+            self.logprobs = LogProbs(self.micro_model, n_model, temperature)
+            self._lp_shaped = False
+
+
+_CACHED = "_mindvl_post_train_step"  # attribute of the network: (signatures, PostTrainStep) of its last post stage
+
+
+def cached_post_step(net: nn.Cell):
+    """The post-training step last built for `net` (None before the first)."""
+    entry = vars(net).get(_CACHED)
+    return entry[1] if entry else None
+
+
+def post_train_step(net, params, input_names, objective: nn.Cell, objective_key: tuple, stage, dp: int = 1,
+                    allreduce_host=None, precision: str = "float32", loss_scale_value: float = 65536.0,
+                    loss_scale_factor: float = 2.0, loss_scale_window: int = 1000,
+                    temperature: float = 1.0) -> PostTrainStep:
+    """A PostTrainStep for a post stage. The one kept on `net` when its reduce and AdamW graphs were built from
+    the same parameters (the same Parameter objects), inputs, AdamW constants, dp, precision and expert-parallel
+    dispatcher lengths (`parallel.moe.set_moe_seq_length`, read when a graph is traced): its state
+    reset (`reset_state`), and its micro-step / LogProbs rebuilt only when the objective constants
+    (`objective_key`) / the temperature differ (`retarget`); else a new one. The step is kept on `net` (one per
+    network: its accumulators and moments live as long as the network or until the next post stage)."""
+    traced = tuple(c.seq_length for _, c in net.cells_and_names() if isinstance(c, EPExperts))  # in the graphs
+    base = (tuple(input_names), traced, dp, precision, tuple(sorted(stage.lr_prefixes().items())),
+            float(stage.weight_decay), float(stage.adam_beta1), float(stage.adam_beta2), float(stage.adam_eps))
+    entry = vars(net).get(_CACHED)
+    if entry is not None and entry[0][0] == base and len(entry[1].params) == len(params) and \
+            all(a is b for a, b in zip(entry[1].params, params)):
+        engine = entry[1]
+        if entry[0][1] != objective_key or engine.logprobs.temperature != float(temperature):
+            engine.retarget(objective, temperature)
+        engine.reset_state(loss_scale_value)
+        engine.clip, engine.allreduce_host = float(stage.grad_clip), allreduce_host or (lambda x: x)
+        engine.factor, engine.window = float(loss_scale_factor), int(loss_scale_window)
+    else:
+        vars(net).pop(_CACHED, None)  # the old step's state goes before the new one is allocated
+        engine = PostTrainStep(net, params, input_names, objective, stage, dp, allreduce_host, precision,
+                               loss_scale_value, loss_scale_factor, loss_scale_window, temperature)
+    object.__setattr__(net, _CACHED, ((base, objective_key), engine))
+    return engine

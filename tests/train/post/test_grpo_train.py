@@ -10,16 +10,16 @@ import shutil
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Tensor
 
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.infer.rollout import EngineSampler
 from tests.support import post as H
-from mindvl_ms.infer.generate import generate, get_engine
+from mindvl_ms.infer.generate import generate
 from mindvl_ms.infer.rollout import sample_group, sample_groups
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.post.sampler import rollout_seed
+from mindvl_ms.train.post.step import cached_post_step
 
 GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
               "max_lr": 2e-2, "warmup_ratio": 0.0, "epochs": None, "max_steps": 4, "weight_decay": 0.0,
@@ -30,19 +30,8 @@ GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_si
 
 @pytest.fixture(scope="module")
 def fresh():
-    """fresh() -> the module's tiny MindVL with the weights `ms.set_seed(0); MindVLModel(H.MODEL)` gives (set
-    back before each use, the engine's image features dropped): one model, one set of compiled graphs."""
-    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
-    ms.set_seed(0)
-    model = MindVLModel(cfg.model)
-    init = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
-
-    def reset():
-        for p in model.get_parameters():
-            p.set_data(Tensor(init[p.name]))
-        get_engine(model).image_cache.clear()
-        return model
-    return reset
+    """fresh() -> the module's tiny MindVL at its seed-0 initial weights (tests/support/post.py fresh_model)."""
+    return H.fresh_model()
 
 
 def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path, fresh):
@@ -57,14 +46,17 @@ def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path, fresh):
     assert recs[0]["clip_frac"] >= 0 and os.path.isfile(os.path.join(out, "grpo", "reference_weights.npz"))
     assert os.path.isfile(os.path.join(out, "grpo", "post_metrics.png"))
     assert recs[-1]["reward_mean"] > recs[0]["reward_mean"] + 0.1  # measured: 0.31 -> 0.59
-    # resume from the step-2 checkpoint (rollouts seeded by step and prompt; the KL reference reloaded)
+    # resume from the step-2 checkpoint (rollouts seeded by step and prompt; the KL reference reloaded), with
+    # the step the first run built on the model (train/post/step.py post_train_step)
     final = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
+    engine = cached_post_step(model)
     b = str(tmp_path / "b")
     shutil.copytree(out, b)
     model_b, _, recs_b = H.run(b, GRPO_STAGE, lambda *a: H.prompt_source(), plot=False,
                                resume=os.path.join(b, "grpo", "checkpoint-000002"), model=fresh())
     for k, v in final.items():
         np.testing.assert_array_equal(model_b.parameters_dict()[k].asnumpy(), v, err_msg=k)
+    assert cached_post_step(model_b) is engine and engine.compiles == 0
     keys = ("loss", "reward_mean", "clip_frac", "entropy", "kl", "response_length")
     assert [[r[k] for k in keys] for r in recs_b] == [[r[k] for k in keys] for r in recs]
 
