@@ -1,6 +1,6 @@
 """The one-graph train step (train/mf_step.py: MindFormers' GradAccumulationCellWithMultiOutputs +
 MFTrainOneStepCell around ForwardLoss, this project's AdamW) against the host-driven TrainStep on the tiny
-MindVL config: 3 optimizer steps with 4 micro-batches each, stand-alone on CPU.
+MindVL config: 3 optimizer steps with 2 micro-batches of 2 rows each, stand-alone on CPU.
 
 MFTrainOneStepCell's finite check uses NPUGetFloatStatusV2 (Ascend only); inside this test only, monkeypatch
 replaces `get_overflow_status` by an all-finite check of the gradients (same meaning: True = overflow)."""
@@ -49,12 +49,18 @@ def rows(n, seed, cfg):
     return out
 
 
+def micro_batches(step, cfg, stage):
+    """One step's rows as micro-batches of `stage.micro_batch_size` rows, padded to the stage's seq_length."""
+    n = stage.micro_batch_size
+    return [build_model_inputs(step[i:i + n], cfg, pad_to=stage.seq_length) for i in range(0, len(step), n)]
+
+
 def skip_nonfinite(eng, model, mbs):
     """A step whose gradients are not finite (an inf pixel) is skipped inside the graph: not applied,
     parameters, moments and the step counter bit-identical; the same compiled graph runs it."""
     before = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
     state = {k: v.asnumpy().copy() for k, v in eng.state_parameters().items()}
-    mbs[2]["pixel_values"][0, 0] = np.inf
+    mbs[-1]["pixel_values"][0, 0] = np.inf
     res = eng.run(mbs, 1e-3)
     assert not res.applied and eng.compiles == 1
     for p in model.get_parameters():
@@ -83,16 +89,17 @@ def test_head_grid_is_the_stage_seq_length_under_semi_auto():
 
 
 def test_one_graph_step_equals_train_step(monkeypatch):
-    """Same loss (to 1 float32 ulp) and parameters (to 1e-6) as TrainStep after 3 steps x 4 micro-batches,
-    with active clipping, lr coefficients (vision x0.1), weight decay and the balanced loss (its token-weight
-    denominator spans the micro-batches: the forward-only pre-pass graph). Not bitwise: the tied embedding /
-    head gradient of the 4 micro-batches is summed in another order (the unrolled graph's autodiff vs
-    TrainStep's accumulator adds; with clipping off every other tensor is bitwise after step 1), and
-    ClipGradNorm sums the squares in another order than GradNorm, which moves the clip factor by an ulp;
-    Adam's m / sqrt(v) carries these ulps into the later steps."""
+    """Same loss (to 1 float32 ulp) and parameters (to 1e-6) as TrainStep after 3 steps x 2 micro-batches
+    (2 rows each: the one-graph step unrolls one forward and backward per micro-batch, so 2 is its smallest
+    accumulation and the smallest graph to compile), with active clipping, lr coefficients (vision x0.1),
+    weight decay and the balanced loss (its token-weight denominator spans the micro-batches: the forward-only
+    pre-pass graph). Not bitwise: the tied embedding / head gradient of the micro-batches is summed in another
+    order (the unrolled graph's autodiff vs TrainStep's accumulator adds; with clipping off every other tensor
+    is bitwise after step 1), and ClipGradNorm sums the squares in another order than GradNorm, which moves the
+    clip factor by an ulp; Adam's m / sqrt(v) carries these ulps into the later steps."""
     monkeypatch.setattr(mf_step._mindformers().MFTrainOneStepCell, "get_overflow_status", cpu_overflow)
     cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
-    stage = load(StageConfig, dict(name="s", seq_length=24, global_batch_size=4, micro_batch_size=1, max_lr=1e-3,
+    stage = load(StageConfig, dict(name="s", seq_length=24, global_batch_size=4, micro_batch_size=2, max_lr=1e-3,
                                    max_steps=3, weight_decay=0.1, grad_clip=1.0, lr_coefficients={"vision": 0.1},
                                    loss={"type": "balanced", "lambda1": 0.5, "lambda2": 1.5}))
     data = [rows(4, s, cfg) for s in range(3)]
@@ -105,11 +112,10 @@ def test_one_graph_step_equals_train_step(monkeypatch):
             eng = TrainStep(model, params, model.INPUT_NAMES, stage.loss, stage, compiler_reduces=True)
         else:
             eng = mf_step.MFStep(model, params, model.INPUT_NAMES, stage.loss, stage)
-            assert eng.k == 4 and type(eng.cell).__name__ == "MFTrainOneStepCell"
-        res = [eng.run([build_model_inputs([row], cfg, pad_to=stage.seq_length) for row in step], 1e-3)
-               for step in data]
+            assert eng.k == 2 and type(eng.cell).__name__ == "MFTrainOneStepCell"
+        res = [eng.run(micro_batches(step, cfg, stage), 1e-3) for step in data]
         if kind == "graph":
-            skip_nonfinite(eng, model, [build_model_inputs([row], cfg, pad_to=stage.seq_length) for row in data[0]])
+            skip_nonfinite(eng, model, micro_batches(data[0], cfg, stage))
         out[kind] = (res, {p.name: p.asnumpy().copy() for p in model.get_parameters()},
                      {k: v.asnumpy().copy() for k, v in eng.state_parameters().items() if k.startswith("adam_")},
                      eng.compiles)
