@@ -79,14 +79,33 @@ def hf_logits(hf, ids):
         return hf(torch.tensor(np.asarray(ids, np.int64)[None])).logits[0].numpy()
 
 
+def dynamic_inputs(lm):
+    """Dynamic batch and length: one compiled graph for every shape."""
+    lm.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[3, None, None], dtype=ms.int32),
+                  Tensor(shape=[None, None], dtype=ms.int32))
+    return lm
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory):
+    """(hf dir, transformers model, our model with dynamic inputs, text config) of the default variant: one
+    model and one compiled graph for the logits test's default variant and the packed-samples test."""
+    hf_dir, hf = hf_tiny_deepseek(tmp_path_factory.mktemp("moe") / "hf", seed=1)
+    lm, tc = load_native(hf_dir)
+    return hf_dir, hf, dynamic_inputs(lm), tc
+
+
 @pytest.mark.parametrize("variant", [
     {},  # MLA with q LoRA, interleaved rope, group-limited routing to 1 of 2 groups
     {"q_lora_rank": None, "rope_interleave": False, "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
      "first_k_dense_replace": 2},
 ])
-def test_logits_match_transformers_and_export_is_bit_exact(tmp_path, variant):
-    hf_dir, hf = hf_tiny_deepseek(tmp_path / "hf", **variant)
-    lm, tc = load_native(hf_dir)
+def test_logits_match_transformers_and_export_is_bit_exact(tmp_path, variant, request):
+    if variant:
+        hf_dir, hf = hf_tiny_deepseek(tmp_path / "hf", **variant)
+        lm, tc = load_native(hf_dir)
+    else:
+        hf_dir, hf, lm, tc = request.getfixturevalue("default_model")
     rng = np.random.default_rng(1)
     ids = rng.integers(0, VOCAB, (2, 12))
     with torch.no_grad():
@@ -116,14 +135,11 @@ def test_grouped_dispatch_equals_dense_and_transformers(tmp_path):
     assert err < 1e-4, err
 
 
-def test_packed_samples_match_separate_runs_with_dynamic_shapes(tmp_path):
-    hf_dir, hf = hf_tiny_deepseek(tmp_path / "hf", seed=1)
-    lm, _ = load_native(hf_dir)
-    lm.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[3, None, None], dtype=ms.int32),
-                  Tensor(shape=[None, None], dtype=ms.int32))
+def test_packed_samples_match_separate_runs_with_dynamic_shapes(default_model):
+    _, hf, lm, _ = default_model
     rng = np.random.default_rng(5)
     a, b, c = (rng.integers(0, VOCAB, n) for n in (7, 5, 9))
-    for rows in ([[a, b], [c]], [[c, a]]):  # two layouts, two lengths: one compiled graph
+    for rows in ([[a, b], [c]], [[c, a]]):  # two layouts, two lengths: one compiled graph (with the logits test's)
         i, p, s = packed_inputs(rows)
         out = lm(Tensor(i), Tensor(p), Tensor(s))[0].asnumpy()
         for r, row in enumerate(rows):
