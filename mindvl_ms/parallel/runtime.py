@@ -43,7 +43,7 @@ from typing import List, Optional, Tuple
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
-from mindspore.communication import get_group_size, get_rank, init
+from mindspore.communication import GlobalComm, get_group_size, get_rank, init
 
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.data.collate import INPUT_NAMES, INPUT_RANKS, VISION_NAMES
@@ -224,11 +224,18 @@ def validate_strategy(model_cfg, sizes, world: int) -> List[str]:
     return problems
 
 
+def set_device(target: str) -> None:
+    """`ms.set_device(target)`, keeping the device id `init()` gave this rank when the process has joined its
+    cluster already (a worker that trains several runs, each calling `setup`): under msrun `init()` gives rank
+    r device id r, and MindSpore refuses a later set_device with another id (the default is 0)."""
+    ms.set_device(target, ms.get_context("device_id") if GlobalComm.INITED else None)
+
+
 def setup(run_cfg) -> DistInfo:
     """Set the MindSpore context, join the msrun cluster when launched by it, validate the strategy."""
     ctx = run_cfg.context
     ms.set_context(mode=ms.GRAPH_MODE if ctx.mode == 0 else ms.PYNATIVE_MODE)
-    ms.set_device(ctx.device_target)
+    set_device(ctx.device_target)
     extra = context_settings(ctx)
     if extra:
         ms.set_context(**extra)

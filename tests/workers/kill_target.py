@@ -28,6 +28,7 @@ import mindspore as ms
 import numpy as np
 
 from mindvl_ms.checkpoint import trainer_state as ts
+from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from mindvl_ms.train.train_step import TrainStep
@@ -112,21 +113,11 @@ def main(out: str, resume: bool) -> None:
     print("DONE rank", rank, out, flush=True)
 
 
-def same_device(set_device):
-    """`ms.set_device` for this process's later runs: the device as the first run left it. Under msrun,
-    `mindspore.communication.init()` gives rank r device id r (DEVICE_ID), and set_device refuses a call
-    with another id, which each run's `parallel.runtime.setup` makes (set_device(target): id 0)."""
-    def keep(device_target, device_id=None):
-        return set_device(device_target, int(os.environ.get("DEVICE_ID", "0")) if device_id is None else device_id)
-    return keep
-
-
 if __name__ == "__main__":
+    freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     todo = runs(sys.argv[1:])
     kill_at = os.environ.get("KILL_AT", "")
     if kill_at and int(os.environ.get("KILL_RANK", "1")) == int(os.environ.get("RANK_ID", "0")):
         arm(todo[0][0], int(os.environ.get("RANK_ID", "0")), kill_at)
-    for i, run in enumerate(todo):
-        if i == 1:
-            ms.set_device = same_device(ms.set_device)
+    for run in todo:  # each run's setup keeps the device init() gave this rank (parallel/runtime.set_device)
         main(*run)
