@@ -7,6 +7,7 @@ empty temporary directory with only the installed copy on PYTHONPATH.
 """
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,8 @@ def test_wheel(tmp_path):
     assert "--quick" in out and "usage: mindvl demo" in out
     out = _run(mindvl + ["init-config", "stage/tiny-cpu.yaml"], str(work), env)
     assert (work / "configs" / "stage" / "tiny-cpu.yaml").is_file() and (work / "configs" / "model" / "tiny.yaml").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
     check = f"""
 import os, mindvl_ms
 from mindvl_ms.config.packaged import resolve_config
@@ -136,16 +139,20 @@ assert config_path(True).startswith({str(target)!r}) and [s.name for s, _ in run
 from mindvl_ms.ops import cpu_kernels
 assert all(os.path.isfile(os.path.join(cpu_kernels._source_dir(), s)) for s in cpu_kernels.SOURCES)
 print("lookup ok", len(run_cfg.schedule()))
+
+# `mindvl train` in this process (one MindSpore import for both commands): a missing packaged config, then
+# from an empty directory a packaged config, resolved and named (then the config check stops it: no stages)
+import sys
+from mindvl_ms.cli import main
+print("@@ rc", main(["train", "--config", "configs/stage/missing.yaml"]), file=sys.stderr, flush=True)
+os.chdir({str(empty)!r})
+print("@@ rc", main(["train", "--config", "configs/stage/tiny-cpu.yaml", "--set", "stages=[]"]), file=sys.stderr,
+      flush=True)
 """
-    assert "lookup ok 4" in _run([sys.executable, "-c", check], str(work), env)
-    r = subprocess.run(mindvl + ["train", "--config", "configs/stage/missing.yaml"], cwd=str(work), env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "no packaged config 'stage/missing.yaml'" in r.stderr
-    # `mindvl train` resolves a packaged config from an empty directory and says so (then stops at the
-    # config check: no stages left)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    r = subprocess.run(mindvl + ["train", "--config", "configs/stage/tiny-cpu.yaml", "--set", "stages=[]"],
-                       cwd=str(empty), env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert f"using the packaged copy {target}" in r.stderr and "`stages` is empty" in r.stderr
+    r = subprocess.run([sys.executable, "-c", check], cwd=str(work), env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "lookup ok 4" in r.stdout, r.stderr
+    missing, rc_missing, packaged, rc_packaged, _ = re.split(r"@@ rc (-?\d+)\n", r.stderr)
+    assert rc_missing == "2" and "no packaged config 'stage/missing.yaml'" in missing, r.stderr
+    assert rc_packaged == "2", r.stderr
+    assert f"using the packaged copy {target}" in packaged and "`stages` is empty" in packaged
