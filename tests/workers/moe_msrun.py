@@ -14,6 +14,7 @@ import numpy as np
 
 from mindvl_ms.config import read_yaml
 from mindvl_ms.models.mindvl import MindVLModel
+from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from tests.support import hf_tiny
@@ -56,4 +57,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     main(sys.argv[1])
