@@ -8,17 +8,37 @@ import os
 
 import pytest
 
+import mindvl_ms.infer.generate as G
 from mindvl_ms import cli
 from mindvl_ms.cli import main
 from mindvl_ms.config import MindVLConfig
 from mindvl_ms.config.base import load, read_yaml
+from mindvl_ms.ops.process import freeze_imported_objects
 from tests.support.paths import ROOT
 
 
+@pytest.fixture(scope="module")
+def loaded():
+    """(checkpoint, fp16) -> model, for this module's tests."""
+    models = {}
+    yield models
+    models.clear()
+
+
 @pytest.fixture(autouse=True)
-def only_infer_commands(monkeypatch):
-    """The real `mindvl` entry point with just this area's subcommands registered."""
+def only_infer_commands(monkeypatch, loaded):
+    """The real `mindvl` entry point with just this area's subcommands registered; the commands and the
+    eval backend load a checkpoint once per module (one model: one set of compiled graphs)."""
     monkeypatch.setattr(cli, "COMMAND_MODULES", ["mindvl_ms.cli.infer"])
+    real = G.load_model
+
+    def load_once(ckpt, fp16=False):
+        key = (os.path.abspath(ckpt), fp16)
+        if key not in loaded:
+            loaded[key] = real(ckpt, fp16)
+        return loaded[key]
+    monkeypatch.setattr(G, "load_model", load_once)
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +90,7 @@ def test_model_command_freezes_the_imported_objects_once(small_ckpt, capsys):
         assert main(argv) == 2
         assert gc.get_freeze_count() == frozen
     finally:
-        gc.freeze()
+        freeze_imported_objects()  # the session's frozen objects (what is alive now, collected first)
     assert "exceeds the model's context" in capsys.readouterr().err
 
 
