@@ -15,7 +15,8 @@ Design:
   parameter's identity (`param_info.cloned_obj`), by which MindSpore gives it the parameter's tensor-
   and optimizer-parallel layout. Figures: docs/PERFORMANCE.md, ## train. That list holds its clones
   alive, so a new step (the next training stage) replaces the clones of the same name (`zero_clone`)
-  rather than keeping the previous step's state in memory.
+  rather than keeping the previous step's state in memory; a stage that fits the previous step's graphs
+  keeps its clones and zeroes them (`AdamWUpdate.restart`).
 - `AdamWUpdate` runs MindSpore's fused in-place AdamWeightDecay kernel per parameter (bias correction
   folded into its scalar inputs), so the update holds no optimizer-sized temporaries. It is an
   `nn.Optimizer` with moments cloned from the parameters, so `parallel.enable_parallel_optimizer`
@@ -180,6 +181,17 @@ class AdamWUpdate(nn.Optimizer):
         self.wd_on = tuple(Tensor(1.0 if decays(p) else 0.0, ms.float32) for p in params)
         self.weight_decay_value, self.beta1, self.beta2, self.eps = weight_decay, beta1, beta2, eps
         self.b1, self.b2 = Tensor(beta1, ms.float32), Tensor(beta2, ms.float32)
+
+    def restart(self, weight_decay: float, beta1: float, beta2: float, eps: float) -> None:
+        """A fresh optimizer on these compiled graphs (the next stage's, `train_step.TrainStep.restart`):
+        moments and step zeroed, the host-side weight decay and epsilon replaced. The betas are graph
+        constants, so they must be the ones this update was built with."""
+        if (float(beta1), float(beta2)) != (float(self.beta1), float(self.beta2)):
+            raise ValueError(f"AdamWUpdate.restart: betas ({beta1}, {beta2}) differ from the compiled "
+                             f"({self.beta1}, {self.beta2}); build a new update")
+        for p in list(self.m) + list(self.v) + [self.step]:
+            p.set_data(ops.zeros(p.shape, p.dtype))
+        self.weight_decay_value, self.eps = weight_decay, eps
 
     def bias_corrected(self, lr: float, t: int):
         """(lr, eps, wd) for the kernel at optimizer step t (1-based), with bias correction folded in."""

@@ -1,4 +1,5 @@
-"""The gradient graphs of the train step, each compiled once per stage.
+"""The gradient graphs of the train step, each compiled once per stage (or once for consecutive stages that
+fit them, `train_step.TrainStep.restart`).
 
 - `MicroStep`: forward + backward of one micro-batch through a forward-loss Cell (`ForwardLoss`, or the
   post-training `PolicyForward`); the gradients of the trainable parameters only (frozen ones are not in

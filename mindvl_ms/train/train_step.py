@@ -1,7 +1,8 @@
 """The train step: forward + loss + gradients + accumulation per micro-batch, then once per global batch
 all-reduce + unscale + finite check + clipping + AdamW + loss-scale update.
 
-Graphs (each compiled once per stage; dynamic shapes via `set_inputs`, recompiles are counted):
+Graphs (each compiled once per stage, or once for consecutive stages that fit them, `TrainStep.restart`;
+dynamic shapes via `set_inputs`, recompiles are counted):
 - `MicroStep` (train/step_cells.py) over `ForwardLoss` (train/forward_loss.py): forward, loss share
   (+ MoE aux loss), gradients of the trainable parameters added into fp32 accumulators. MindVL's LM head
   runs only at the supervised positions, in chunks (train/loss_head.py), and its [V, D] tables add their
@@ -28,7 +29,7 @@ packed multimodal micro-batches differ in patch count, so slicing them inside on
 per-micro-batch index plumbing; the gradient synchronisation must happen once per global batch,
 not per micro-batch; and deciding "skip or update" on the host (from two scalars) lets the update
 be the fused in-place kernel instead of a masked update that materialises several optimizer-sized
-temporaries (docs/PERFORMANCE.md, ## train). Every graph is still compiled once per stage; nothing
+temporaries (docs/PERFORMANCE.md, ## train). Every graph is still compiled at most once per stage; nothing
 runs op by op.
 """
 from __future__ import annotations
@@ -40,13 +41,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 
 from mindvl_ms.train.forward_loss import ForwardLoss, WeightSumStep, has_sparse_head, row_grad_tables
 from mindvl_ms.train.loss import IGNORE, TrainLoss
 from mindvl_ms.train.loss_head import supervised_layout
 from mindvl_ms.train.memory import release_heap
-from mindvl_ms.train.optim import AdamWUpdate, ZeroAccum, zeros_like_params
+from mindvl_ms.train.optim import AdamWUpdate, ZeroAccum, lr_coefficient, zeros_like_params
 from mindvl_ms.train.step_cells import MicroStep, ReduceStep
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,26 @@ def find_bias_updater(model: nn.Cell):
     return lm.bias_updater()
 
 
+def graph_key(model: nn.Cell, params: Sequence[Parameter], input_names: Sequence[str], loss_cfg, stage, dp: int,
+              precision: str, gradients_mean: bool, compiler_reduces: bool, row_grads: bool) -> tuple:
+    """Everything a `TrainStep` built from these arguments bakes into its graphs as constants: the model,
+    its inputs, the trainable parameters (hence the sparse head, row-gradient tables and decay masks),
+    the loss type and weights, each micro-batch's share 1/(accumulation x dp), the parameters' LR
+    coefficients, the AdamW betas and the reduction (dp, mean, compiler-inserted). Two stages with equal
+    keys can train on one step's compiled graphs (`TrainStep.restart`); sequence length, batch shapes,
+    learning rate, weight decay, epsilon and clipping are inputs or host values and may differ."""
+    coefs = stage.lr_prefixes()
+    return (id(model), tuple(input_names), tuple(p.name for p in params),
+            (loss_cfg.type, float(loss_cfg.lambda1), float(loss_cfg.lambda2), float(loss_cfg.tau1),
+             float(loss_cfg.tau2)),
+            stage.accumulation(dp) * dp, tuple(lr_coefficient(p.name, coefs) for p in params),
+            (float(stage.adam_beta1), float(stage.adam_beta2)), int(dp), precision, bool(gradients_mean),
+            bool(compiler_reduces), bool(row_grads and not compiler_reduces))
+
+
 class TrainStep:
-    """Host driver for one stage: owns the accumulators, moments, loss scale and the compiled graphs."""
+    """Host driver for a stage: owns the accumulators, moments, loss scale and the compiled graphs. The next
+    stage may run on the same graphs (`restart`, the trainer's `StageChain` does) when they fit it."""
 
     def __init__(self, model: nn.Cell, params: List[Parameter], input_names: Sequence[str], loss_cfg,
                  stage, dp: int = 1, allreduce_host=None, precision: str = "float32",
@@ -142,27 +161,59 @@ class TrainStep:
         self.input_names = list(input_names)
         if "segment_ids" not in self.input_names:
             raise ValueError(f"the model's INPUT_NAMES {self.input_names} must include segment_ids")
+        self.key = graph_key(model, params, input_names, loss_cfg, stage, dp, precision, gradients_mean,
+                             compiler_reduces, row_grads)
         self.loss = TrainLoss(loss_cfg.type, loss_cfg.lambda1, loss_cfg.lambda2, loss_cfg.tau1, loss_cfg.tau2)
-        self.chunk = int(getattr(loss_cfg, "logits_chunk_tokens", 1024))
         self.sparse = has_sparse_head(model)
         self.params = params
         self.accum = zeros_like_params(params, "accum")
         self.update = AdamWUpdate(params, self.accum, stage.lr_prefixes(), stage.weight_decay,
                                   stage.adam_beta1, stage.adam_beta2, stage.adam_eps)
         self.dynamic = precision == "float16"
-        self.scale = Parameter(Tensor(loss_scale_value if self.dynamic else 1.0, ms.float32), name="loss_scale",
-                               requires_grad=False)
+        self.scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
         self.good = Parameter(Tensor(0, ms.int32), name="loss_scale_good_steps", requires_grad=False)
-        self.factor, self.window = float(loss_scale_factor), int(loss_scale_window)
+        self._host_values(loss_cfg, stage, allreduce_host, loss_scale_value, loss_scale_factor, loss_scale_window)
         self._build_graphs(model, stage, dp, gradients_mean, compiler_reduces, row_grads and not compiler_reduces)
         self.need_prepass_kind = loss_cfg.type == "balanced" and loss_cfg.lambda1 > 0
-        self.dp, self.clip = dp, float(stage.grad_clip)
-        self.allreduce_host = allreduce_host or (lambda x: x)
+        self.dp = dp
         self._shaped = False
         self.static = compiler_reduces  # semi/auto parallel: a stage's RowBudget fixes every input shape
         self.constant = constant_dims(model)
         self.compiles = 0
         self.bias_updater = find_bias_updater(model)
+
+    def _host_values(self, loss_cfg, stage, allreduce_host, loss_scale_value: float, loss_scale_factor: float,
+                     loss_scale_window: int) -> None:
+        """The stage's values that live on the host, not in a graph (a restarted step takes the next
+        stage's): the LM head chunk, clipping, the host all-reduce, and the loss scale at its start."""
+        self.chunk = int(getattr(loss_cfg, "logits_chunk_tokens", 1024))
+        self.clip = float(stage.grad_clip)
+        self.allreduce_host = allreduce_host or (lambda x: x)
+        self.scale.set_data(Tensor(loss_scale_value if self.dynamic else 1.0, ms.float32))
+        self.good.set_data(Tensor(0, ms.int32))
+        self.factor, self.window = float(loss_scale_factor), int(loss_scale_window)
+
+    def restart(self, model: nn.Cell, params: List[Parameter], input_names: Sequence[str], loss_cfg, stage,
+                dp: int = 1, allreduce_host=None, precision: str = "float32", loss_scale_value: float = 65536.0,
+                loss_scale_factor: float = 2.0, loss_scale_window: int = 1000, gradients_mean: bool = False,
+                compiler_reduces: bool = False, row_grads: bool = True) -> bool:
+        """Take the next stage (the constructor's arguments) on this step's compiled graphs, when everything
+        they bake in (`graph_key`) is what a new step would bake in: the state becomes a new step's
+        (accumulators, moments and optimizer step zero, the loss scale at its initial value), the host-side
+        values the stage's (AdamW weight decay and epsilon, clipping, chunk, loss-scale schedule) and the
+        compile count restarts; the stage then trains bit-identically to one on a new step without
+        compiling (the graphs are cached per Cell instance). Returns False, changing nothing, otherwise."""
+        if not isinstance(self.micro.forward, ForwardLoss) or self.key != graph_key(
+                model, params, input_names, loss_cfg, stage, dp, precision, gradients_mean, compiler_reduces,
+                row_grads):
+            return False
+        for a in self.accum:
+            a.set_data(ops.zeros(a.shape, a.dtype))
+        self.update.restart(stage.weight_decay, stage.adam_beta1, stage.adam_beta2, stage.adam_eps)
+        self._host_values(loss_cfg, stage, allreduce_host, loss_scale_value, loss_scale_factor, loss_scale_window)
+        self.compiles = 0
+        release_heap()
+        return True
 
     def _build_graphs(self, model: nn.Cell, stage, dp: int, gradients_mean: bool, compiler_reduces: bool,
                       row_grads: bool) -> None:

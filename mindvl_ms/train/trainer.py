@@ -8,7 +8,10 @@ stage. A `Trainer` owns the stage's trainable parameters, its compiled step with
 DPO / GRPO step driver's), its data source and its checkpoints; `train_step()`
 is one optimizer step (next global batch -> this rank's rows -> micro-batches (`build_model_inputs`,
 padded to the stage's seq_length) -> forward, backward, update -> step record) and `train()` runs the
-stage to its end.
+stage to its end. An SFT stage whose graphs would equal the previous SFT stage's (same trainable
+parameters, loss and constants, `train_step.graph_key`; sequence length and shapes may differ) trains on
+that stage's `TrainStep`, restarted with a new step's state (`TrainStep.restart`), so it compiles nothing
+(e.g. variants of one stage); not under semi/auto parallel (`MFStep`) nor across a DPO / GRPO stage.
 
 Variants (MindVL section 5.3): the stages train in `RunConfig.schedule()` order, where a stage with
 `variants` is one stage per variant. Before each variant the model gets the weights (and RNG state) that
@@ -146,7 +149,8 @@ class Trainer:
     def _build_step(self, resuming: bool):
         """(driver, engine): the SFT step, or a DPO / GRPO step driver with its own step (train/post/stage.py)."""
         c, stage = self.chain, self.stage
-        set_moe_seq_length(c.model, stage.seq_length)  # expert-parallel dispatchers: this stage's rows
+        moe_changed = set_moe_seq_length(c.model, stage.seq_length)  # expert-parallel dispatchers: the stage's rows
+        previous, c.step_engine = c.step_engine, None
         if stage.type != "sft":
             driver = make_step_driver(dict(run_cfg=self.run_cfg, stage=stage, dist=self.dist, model=c.model,
                                            net=c.net, params=self.params, names=c.names, source=self.source,
@@ -158,10 +162,16 @@ class Trainer:
             return None, MFStep(c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce,
                                 ctx.precision, ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
                                 pipeline_stages=self.run_cfg.parallel_config.pipeline_stage)
-        return None, TrainStep(c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce,
-                               ctx.precision, ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window,
-                               gradients_mean=self.run_cfg.parallel.gradients_mean,
-                               compiler_reduces=self.dist.compiler_reduces)
+        args = (c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce, ctx.precision,
+                ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window)
+        kw = dict(gradients_mean=self.run_cfg.parallel.gradients_mean, compiler_reduces=self.dist.compiler_reduces)
+        if previous is not None and c.reuse_steps and not moe_changed and previous.restart(*args, **kw):
+            log.info("stage %s: the previous stage's compiled step fits it, reused", stage.name)
+            c.step_engine = previous
+        else:
+            del previous  # the chain holds no step but the current stage's
+            c.step_engine = TrainStep(*args, **kw)
+        return None, c.step_engine
 
     def _restore(self, resume: ResumePoint) -> None:
         """Optimizer state, this rank's data position and the step counters of the checkpoint."""
@@ -313,8 +323,11 @@ class StageChain:
     `run()` drives one `Trainer` per stage, from the resume point if any, and writes the summary."""
 
     def __init__(self, run_cfg, out_dir: str, model=None, data_factory: Optional[Callable] = None,
-                 collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None):
+                 collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None,
+                 reuse_steps: bool = True):
         self.run_cfg, self.out_dir, self.progress, self.sampler = run_cfg, out_dir, progress, sampler
+        self.reuse_steps = reuse_steps  # False: every SFT stage builds (and compiles) its own TrainStep
+        self.step_engine: Optional[TrainStep] = None  # the last SFT stage's, restarted by the next when it fits
         self.schedule = run_cfg.schedule()  # (stage as it trains, the stage it is a variant of or None)
         self.stages = [st for st, _ in self.schedule]
         self.base = run_cfg.init_from or None  # the checkpoint the next group of variants starts from
@@ -440,6 +453,7 @@ class StageChain:
                 merges.append(self.merge_variants(si))
             elif group is None:
                 self.base = reports[-1]["checkpoint"]
+            del trainer  # a step the next stage does not restart is freed before the next one is built
         summary = summarize(self.metrics.read(), counts, peak, self.dist.world, time.perf_counter() - t_start,
                             compile_time, peak_source)
         summary.update({"stages": reports, "merges": merges, "out_dir": self.out_dir, "ranks": self.dist.world,

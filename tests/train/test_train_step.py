@@ -1,5 +1,5 @@
 """The compiled train step: accumulation invariance, frozen modules, AdamW vs numpy, non-finite skip,
-dynamic loss scaling, one compile per stage."""
+dynamic loss scaling, one compile per stage, a step restarted for the next stage."""
 import math
 
 import mindspore as ms
@@ -163,3 +163,49 @@ def test_dynamic_loss_scale_halves_on_overflow_and_matches_unscaled():
     _, ref_shift = train(m3, st, steps[first_ok:], steps=5 - first_ok)
     np.testing.assert_allclose([r.loss for r in res[first_ok:]], [r.loss for r in ref_shift], rtol=1e-5)
     assert all(r.applied for r in ref_shift)
+
+
+def test_restart_for_a_fitting_stage_equals_a_new_step():
+    """A step restarted for the next stage (same trainable set, loss and micro-batch share; other rows'
+    length, LR, weight decay, epsilon, clipping and LM-head chunk) holds a new step's state (moments, step,
+    accumulators, the float16 loss scale and its good-step count back at the start) and trains
+    bit-identically to a new step for that stage, on its first stage's graphs. A stage whose graphs
+    differ (betas, trainable set, loss, share) is refused and changes nothing."""
+    a = stage_cfg(micro_batch_size=4)
+    b = stage_cfg(name="b", seq_length=40, micro_batch_size=4, weight_decay=0.02, adam_eps=1e-6, grad_clip=0.5,
+                  loss={"logits_chunk_tokens": 64})
+    fp16 = dict(precision="float16", loss_scale_value=2.0 ** 100, loss_scale_factor=2.0, loss_scale_window=2)
+    rows = make_rows(48, seed=3)
+    m = fresh_model()
+    eng, res = train(m, a, [rows[i * 8:(i + 1) * 8] for i in range(3)], steps=3, **fp16)
+    state = {k: p.asnumpy().copy() for k, p in eng.state_parameters().items()}
+    assert all(r.applied for r in res) and int(state["adam_step"]) == 3
+    assert float(state["loss_scale"]) == 2.0 ** 101 and int(state["loss_scale_good_steps"]) == 1
+    for other in (stage_cfg(adam_beta2=0.99), stage_cfg(trainable="projector"), stage_cfg(loss={"type": "balanced"}),
+                  stage_cfg(micro_batch_size=2)):
+        assert not eng.restart(m, select_trainable(m, other.trainable_prefixes()), m.INPUT_NAMES, other.loss,
+                               other, **fp16), other
+    assert all(np.array_equal(state[k], p.asnumpy()) for k, p in eng.state_parameters().items())
+    start = snapshot(m)
+    assert eng.restart(m, select_trainable(m, b.trainable_prefixes()), m.INPUT_NAMES, b.loss, b, **fp16)
+    ref_m = fresh_model(start)
+    ref = TrainStep(ref_m, select_trainable(ref_m, b.trainable_prefixes()), ref_m.INPUT_NAMES, b.loss, b, **fp16)
+    fresh = {k: p.asnumpy() for k, p in ref.state_parameters().items()}
+    assert sorted(fresh) == sorted(eng.state_parameters())
+    for k, p in eng.state_parameters().items():
+        assert np.array_equal(p.asnumpy(), fresh[k]), k
+    assert all(not x.asnumpy().any() for x in eng.accum)
+    graphs = [len(c.compile_cache) for c in (eng.micro, eng.reduce, eng.update)]
+    for s in range(3):
+        mbs = [collate(r, b) for r in micro_batches(rows[24 + s * 8:32 + s * 8], 4)]
+        x, y = eng.run(mbs, 3e-3 * (s + 1)), ref.run(mbs, 3e-3 * (s + 1))
+        np.testing.assert_array_equal([x.loss, x.grad_norm, x.loss_scale], [y.loss, y.grad_norm, y.loss_scale])
+        assert x.applied and y.applied
+    after, ref_after = snapshot(m), snapshot(ref_m)
+    assert any(not np.array_equal(after[k], start[k]) for k in start)  # it trained
+    for k, v in ref_after.items():
+        assert np.array_equal(after[k], v), k
+    for k, p in ref.state_parameters().items():
+        assert np.array_equal(eng.state_parameters()[k].asnumpy(), p.asnumpy()), k
+    assert eng.compiles == 0 and ref.compiles == 1
+    assert [len(c.compile_cache) for c in (eng.micro, eng.reduce, eng.update)] == graphs
