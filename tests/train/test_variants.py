@@ -39,8 +39,9 @@ VARIANTS = {"sft_2k": (192, 8 * UNIT), "sft_4k": (256, 16 * UNIT), "sft_8k": (32
 STEPS = 2
 PHOTO = (448, 336)  # width, height: 150,528 px, above every variant's budget
 WORDS = "the a cat dog sits on mat red blue green house car tree sky".split()
-# the tiny model (configs/model/tiny.yaml) with one decoder layer and one ViT block: each stage compiles its own
-# train graph, and this keeps the eight compiles of the module to minutes
+# the tiny model (configs/model/tiny.yaml) with one decoder layer and one ViT block: the variants train on
+# multitask's compiled step (same trainable parameters, loss and micro-batch share, train_step.graph_key), so
+# the module compiles a train step three times (the reference run, the killed worker, the resume)
 SMALLER = {"text": {"num_hidden_layers": 1}, "vision": {"depth": 1, "fullatt_block_indexes": [0]}}
 
 
@@ -175,6 +176,7 @@ def reference(tmp_path_factory):
 def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(reference):
     _, out, summary, seen, _ = reference
     assert [s["stage"] for s in summary["stages"]] == ["multitask", *VARIANTS]
+    assert [s["compiled_graphs"] for s in summary["stages"]] == [1, 0, 0, 0]  # the variants reuse multitask's step
     start = read_tensors(summary["stages"][0]["checkpoint"])  # the multitask stage's final checkpoint
     for name, (seq, pixels) in VARIANTS.items():
         got = seen[name]
@@ -231,6 +233,7 @@ def test_kill_between_variants_then_resume_is_bit_identical(reference, tmp_path)
     rec = Recorder(model)
     resumed = run_training(cfg, out, resume=out, model=model, data_factory=rec, progress=False)
     assert [s["stage"] for s in resumed["stages"]] == ["sft_4k", "sft_8k"]
+    assert [s["compiled_graphs"] for s in resumed["stages"]] == [1, 0]  # a new step where the resume starts
     assert losses(out) == losses(ref_dir)  # every logged loss, both runs, bit for bit
     start = read_tensors(summary["stages"][0]["checkpoint"])
     for k, t in start.items():  # the resumed variant started from the multitask weights, not sft_2k's

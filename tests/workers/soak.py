@@ -23,6 +23,7 @@ import mindspore as ms
 import numpy as np
 
 from mindvl_ms.checkpoint import trainer_state as ts
+from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from tests.support.train_tiny import TinyVLM, collate, make_rows
@@ -151,4 +152,5 @@ def main():
 
 
 if __name__ == "__main__":
+    freeze_imported_objects()  # one model per process: MindSpore's gc.collect() before each compile skips them
     main()

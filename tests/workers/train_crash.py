@@ -10,6 +10,7 @@ import sys
 import mindspore as ms
 
 from mindvl_ms.checkpoint import trainer_state as ts
+from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import run_training
 from mindvl_ms.train.batches import RowSource
 from tests.train.test_resume import ROWS, run_cfg
@@ -27,6 +28,7 @@ def killing_write(path, tensors, metadata=None):
 
 
 if __name__ == "__main__":
+    freeze_imported_objects()  # one model per process: MindSpore's gc.collect() before each compile skips them
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     ts.write_file = killing_write

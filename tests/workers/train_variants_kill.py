@@ -8,10 +8,12 @@ import sys
 
 import mindspore as ms
 
+from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import run_training
 from tests.train.test_variants import Recorder, run_cfg, tiny_model
 
 if __name__ == "__main__":
+    freeze_imported_objects()  # one model per process: MindSpore's gc.collect() before each compile skips them
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     data, out, stop_at = sys.argv[1:4]
