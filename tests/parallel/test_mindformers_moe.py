@@ -9,6 +9,7 @@ same call signatures and semantics (`mindspore.ops` built-ins; the grouped matmu
 dense product of `mindvl_ms.ops.moe.GroupedMatmul`'s CPU branch).
 """
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -162,13 +163,18 @@ def text_config(e, k, groups, topk_group):
                       vocab_size=64, num_hidden_layers=2, intermediate_size=48, moe=moe)
 
 
-def build_pair(cpu_mindformers, tc, seq):
-    """This project's DeepseekV3MoE and MindFormers' MoELayer holding the same weights."""
-    moe_layer, ffn = cpu_mindformers
+def build_ours(tc):
+    """This project's DeepseekV3MoE with seeded weights."""
     ours = DeepseekV3MoE(tc)
     rng = np.random.default_rng(0)
     for _, p in ours.parameters_and_names():
         p.set_data(Tensor((rng.standard_normal(p.shape) * 0.2).astype(np.float32)))
+    return ours
+
+
+def build_theirs(cpu_mindformers, ours, tc, seq):
+    """MindFormers' MoELayer holding `ours`' weights."""
+    moe_layer, ffn = cpu_mindformers
     m = tc.moe
     cfg = transformer_config(m.n_routed_experts, m.num_experts_per_tok, tc.hidden_size, seq_length=seq, moe=m)
     cfg.moe_router_load_balancing_type = "seq_aux_loss"
@@ -180,7 +186,13 @@ def build_pair(cpu_mindformers, tc, seq):
     theirs.router.expert_bias.set_data(Tensor(ours.gate.e_score_correction_bias.asnumpy()))
     theirs.experts.weight1.set_data(Tensor(np.concatenate([gate, up], -1).reshape(e * d, 2 * inter)))
     theirs.experts.weight2.set_data(Tensor(down.reshape(e * inter, d)))
-    return ours, theirs
+    return theirs
+
+
+def build_pair(cpu_mindformers, tc, seq):
+    """This project's DeepseekV3MoE and MindFormers' MoELayer holding the same weights."""
+    ours = build_ours(tc)
+    return ours, build_theirs(cpu_mindformers, ours, tc, seq)
 
 
 class OursLoss(nn.Cell):
@@ -203,25 +215,45 @@ class TheirsLoss(nn.Cell):
         return (y.swapaxes(0, 1) * g).sum()
 
 
-def run_both(ours, theirs, b, seq, d):
-    rng = np.random.default_rng(1)
+def inputs(b, seq, d, seed):
+    """x, the output's cotangent g ([B, L, D] each) and every token valid."""
+    rng = np.random.default_rng(seed)
     x = Tensor(rng.standard_normal((b, seq, d)).astype(np.float32))
     g = Tensor(rng.standard_normal((b, seq, d)).astype(np.float32))
-    valid = Tensor(np.ones(b * seq, np.float32))
-    lo, lt = OursLoss(ours), TheirsLoss(theirs)
-    (vo, (gxo, gwo)) = ms.value_and_grad(lo, 0, lo.trainable_params())(x, g, valid)
-    (vt, (gxt, gwt)) = ms.value_and_grad(lt, 0, lt.trainable_params())(x, g)
-    go = {p.name.split("moe.")[-1]: v.asnumpy() for p, v in zip(lo.trainable_params(), gwo)}
-    gt = {p.name.split("moe.")[-1]: v.asnumpy() for p, v in zip(lt.trainable_params(), gwt)}
-    return (vo.asnumpy(), gxo.asnumpy(), go), (vt.asnumpy(), gxt.asnumpy(), gt)
+    return x, g, Tensor(np.ones(b * seq, np.float32))
 
 
-def test_mindformers_moe_layer_equals_ours_where_routing_rules_agree(cpu_mindformers):
+def loss_and_grads(loss, *args):
+    """The loss, its gradient in x and {parameter name inside the MoE layer: gradient}."""
+    v, (gx, gw) = ms.value_and_grad(loss, 0, loss.trainable_params())(*args)
+    names = [p.name.split("moe.")[-1] for p in loss.trainable_params()]
+    return v.asnumpy(), gx.asnumpy(), {n: a.asnumpy() for n, a in zip(names, gw)}
+
+
+def run_both(ours, theirs, b, seq, d):
+    x, g, valid = inputs(b, seq, d, 1)
+    return loss_and_grads(OursLoss(ours), x, g, valid), loss_and_grads(TheirsLoss(theirs), x, g)
+
+
+B, SEQ = 2, 12
+
+
+@pytest.fixture(scope="module")
+def agreeing():
+    """This project's layer where the routing rules agree (16 experts, top 4 of 4 groups' best 2), its inputs and
+    its loss and gradients on them: computed (and compiled) once for the two tests that compare other layers
+    against it."""
     tc = text_config(e=16, k=4, groups=4, topk_group=2)  # 4 // 2 = 2: both rules sum each group's top 2
+    ours = build_ours(tc)
+    x, g, valid = inputs(B, SEQ, tc.hidden_size, 1)
+    return SimpleNamespace(tc=tc, ours=ours, x=x, g=g, valid=valid, got=loss_and_grads(OursLoss(ours), x, g, valid))
+
+
+def test_mindformers_moe_layer_equals_ours_where_routing_rules_agree(cpu_mindformers, agreeing):
+    tc, ours = agreeing.tc, agreeing.ours
     assert routing_rules_agree(tc.moe)
-    b, seq = 2, 12
-    ours, theirs = build_pair(cpu_mindformers, tc, seq)
-    (vo, gxo, go), (vt, gxt, gt) = run_both(ours, theirs, b, seq, tc.hidden_size)
+    theirs = build_theirs(cpu_mindformers, ours, tc, SEQ)
+    (vo, gxo, go), (vt, gxt, gt) = agreeing.got, loss_and_grads(TheirsLoss(theirs), agreeing.x, agreeing.g)
     np.testing.assert_allclose(vt, vo, rtol=1e-5)
     np.testing.assert_allclose(gxt, gxo, rtol=1e-4, atol=1e-5)
     e, d, inter = ours.experts.gate_proj.shape
@@ -268,12 +300,10 @@ def test_mindformers_group_score_differs_when_k_over_topk_group_is_not_2(cpu_min
         MindFormersSelect(tc.moe)  # the Ascend path says so when it is built for such a config
 
 
-def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_mindformers):
+def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_mindformers, agreeing):
     """use_mindformers (what apply_ep binds on Ascend): MindFormers' selection and its all-to-all token
     dispatcher + grouped matmuls inside the Morph, with this project's parameters, on a single device."""
-    tc = text_config(e=16, k=4, groups=4, topk_group=2)
-    b, seq = 2, 12
-    ours, _ = build_pair(cpu_mindformers, tc, seq)
+    tc, ours = agreeing.tc, agreeing.ours
     names = [n for n, _ in ours.parameters_and_names()]
     ascend = DeepseekV3MoE(tc)
     for (_, p), (_, q) in zip(ascend.parameters_and_names(), ours.parameters_and_names()):
@@ -281,16 +311,11 @@ def test_ascend_path_mindformers_select_and_dispatcher_equal_ours_on_cpu(cpu_min
     use_mindformers(ascend, tc.moe)
     assert ascend.gate.mindformers_select is not None and ascend.experts.parallel_experts is not None
     assert [n for n, _ in ascend.parameters_and_names()] == names  # no parameter added or renamed
-    rng = np.random.default_rng(4)
-    x = Tensor(rng.standard_normal((b, seq, tc.hidden_size)).astype(np.float32))
-    g = Tensor(rng.standard_normal((b, seq, tc.hidden_size)).astype(np.float32))
-    valid = Tensor(np.ones(b * seq, np.float32))
-    res = []
-    for cell in (ours, ascend):
-        loss = OursLoss(cell)
-        v, (gx, gw) = ms.value_and_grad(loss, 0, loss.trainable_params())(x, g, valid)
-        res.append([v.asnumpy(), gx.asnumpy()] + [a.asnumpy() for a in gw])
-    for a, c in zip(res[0], res[1]):
+    want = agreeing.got
+    got = loss_and_grads(OursLoss(ascend), agreeing.x, agreeing.g, agreeing.valid)
+    assert sorted(got[2]) == sorted(want[2])
+    for a, c in zip([want[0], want[1]] + [want[2][k] for k in sorted(want[2])],
+                    [got[0], got[1]] + [got[2][k] for k in sorted(want[2])]):
         np.testing.assert_allclose(c, a, rtol=1e-4, atol=1e-5)
 
 
