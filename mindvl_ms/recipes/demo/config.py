@@ -25,8 +25,10 @@ def config_path(quick: bool) -> str:
 
 
 DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first", "vqa_describe",
-             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid")  # the `demo:` section's settings
-DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants")  # YAML true/false
+             "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid",
+             "phase_processes")  # the `demo:` section's settings
+DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants",
+                  "phase_processes")  # YAML true/false
 
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):

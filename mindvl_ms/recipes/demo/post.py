@@ -21,7 +21,8 @@ Steps (everything lands in OUT/post, the demo run's files are only read):
              stricter Acc@IoU0.75 and the mean IoU (GRPO's reward) of the three.
 
 Paths in the YAML that start with `runs/demo/` are the demo's default OUT and are rewritten to --out.
-Each phase (`post_phases`) runs in its own spawned process (`processes.in_child`), as in the demo.
+Each phase (`post_phases`) runs in its own spawned process (`processes.in_child`), as in the demo, unless
+`demo.phase_processes` is false (then in the calling process).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def load_post_config(path: str, out_dir: str, overrides: Optional[List[str]] = N
             raise ConfigError(f"--set {o!r}: the demo section has no {key[len('demo.'):]!r} "
                               f"(expected demo.KEY=VALUE, KEY one of {sorted(demo)} or below)")
         set_dotted(demo, key[len("demo."):], val)
+    if not isinstance(demo.get("phase_processes", True), bool):
+        raise ConfigError(f"{path}: demo.phase_processes must be true or false, got {demo['phase_processes']!r}")
     if not isinstance(demo.get("prompts"), int) or demo["prompts"] < 1:
         raise ConfigError(f"{path}: demo.prompts (the number of RL prompt images) must be an integer >= 1, "
                           f"got {demo.get('prompts')!r}")
@@ -122,18 +125,20 @@ def run_post_train(out_dir: str = "runs/demo", config: Optional[str] = None, ove
     prompts = grpo.data["sources"][0]["path"]
     write_prompts(os.path.dirname(prompts), int(demo["prompts"]), run_cfg.seed)
     pairs = dpo.data["sources"][0]["path"]
+    spawn = demo.get("phase_processes", True)
     rollout = in_child(rollout_phase, run_cfg.init_from, prompts, pairs, run_cfg.data, demo.get("rollout") or {},
-                       run_cfg.seed, progress)
+                       run_cfg.seed, progress, spawn=spawn)
     if rollout["pairs"] < dpo.global_batch_size:
         raise ValueError(f"rollout gave {rollout['pairs']} preference pairs, fewer than one DPO batch "
                          f"({dpo.global_batch_size}); widen demo.rollout.high/low or raise k")
     t_roll = time.perf_counter()
-    ckpts = in_child(train_phase, copy.deepcopy(run_cfg), os.path.join(post, "train"), progress)
+    ckpts = in_child(train_phase, copy.deepcopy(run_cfg), os.path.join(post, "train"), progress, spawn=spawn)
     t_train = time.perf_counter()
     named = {"merged": run_cfg.init_from, "dpo": ckpts["dpo"], "grpo": ckpts["grpo"]}
     done = os.path.join(out_dir, "eval", "merged", "grounding")  # the demo's own evaluation of merged
     reuse = {"merged": done} if reusable_eval(done, run_cfg.init_from, heldout, run_cfg.data) else {}
-    scores = in_child(eval_phase, named, heldout, run_cfg.data, demo, os.path.join(post, "eval"), progress, reuse)
+    scores = in_child(eval_phase, named, heldout, run_cfg.data, demo, os.path.join(post, "eval"), progress, reuse,
+                      spawn=spawn)
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(post), "seed": run_cfg.seed,
               "checkpoints": named, "rollout": rollout, "prompts": prompts,

@@ -1,6 +1,7 @@
 """The phases of `mindvl demo --post-train` (`post.run_post_train`), each run in its own process
-(`processes.in_child`): the rollout that makes the preference pairs, the DPO -> GRPO training chain, and
-the held-out grounding evaluation with the figures GRPO's IoU reward speaks to."""
+(`processes.in_child`; in the calling one with `demo.phase_processes: false`): the rollout that makes the
+preference pairs, the DPO -> GRPO training chain, and the held-out grounding evaluation with the figures
+GRPO's IoU reward speaks to."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from mindvl_ms.eval.benchmark import evaluate
 from mindvl_ms.eval.metrics import parse_box
 from mindvl_ms.infer.generate import EvalBackend, load_model
 from mindvl_ms.infer.rollout import EngineSampler, rollout_pairs, write_pairs
+from mindvl_ms.recipes.demo.evaluation import eval_backend
 from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.train import run_training
 from mindvl_ms.train.post.rewards import Verifier
@@ -28,10 +30,13 @@ log = logging.getLogger(__name__)
 
 def rollout_phase(ckpt: str, prompts: str, out: str, data_cfg, ro: Dict[str, Any], seed: int,
                   progress: bool) -> Dict[str, Any]:
-    """`mindvl rollout` on the prompts with the processor the demo trained with; writes the pairs."""
+    """`mindvl rollout` on the prompts with the processor the demo trained with; writes the pairs. The model
+    is the demo evaluation's of ckpt (`evaluation.eval_backend`, cached per checkpoint): in a process that
+    evaluated ckpt already its compiled graphs serve the rollout (the rollout only reads the weights)."""
     child_setup()
     proc = MindVLProcessor(config=data_cfg)
-    lines, summary = rollout_pairs(load_model(ckpt), proc, read_post_file(prompts, "prompt"),
+    model = eval_backend(ckpt, data_cfg, int(ro.get("max_new_tokens", 24))).model
+    lines, summary = rollout_pairs(model, proc, read_post_file(prompts, "prompt"),
                                    Verifier("grounding_iou"), int(ro.get("k", 4)), seed,
                                    int(ro.get("max_new_tokens", 24)), float(ro.get("temperature", 1.0)), 1.0,
                                    float(ro.get("high", 0.75)), float(ro.get("low", 0.25)), progress=progress)

@@ -12,7 +12,8 @@ The steps, one module each:
   variants each start from the multitask checkpoint and the trainer averages them uniformly into
   OUT/merged (the stage's `variants` and `merge`, as in any run config).
 - `evaluation`: held-out scores of the variants and the merged checkpoint, and the resolution search.
-- `processes`: each phase (training, evaluation) runs in its own spawned process.
+- `processes`: each phase (training, evaluation) runs in its own spawned process (`demo.phase_processes`;
+  --quick runs them in the demo's process).
 - `report`: the printed summary.
 Everything lands in OUT: data/, a directory per trained stage (warmup/, multitask/, sft_256/, sft_512/:
 checkpoints and loss plots) with metrics.jsonl and summary.json, merged/, eval/, resolution_search/ and
@@ -48,14 +49,15 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     info = write_data(demo, data_dir, run_cfg.seed, progress)
     info["vocab"] = restrict_vocab(run_cfg, demo, data_dir, list(info["files"]["heldout"].values()))
     t_data = time.perf_counter()
-    trained = train_all(run_cfg, out_dir, progress=progress)
+    spawn = demo.get("phase_processes", True)
+    trained = train_all(run_cfg, out_dir, progress=progress, spawn=spawn)
     t_train = time.perf_counter()
     merged = trained["merged"]
     with open(os.path.join(merged, "merge_record.json"), encoding="utf-8") as f:
         record = json.load(f)
     ckpts = dict(trained["sft_checkpoints"] if demo.get("eval_variants", True) else {}, merged=merged)
     scores, search = in_child(evaluate_phase, ckpts, info["files"]["heldout"], run_cfg.data, demo, out_dir,
-                              progress)
+                              progress, spawn=spawn)
     scores_by_type = {n: vqa_scores_by_type(os.path.join(out_dir, "eval", n, "vqa", "predictions.jsonl"))
                       for n in ckpts} if "vqa" in scores.get("merged", {}) else {}
     t_end = time.perf_counter()

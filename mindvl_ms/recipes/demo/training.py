@@ -1,4 +1,5 @@
-"""The demo's training phase (in its own process, `processes.in_child`): one `run_training` over every stage.
+"""The demo's training phase (in its own process unless `demo.phase_processes` is false,
+`processes.in_child`): one `run_training` over every stage.
 
 Warm-up trains the projector only, multitask trains everything, and the `sft` stage's `variants` (two row
 lengths and pixel budgets) each start from the multitask checkpoint and are merged by the trainer
@@ -57,13 +58,14 @@ def run_stages(run_cfg, out_dir: str, init_from: Optional[str], progress: bool) 
             "merges": summary["merges"]}
 
 
-def train_all(run_cfg, out_dir: str, progress: bool = True) -> Dict[str, Any]:
-    """Every stage in one spawned process, the run in OUT itself (OUT/<stage>/, OUT/metrics.jsonl); the
-    recipe needs SFT variants to merge. The run config's `init_from`, when set, is the checkpoint the stages
-    start from instead of a random init (research/ trains its arms' SFT stage from one multitask checkpoint)."""
+def train_all(run_cfg, out_dir: str, progress: bool = True, spawn: bool = True) -> Dict[str, Any]:
+    """Every stage in one spawned process (in this one with spawn=False), the run in OUT itself
+    (OUT/<stage>/, OUT/metrics.jsonl); the recipe needs SFT variants to merge. The run config's `init_from`,
+    when set, is the checkpoint the stages start from instead of a random init (research/ trains its arms'
+    SFT stage from one multitask checkpoint)."""
     if not any(s.variants for s in run_cfg.stages):
         raise ValueError("the demo recipe needs a stage with `variants` (the SFT variants it merges), got "
                          f"{[s.name for s in run_cfg.stages]}")
-    res = in_child(run_stages, run_cfg, out_dir, run_cfg.init_from or None, progress)
+    res = in_child(run_stages, run_cfg, out_dir, run_cfg.init_from or None, progress, spawn=spawn)
     return {"stages": res["stages"], "packing": res["packing"], "sft_checkpoints": res["variants"],
             "merged": res["merges"][-1]["checkpoint"]}
