@@ -11,6 +11,8 @@ Every test on the demo run is marked slow: `pytest -m "not slow"` leaves the run
 eval and generate are each tested alone in tests/train, tests/checkpoint, tests/eval and tests/infer); CI
 runs it.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -28,13 +30,24 @@ from tests.support.paths import ROOT  # noqa: E402
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """`mindvl demo --quick` as the user calls it (`cli.main`, what `mindvl` runs), in this process: the quick
+    run's phases run in the calling process (`demo.phase_processes: false`), so the merged checkpoint's
+    evaluation backend (`recipes.demo.evaluation.eval_backend`, compiled graphs included) stays cached here
+    for the tests below. MindSpore's execution mode is restored afterwards."""
+    import mindspore as ms
+
+    from mindvl_ms.cli import main
+
     out = str(tmp_path_factory.mktemp("demo"))
-    env = dict(os.environ, GLOG_v="3")
-    proc = subprocess.run([sys.executable, "-m", "mindvl_ms", "demo", "--quick", "--out", out, "--no-progress"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    mode, buf = ms.get_context("mode"), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            code = main(["demo", "--quick", "--out", out, "--no-progress"])
+    finally:
+        ms.set_context(mode=mode)
+    assert code == 0, buf.getvalue()[-4000:]
     with open(os.path.join(out, "report.json")) as f:
-        return out, json.load(f), proc.stdout
+        return out, json.load(f), buf.getvalue()
 
 
 def _records(path):
@@ -138,9 +151,10 @@ BOX = re.compile(r"<\|box_start\|>\((\d{1,3}),(\d{1,3})\),\((\d{1,3}),(\d{1,3})\
 @pytest.mark.slow
 def test_generate_cli_prints_the_eval_paths_boxes(run, tmp_path, monkeypatch, capsys):
     """The demo's eval path is replayed in-process (its predictions must equal the demo's file) with the
-    generated ids recorded; `mindvl generate` (`cli.main`, in this process: a model of its own, loaded from
-    the checkpoint) then answers the first held-out grounding questions with a well-formed box whose tokens
-    are those ids (`mindvl generate` prints the grounding tags as text)."""
+    generated ids recorded, through the demo's own backend of the merged checkpoint (`eval_backend`, cached
+    in this process by the fixture's run); `mindvl generate` (`cli.main`, in this process: a model of its own,
+    loaded from the checkpoint) then answers the first held-out grounding questions with a well-formed box
+    whose tokens are those ids (`mindvl generate` prints the grounding tags as text)."""
     import mindspore as ms
 
     import mindvl_ms.infer.generate as gen
@@ -209,8 +223,11 @@ def test_post_train_on_the_quick_model(run, capsys):
     """`mindvl demo --post-train` on the quick run, a few steps per stage: the prompt images are new, the pairs
     are the rollout's own samples under the pair rule, the chain is DPO from merged then GRPO from DPO, and
     the held-out table is recomputed from the prediction files with a numpy IoU. The command runs in this
-    process (`cli.main`, what `mindvl` calls; its phases still run in their own processes), without plots."""
+    process (`cli.main`, what `mindvl` calls), its phases too (`demo.phase_processes=false`: the rollout samples
+    with the graphs the demo's evaluation compiled for the merged checkpoint), without plots."""
     import hashlib
+
+    import mindspore as ms
 
     from mindvl_ms.checkpoint.io import read_tensors as rt
     from mindvl_ms.cli import main
@@ -220,8 +237,13 @@ def test_post_train_on_the_quick_model(run, capsys):
     sets = ["demo.prompts=6", "demo.rollout.high=-1", "demo.rollout.low=1.01", "demo.rollout.k=3"] + [
         f"stages.{i}.{k}" for i in (0, 1) for k in ("max_steps=2", "global_batch_size=2", "micro_batch_size=2")] + [
         "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.0.dpo.ntp_ratio=0.5",
-        "stages.0.epochs=null", "plot=false"]
-    assert main(["demo", "--post-train", "--out", out, "--no-progress"] + [a for s in sets for a in ("--set", s)]) == 0
+        "stages.0.epochs=null", "plot=false", "demo.phase_processes=false"]
+    mode = ms.get_context("mode")
+    try:
+        code = main(["demo", "--post-train", "--out", out, "--no-progress"] + [a for s in sets for a in ("--set", s)])
+    finally:
+        ms.set_context(mode=mode)
+    assert code == 0
     stdout = capsys.readouterr().out
     post = os.path.join(out, "post")
     rep = json.load(open(os.path.join(post, "post_report.json")))
