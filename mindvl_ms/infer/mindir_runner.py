@@ -40,19 +40,11 @@ def lite_available() -> bool:
     return mslite is not None
 
 
-_DTYPES = {"float32": ms.float32, "float16": ms.float16, "int32": ms.int32, "int64": ms.int64, "uint8": ms.uint8}
-
-
 class GraphCellGraph:
-    """One exported graph executed by mindspore.nn.GraphCell; inputs/outputs are numpy or ms Tensors.
-    The cell gets the graph's dynamic inputs (export.json: -1 dims) as placeholders, so it compiles once,
-    not once per batch size, prompt length, image size and cache length."""
+    """One exported graph executed by mindspore.nn.GraphCell; inputs/outputs are numpy or ms Tensors."""
 
-    def __init__(self, path: str, inputs: Sequence[Dict] = ()):
+    def __init__(self, path: str):
         self.cell = ms.nn.GraphCell(ms.load(path))
-        if inputs:
-            self.cell.set_inputs(*[Tensor(shape=[None if d < 0 else d for d in i["shape"]],
-                                          dtype=_DTYPES[i["dtype"]]) for i in inputs])
 
     def __call__(self, *arrays):
         out = self.cell(*[a if isinstance(a, Tensor) else Tensor(a) for a in arrays])
@@ -105,7 +97,7 @@ class GraphBackend:
             path = os.path.join(export_dir, g["file"])
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{export_dir}: missing exported graph {g['file']}")
-            self.graphs[name] = cls(path, g["inputs"]) if cls is GraphCellGraph else cls(path)
+            self.graphs[name] = cls(path)
         self.cache_shape = self.meta["kv_cache"]["shape"]
 
     def vision(self, pixels: np.ndarray, meta: Dict[str, np.ndarray], uint8: bool) -> np.ndarray:

@@ -68,9 +68,6 @@ def test_graphcell_runner_equals_eager_model(exported, runner32):
     mixed = dict(vid, input_ids=np.concatenate([third[0]["input_ids"], vid["input_ids"]]),
                  pixel_frames=third[0]["pixel_frames"], image_grid_thw=third[0]["image_grid_thw"])
     assert runner.generate([vid, mixed], 4) == generate(model, [vid, mixed], 4)
-    # the loaded graphs take export.json's dynamic inputs: each compiled once for all those shapes
-    assert {k: len(g.cell.compile_cache) for k, g in runner.engine.backend.graphs.items()} == \
-        {"vision": 1, "vision_video": 1, "prefill": 1, "decode": 1}
     print("exported bytes:", {k: g["bytes"] for k, g in meta["graphs"].items()}, "total", meta["total_bytes"])
 
 
