@@ -122,7 +122,7 @@ def test_text_only_llm_convert_round_trip_and_logits(tmp_path, kind):
     else:
         from tests.models.test_moe_parity import hf_tiny_deepseek
 
-        src, hf = hf_tiny_deepseek(tmp_path / "hf")
+        src, hf = hf_tiny_deepseek(tmp_path / "hf", num_hidden_layers=2)  # a dense layer, then an MoE one
     assert main(["convert", "hf2ms", src, str(tmp_path / "ms")]) == 0
     assert read_config_json(str(tmp_path / "ms"))["kind"] == "text"
     assert main(["convert", "ms2hf", str(tmp_path / "ms"), str(tmp_path / "back")]) == 0
