@@ -14,6 +14,12 @@ subset of the tokenizer's ids (data/vocab_subset.py builds subsets and makes a m
 The wrapper `TextTokenizer` exposes what the processor needs: `encode` (ids), `encode_offsets`
 (ids + character spans, used to put labels on assistant characters exactly), `decode`,
 `token_to_id` and `vocab_size`. Special tokens such as `<|image_pad|>` are always matched whole.
+
+A process loads each tokenizer once: `load_tokenizer` keeps the last few base tokenizers it built, keyed by
+the path and the size and modification time of every file in its directory, so a rewritten file loads anew.
+Building the Qwen3 tokenizer takes ~0.6 CPU-s, and a process that builds several processors (the demo's
+phases, an evaluation next to training, a test session) would otherwise pay it each time. The wrappers only
+read the `tokenizers.Tokenizer` they hold, so sharing one is safe.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import glob
 import importlib.util
 import json
 import os
+from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -183,9 +190,36 @@ def load_tokenizer(path: Optional[str] = None) -> TextTokenizer:
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path not found: {path}")
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    tok = _load_base(path, directory)
+    tok = _cached_base(path, directory)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "vocab_subset.json")):
         return read_subset(path, tok)
+    return tok
+
+
+_BASES: "OrderedDict[tuple, TextTokenizer]" = OrderedDict()
+_KEEP = 4  # tokenizers kept per process (the Qwen3 one holds ~150k tokens and their merges)
+
+
+def _files_key(path: str, directory: str) -> tuple:
+    """What a loaded tokenizer depends on: the path and (name, size, mtime) of each file in its directory."""
+    files = []
+    for name in sorted(os.listdir(directory or ".")):
+        full = os.path.join(directory, name)
+        if os.path.isfile(full):
+            st = os.stat(full)
+            files.append((name, st.st_size, st.st_mtime_ns))
+    return (os.path.realpath(path), tuple(files))
+
+
+def _cached_base(path: str, directory: str) -> TextTokenizer:
+    """`_load_base`, once per set of files (module docstring)."""
+    key = _files_key(path, directory)
+    if key in _BASES:
+        _BASES.move_to_end(key)
+        return _BASES[key]
+    tok = _BASES[key] = _load_base(path, directory)
+    while len(_BASES) > _KEEP:
+        _BASES.popitem(last=False)
     return tok
 
 

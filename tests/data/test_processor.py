@@ -141,6 +141,25 @@ def test_tokenizer_formats_agree(tmp_path):
     assert vm.encode(text) == full.encode(text) and vm.vocab_size == full.vocab_size == 151669
 
 
+def test_a_tokenizer_loads_once_per_process_until_its_files_change(tmp_path):
+    d = tmp_path / "vm"
+    d.mkdir()
+    src = default_tokenizer_dir()
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        (d / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    first = load_tokenizer(str(d))
+    assert load_tokenizer(str(d)) is first  # the same files: the built tokenizer is reused
+    assert load_tokenizer(str(d / "")) is first and load_tokenizer() is not first  # the path, resolved, is the key
+    # merges.txt without its last merge: other files, so a new tokenizer that encodes by them
+    merges = (d / "merges.txt").read_text(encoding="utf-8").rstrip("\n").split("\n")
+    last = merges[-1].split(" ")
+    (d / "merges.txt").write_text("\n".join(merges[:-1]) + "\n", encoding="utf-8")
+    second = load_tokenizer(str(d))
+    assert second is not first and load_tokenizer(str(d)) is second
+    word = first.tok.decode([first.token_to_id(last[0] + last[1])])  # the text the dropped merge made one token
+    assert len(first.encode(word)) == 1 and len(second.encode(word)) == 2
+
+
 def test_sentencepiece_model_loads(tmp_path):
     import sentencepiece as spm
 
