@@ -24,7 +24,7 @@ it against image-blind baselines:
                constant answer); merged vs individual SFT scores; a small test-time resolution search
                on the OCR split
 Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
-OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores, --quick a few minutes (measured
+OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores, --quick about a minute (measured
 times: docs/DEMO.md and docs/PERFORMANCE.md).
 
 --post-train then post-trains OUT/merged as openPangu-VL does after SFT (rollout -> DPO -> GRPO with the

@@ -5,7 +5,7 @@ by the projector-only warm-up; and `mindvl generate` on the merged checkpoint (a
 formatting flags: the checkpoint's processor files give the prompt format and pixel limits) prints the
 same tokens as the demo's eval path (the training-time processor), held-out grounding boxes included.
 
-    python -m pytest -q tests/recipes/test_demo_quick.py      # a few minutes on 2 CPU cores
+    python -m pytest -q tests/recipes/test_demo_quick.py      # about 3 minutes on 2 CPU cores
 
 Every test on the demo run is marked slow: `pytest -m "not slow"` leaves the run out (its training, merge,
 eval and generate are each tested alone in tests/train, tests/checkpoint, tests/eval and tests/infer); CI
