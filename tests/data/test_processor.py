@@ -129,24 +129,25 @@ def test_schema_errors_name_the_field(tmp_path):
                       "messages": [{"role": "assistant", "content": "x"}]}, "f.jsonl", 1)
 
 
-def test_tokenizer_formats_agree(tmp_path):
-    full = load_tokenizer()
+def _vocab_merges_dir(tmp_path):
+    """A copy of the Qwen3 tokenizer as vocab.json + merges.txt + tokenizer_config.json."""
     d = tmp_path / "vm"
     d.mkdir()
     src = default_tokenizer_dir()
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
         (d / name).write_bytes(open(os.path.join(src, name), "rb").read())
-    vm = load_tokenizer(str(d))
+    return d
+
+
+def test_tokenizer_formats_agree(tmp_path):
+    full = load_tokenizer()
+    vm = load_tokenizer(str(_vocab_merges_dir(tmp_path)))
     text = "<|im_start|>user\nHello wörld 12345, café!\n\n  x<|image_pad|><|im_end|>"
     assert vm.encode(text) == full.encode(text) and vm.vocab_size == full.vocab_size == 151669
 
 
 def test_a_tokenizer_loads_once_per_process_until_its_files_change(tmp_path):
-    d = tmp_path / "vm"
-    d.mkdir()
-    src = default_tokenizer_dir()
-    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
-        (d / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    d = _vocab_merges_dir(tmp_path)
     first = load_tokenizer(str(d))
     assert load_tokenizer(str(d)) is first  # the same files: the built tokenizer is reused
     assert load_tokenizer(str(d / "")) is first and load_tokenizer() is not first  # the path, resolved, is the key
