@@ -12,13 +12,12 @@ exits 1 (`output_error`). Checkpoints and shards are written under temporary nam
 a failure leaves the previous outputs as they were.
 
 The handlers that build a model and compile graphs (train, eval, search-resolution, generate, chat, export,
-rollout) call `freeze_for_the_run()` after their library imports, before the work.
+rollout) call `ops.process.freeze_imported_objects()` after their library imports, before the work.
 """
 from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import importlib
 import os
 import sys
@@ -73,22 +72,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"mindvl {args.command}: error: {msg}", file=sys.stderr)
         return 1
-
-
-def freeze_for_the_run() -> None:
-    """Freeze the objects alive now (the imported modules') for the one job this process runs next.
-
-    MindSpore runs a full `gc.collect()` before every graph compile; frozen objects are skipped by it
-    (mindvl_ms/ops/process.py, figures in docs/PERFORMANCE.md, ## tests). Frozen objects are never collected,
-    so a process freezes once: when something is frozen already (an earlier command in the same process, a
-    test session), nothing more is, and a process that calls `main` again and again does not pin the models
-    of its earlier calls.
-    """
-    if gc.get_freeze_count():
-        return
-    from mindvl_ms.ops.process import freeze_imported_objects
-
-    freeze_imported_objects()
 
 
 def output_error(e: OSError, args=None) -> Optional[str]:

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 
-from mindvl_ms.cli import freeze_for_the_run
 
 _FORMAT = "@BENCHMARK_FORMAT@"  # filled in by _FormatHelp when a help is shown
 
@@ -75,8 +74,9 @@ def _run_eval(args: argparse.Namespace) -> int:
     from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.infer.generate import use_graph_mode
     from mindvl_ms.eval.benchmark import evaluate, load_backend
+    from mindvl_ms.ops.process import freeze_imported_objects
 
-    freeze_for_the_run()
+    freeze_imported_objects()
     use_graph_mode()
     os.makedirs(args.out, exist_ok=True)  # an unwritable output fails before the model is loaded
     with skip_verification(args.no_verify):
@@ -105,8 +105,9 @@ def _run_search_resolution(args: argparse.Namespace) -> int:
     from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.infer.generate import use_graph_mode
     from mindvl_ms.eval.resolution_search import search, summary
+    from mindvl_ms.ops.process import freeze_imported_objects
 
-    freeze_for_the_run()
+    freeze_imported_objects()
     use_graph_mode()
     with skip_verification(args.no_verify):
         res = search(args.ckpt, args.data, args.out, min_grid=args.min_grid, max_grid=args.max_grid,

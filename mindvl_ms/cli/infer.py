@@ -14,7 +14,6 @@ MindSpore is imported inside the handlers so `mindvl --help` stays fast.
 import argparse
 import sys
 
-from mindvl_ms.cli import freeze_for_the_run
 
 HELP_SAMPLING = "greedy decoding unless --do-sample"
 
@@ -119,8 +118,9 @@ def _run_export(args) -> int:
     from mindvl_ms.checkpoint.integrity import skip_verification
     from mindvl_ms.infer.export import export
     from mindvl_ms.infer.generate import use_graph_mode
+    from mindvl_ms.ops.process import freeze_imported_objects
 
-    freeze_for_the_run()
+    freeze_imported_objects()
     use_graph_mode()
     with skip_verification(args.no_verify):
         meta = export(args.ckpt, args.out, fp16=args.fp16)
@@ -161,8 +161,9 @@ class _Session:
     def __init__(self, args):
         from mindvl_ms.checkpoint.integrity import skip_verification
         from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
+        from mindvl_ms.ops.process import freeze_imported_objects
 
-        freeze_for_the_run()
+        freeze_imported_objects()
         use_graph_mode()
         with skip_verification(args.no_verify):
             self.model = load_model(args.ckpt, args.fp16)

@@ -5,8 +5,6 @@ import argparse
 import json
 import logging
 
-from mindvl_ms.cli import freeze_for_the_run
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -39,6 +37,7 @@ def _run_rollout(args) -> int:
     from mindvl_ms.data.preference import read_post_file
     from mindvl_ms.infer.generate import load_model, load_processor, use_graph_mode
     from mindvl_ms.infer.rollout import rollout_pairs, write_pairs
+    from mindvl_ms.ops.process import freeze_imported_objects
     from mindvl_ms.train.post.rewards import Verifier
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,7 +47,7 @@ def _run_rollout(args) -> int:
         raise ValueError(f"--low {args.low} is above --high {args.high}")
     verifier = Verifier(args.reward, 1.0, args.format_weight)
     prompts = read_post_file(args.data, "prompt")
-    freeze_for_the_run()
+    freeze_imported_objects()
     use_graph_mode()
     model = load_model(args.ckpt)
     proc = load_processor(args.ckpt, model.config)

@@ -11,8 +11,6 @@ import json
 import logging
 import sys
 
-from mindvl_ms.cli import freeze_for_the_run
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -48,8 +46,9 @@ def _run_train(args) -> int:
     from mindvl_ms.config.packaged import resolve_config
     from mindvl_ms.infer.rollout import EngineSampler
     from mindvl_ms.train import TrainingStopped, load_run_config, run_training
+    from mindvl_ms.ops.process import freeze_imported_objects
 
-    freeze_for_the_run()
+    freeze_imported_objects()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_run_config(resolve_config(args.config)[0], args.set)

@@ -8,15 +8,18 @@ process that compiles a graph per stage, per cell or per test pays that traversa
 (`gc.freeze`), so later collections visit only what the run creates afterwards. Figures in
 docs/PERFORMANCE.md, ## tests.
 
-Call it once, after the heavy imports and before the first compile. It collects first, so nothing that is
-already garbage is frozen; what is frozen is never collected, so it is meant for objects that live as long
-as the process (modules, the model of a one-run process), not for a loop that builds and drops models.
+Call it after the heavy imports and before the first compile. It collects first, so nothing that is already
+garbage is frozen. What is frozen is never collected, so a process freezes once: when something is frozen
+already (an earlier `mindvl` command in the same process, a test session, an earlier demo phase), the call
+does nothing, and a process that runs job after job does not pin the models of its earlier jobs.
 """
 import gc
 
 
 def freeze_imported_objects() -> int:
-    """Collect garbage, then exclude every live object from future collections. Returns how many were frozen."""
-    gc.collect()
-    gc.freeze()
+    """Unless the process has frozen objects already: collect garbage, then exclude every live object from future
+    collections. Returns how many objects are frozen."""
+    if not gc.get_freeze_count():
+        gc.collect()
+        gc.freeze()
     return gc.get_freeze_count()

@@ -90,7 +90,7 @@ def test_model_command_freezes_the_imported_objects_once(small_ckpt, capsys):
         assert main(argv) == 2
         assert gc.get_freeze_count() == frozen
     finally:
-        freeze_imported_objects()  # the session's frozen objects (what is alive now, collected first)
+        freeze_imported_objects()  # the session's objects frozen again (a no-op when the commands froze them)
     assert "exceeds the model's context" in capsys.readouterr().err
 
 

@@ -7,7 +7,6 @@ evaluation's compiled graphs of the merged checkpoint."""
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import multiprocessing
 import os
@@ -30,8 +29,7 @@ def child_setup() -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    if not gc.get_freeze_count():
-        freeze_imported_objects()
+    freeze_imported_objects()
 
 
 def in_child(fn, *args, spawn: bool = True):
