@@ -22,19 +22,23 @@ from mindvl_ms.ops.process import freeze_imported_objects  # noqa: E402
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
+from tests.support import compile_count, cpu_time  # noqa: E402
 
-if os.environ.get("MINDVL_TEST_COMPILES"):  # graph compiles per test (tests/support/compile_count.py)
-    from tests.support import compile_count
-
+_COMPILES, _CPU = os.environ.get("MINDVL_TEST_COMPILES"), os.environ.get("MINDVL_TEST_CPU")
+if _COMPILES:  # graph compiles per test (tests/support/compile_count.py)
     compile_count.install()
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(item, nextitem):
-        compile_count.set_test(item.nodeid)
-        yield
 
     def pytest_terminal_summary(terminalreporter):
         compile_count.summary(terminalreporter)
+
+if _COMPILES or _CPU:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        compile_count.set_test(item.nodeid)
+        if _CPU:  # wall and CPU seconds per test (tests/support/cpu_time.py)
+            yield from cpu_time.measure(item.nodeid, _CPU)
+        else:
+            yield
 
 
 # modules (or unit names) in the order the workers take them, longest first: the slow lane's end-to-end
