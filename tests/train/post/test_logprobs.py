@@ -1,6 +1,7 @@
 """Per-token log-probs of responses on the project's model (graph mode): two prompt+response samples packed
 in one row give the same per-response sums as each alone in a row, and equal numpy log-softmax of the
 model's own logits at the target positions (next-token targets from build_model_inputs)."""
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
@@ -11,6 +12,7 @@ from mindvl_ms.data.collate import INPUT_NAMES, build_model_inputs
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.train.post.dpo import response_sums
 from mindvl_ms.train.post.step import LogProbs
+from mindvl_ms.train.train_step import ms_dtype
 
 
 def test_packed_response_logprobs():
@@ -22,7 +24,11 @@ def test_packed_response_logprobs():
     lp = LogProbs(model, len(INPUT_NAMES))
     packed = build_model_inputs([[a, b]], cfg, pad_to=40)
     alone = build_model_inputs([[a], [b]], cfg, pad_to=40)
-    run = lambda mb: lp(*[Tensor(mb[k]) for k in INPUT_NAMES], Tensor(mb["targets"])).asnumpy()  # noqa: E731
+    # dynamic dims (as PostTrainStep.target_logp sets them): one graph for the packed and the alone batch
+    lp.set_inputs(*[Tensor(shape=[None] * packed[k].ndim, dtype=ms_dtype(packed[k])) for k in INPUT_NAMES],
+                  Tensor(shape=[None, None], dtype=ms.int32))
+    run = lambda mb: lp(*[Tensor(mb[k]) for k in INPUT_NAMES],  # noqa: E731
+                        Tensor(mb["targets"].astype(np.int32))).asnumpy()
     s_packed = response_sums(run(packed), packed["segment_ids"])
     s_alone = response_sums(run(alone), alone["segment_ids"])
     np.testing.assert_allclose(s_packed[1:3], s_alone[1:3], rtol=1e-5)

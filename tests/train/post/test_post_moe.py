@@ -11,8 +11,10 @@ from tests.support.paths import ROOT  # noqa: E402
 
 def test_dpo_on_moe_model(tmp_path, monkeypatch):
     moe = read_yaml(os.path.join(ROOT, "configs", "model", "tiny-moe.yaml"))
-    moe["text"].update(vocab_size=hf_tiny.VOCAB, num_hidden_layers=2)
-    moe["text"]["moe"].update(num_nextn_predict_layers=0)
+    # one ViT block and one LM layer, a MoE one: the smallest graph with the aux-loss path
+    moe["vision"].update(depth=1, fullatt_block_indexes=[0])
+    moe["text"].update(vocab_size=hf_tiny.VOCAB, num_hidden_layers=1)
+    moe["text"]["moe"].update(num_nextn_predict_layers=0, first_k_dense_replace=0)
     moe.update({k: H.MODEL[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                         "vision_end_token_id")})
     monkeypatch.setattr(H, "MODEL", moe)
@@ -20,6 +22,6 @@ def test_dpo_on_moe_model(tmp_path, monkeypatch):
              "max_lr": 5e-3, "warmup_ratio": 0.0, "epochs": None, "max_steps": 3, "weight_decay": 0.0,
              "dpo": {"beta": 0.5}}
     model, _, recs = H.run(str(tmp_path / "m"), stage, lambda *a: H.pair_source(n_ntp=0), plot=False)
-    assert model.config.text.model_type == "deepseek_v3"
+    assert model.config.text.model_type == "deepseek_v3" and model.config.text.moe.first_k_dense_replace == 0
     m = [r["margin"] for r in recs]
     assert abs(m[0]) < 1e-4 and m[2] > m[1] > m[0] and all(r["applied"] for r in recs)

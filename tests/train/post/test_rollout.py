@@ -16,7 +16,8 @@ from mindvl_ms.config.base import load, read_yaml
 from mindvl_ms.data.preference import read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.validate import validate_file
-from mindvl_ms.infer.generate import stop_token_ids
+from mindvl_ms.infer import generate as generate_module
+from mindvl_ms.infer.generate import load_model, stop_token_ids
 from mindvl_ms.infer.rollout import choose_pair, response_text
 from mindvl_ms.train.post.rewards import grounding_iou_reward
 from tests.support import post as H
@@ -45,7 +46,16 @@ def ckpt(tmp_path):
 
 
 def test_rollout_command_writes_valid_reproducible_pairs(tmp_path, ckpt, monkeypatch, capsys):
+    """The command twice on one loaded model (its weights as read from --ckpt; the engine's graphs compiled
+    once): the second file is the first, from the seed alone."""
     monkeypatch.setattr(sys.modules["mindvl_ms.cli"], "COMMAND_MODULES", ["mindvl_ms.cli.rollout"])
+    loaded = {}
+
+    def load_once(path, fp16=False):
+        if path not in loaded:
+            loaded[path] = load_model(path, fp16)
+        return loaded[path]
+    monkeypatch.setattr(generate_module, "load_model", load_once)
     (tmp_path / "img").mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28, 3), dtype=np.uint8)).save(
         tmp_path / "img" / "a.png")
