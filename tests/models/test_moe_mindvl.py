@@ -26,6 +26,8 @@ def moe_vl(tmp_path_factory):
 
 
 class _Loss(nn.Cell):
+    """The loss with the forward's outputs: one compiled graph serves the forward checks and the loss."""
+
     def __init__(self, model):
         super().__init__()
         self.model = model
@@ -34,7 +36,7 @@ class _Loss(nn.Cell):
         *inputs, targets = args
         logits, aux, load = self.model(*inputs)
         ce, mask = token_ce(logits, targets)
-        return ce.sum() / mask.sum() + aux, load
+        return ce.sum() / mask.sum() + aux, logits, aux, load
 
 
 def test_mixed_batch_forward_loss_and_text_parity(moe_vl):
@@ -46,7 +48,7 @@ def test_mixed_batch_forward_loss_and_text_parity(moe_vl):
     rows = [[image], [{"input_ids": t, "labels": t.copy(), "pixel_values": None, "image_grid_thw": None}
                       for t in texts]]
     batch = build_model_inputs(rows, model.config)
-    logits, aux, load = model(*model_args(batch))
+    loss, logits, aux, load = _Loss(model)(*model_args(batch), Tensor(batch["targets"]))
     logits = logits.asnumpy()
     assert logits.shape == (2, batch["input_ids"].shape[1], 256) and np.isfinite(logits).all()
     m = model.config.text.moe
@@ -58,7 +60,6 @@ def test_mixed_batch_forward_loss_and_text_parity(moe_vl):
         err = np.abs(logits[1, at:at + len(t)] - hf_logits(ds, t)).max()
         assert err < 1e-4, err
         at += len(t)
-    loss, _ = _Loss(model)(*model_args(batch), Tensor(batch["targets"]))
     assert np.isfinite(float(loss)) and float(loss) > 0
 
 
