@@ -2,8 +2,8 @@
 4 steps, a checkpoint after each) launched by scripts/msrun_train.sh, one rank SIGKILLed in the middle of a
 step or in the middle of a checkpoint save.
 
-- the launcher exits non-zero within FAILURE_TIMEOUT + 15 s of the death (FAILURE_TIMEOUT set to 15 s
-  here, half the default), and no worker, scheduler or log tail of the job is left;
+- the launcher exits non-zero within FAILURE_TIMEOUT + 15 s of the death (FAILURE_TIMEOUT set to 8 s
+  here, about a quarter of the default), and no worker, scheduler or log tail of the job is left;
 - every checkpoint directory on disk is complete and loads; the killed save is only a temporary directory,
   never the resume point;
 - `--resume` through the same launcher ends with both ranks' parameters bit-identical to an uninterrupted run
@@ -30,7 +30,7 @@ from tests.support.train_tiny import TinyVLM
 pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(ROOT, "tests", "workers", "kill_target.py")
-FAILURE_TIMEOUT = 15  # seconds; scripts/msrun_train.sh passes it to MindSpore as MS_NODE_TIMEOUT
+FAILURE_TIMEOUT = 8  # seconds; scripts/msrun_train.sh passes it to MindSpore as MS_NODE_TIMEOUT
 BOUND = FAILURE_TIMEOUT + 15  # death -> exit: the scheduler's heartbeat checks and exit, msrun's 1 s polls
 KILLS = {"mid_step": (1, "step:2"), "mid_save": (0, "save:2")}  # name -> (rank, KILL_AT)
 

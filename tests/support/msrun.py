@@ -13,6 +13,10 @@
 The workers get the repository on PYTHONPATH (they import `tests.support`), this interpreter's bin first on
 PATH (msrun and python from the same environment), MindSpore's C++ log at errors only, and a free
 scheduler port; `env` adds to that (the launcher's FAILURE_TIMEOUT, a worker's own switches).
+
+msrun starts its scheduler as one more process of the worker script (MS_ROLE=MS_SCHED), whose `init()` is the
+scheduler; a worker script calls `schedule_only()` first in its `__main__`, so that process goes there at once
+instead of building the workers' model and data first.
 """
 import os
 import signal
@@ -23,7 +27,9 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from mindspore.communication import init
 
+from mindvl_ms.parallel.runtime import end_with_launcher
 from tests.support.paths import ROOT
 
 LAUNCHER = os.path.join(ROOT, "scripts", "msrun_train.sh")
@@ -33,6 +39,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def schedule_only() -> None:
+    """In msrun's scheduler process (MS_ROLE=MS_SCHED): be the scheduler (`init()`, which serves until the job
+    ends), dying with msrun as the workers do (`end_with_launcher`), then exit. Elsewhere nothing."""
+    if os.environ.get("MS_ROLE") != "MS_SCHED":
+        return
+    end_with_launcher()
+    init()
+    sys.exit(0)
 
 
 def worker_env(**extra: str) -> dict:

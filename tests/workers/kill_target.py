@@ -32,6 +32,7 @@ from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from mindvl_ms.train.train_step import TrainStep
+from tests.support import msrun
 from tests.support.train_tiny import TinyVLM, collate, make_rows
 
 STEPS, SAVE_EVERY = 4, 1
@@ -114,6 +115,7 @@ def main(out: str, resume: bool) -> None:
 
 
 if __name__ == "__main__":
+    msrun.schedule_only()  # msrun's scheduler runs this script too: it only schedules
     freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     todo = runs(sys.argv[1:])
     kill_at = os.environ.get("KILL_AT", "")
