@@ -134,19 +134,39 @@ def find_bias_updater(model: nn.Cell):
 
 def graph_key(model: nn.Cell, params: Sequence[Parameter], input_names: Sequence[str], loss_cfg, stage, dp: int,
               precision: str, gradients_mean: bool, compiler_reduces: bool, row_grads: bool) -> tuple:
-    """Everything a `TrainStep` built from these arguments bakes into its graphs as constants: the model,
-    its inputs, the trainable parameters (hence the sparse head, row-gradient tables and decay masks),
+    """Everything a `TrainStep` built from these arguments bakes into its graphs as constants: the model and
+    its parameters' shapes, its inputs, the trainable parameters (hence the sparse head, row-gradient tables and decay masks),
     the loss type and weights, each micro-batch's share 1/(accumulation x dp), the parameters' LR
     coefficients, the AdamW betas and the reduction (dp, mean, compiler-inserted). Two stages with equal
     keys can train on one step's compiled graphs (`TrainStep.restart`); sequence length, batch shapes,
     learning rate, weight decay, epsilon and clipping are inputs or host values and may differ."""
     coefs = stage.lr_prefixes()
-    return (id(model), tuple(input_names), tuple(p.name for p in params),
+    shapes = tuple(tuple(p.shape) for p in model.get_parameters())  # e.g. a vocabulary subset resizes tables
+    return (id(model), shapes, tuple(input_names), tuple(p.name for p in params),
             (loss_cfg.type, float(loss_cfg.lambda1), float(loss_cfg.lambda2), float(loss_cfg.tau1),
              float(loss_cfg.tau2)),
             stage.accumulation(dp) * dp, tuple(lr_coefficient(p.name, coefs) for p in params),
             (float(stage.adam_beta1), float(stage.adam_beta2)), int(dp), precision, bool(gradients_mean),
             bool(compiler_reduces), bool(row_grads and not compiler_reduces))
+
+
+_KEPT = "_mindvl_train_step"  # attribute of the network: (settings, TrainStep) of its last SFT stage
+
+
+def kept_train_step(net: nn.Cell, settings: tuple) -> Optional["TrainStep"]:
+    """The SFT step last kept on `net` (`keep_train_step`) when it was built under the same `settings` (what
+    shapes the graphs besides `graph_key`: the trainer passes the recompute configuration), else None. A later
+    `run_training` on the same network restarts it when it fits (`TrainStep.restart`) instead of compiling."""
+    entry = vars(net).get(_KEPT)
+    return entry[1] if entry is not None and entry[0] == settings else None
+
+
+def keep_train_step(net: nn.Cell, settings: tuple, step: Optional["TrainStep"]) -> None:
+    """Keep `step` on `net` (None: drop the kept one, so its accumulators and moments can go before another
+    step's are allocated). One per network: it lives as long as the network or until replaced."""
+    vars(net).pop(_KEPT, None)
+    if step is not None:
+        object.__setattr__(net, _KEPT, (settings, step))
 
 
 class TrainStep:

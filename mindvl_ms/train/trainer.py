@@ -11,7 +11,10 @@ padded to the stage's seq_length) -> forward, backward, update -> step record) a
 stage to its end. An SFT stage whose graphs would equal the previous SFT stage's (same trainable
 parameters, loss and constants, `train_step.graph_key`; sequence length and shapes may differ) trains on
 that stage's `TrainStep`, restarted with a new step's state (`TrainStep.restart`), so it compiles nothing
-(e.g. variants of one stage); not under semi/auto parallel (`MFStep`) nor across a DPO / GRPO stage.
+(e.g. variants of one stage); not under semi/auto parallel (`MFStep`) nor across a DPO / GRPO stage. The
+last SFT step stays on the network (`train_step.keep_train_step`, with the recompute setting it was built
+under), so a later `run_training` on the same model object (a resume in the same process, another run) starts
+on it when it fits; a DPO / GRPO stage drops it before its own step is allocated.
 
 Variants (MindVL section 5.3): the stages train in `RunConfig.schedule()` order, where a stage with
 `variants` is one stage per variant. Before each variant the model gets the weights (and RNG state) that
@@ -72,7 +75,8 @@ from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.post.sampler import ResponseSampler
 from mindvl_ms.train.post.sources import post_data_factory
 from mindvl_ms.train.post.stage import check_post_stages, make_step_driver, plot_post
-from mindvl_ms.train.train_step import StepResult, TrainStep
+from mindvl_ms.train.post.step import drop_post_step
+from mindvl_ms.train.train_step import StepResult, TrainStep, keep_train_step, kept_train_step
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,8 @@ class Trainer:
         moe_changed = set_moe_seq_length(c.model, stage.seq_length)  # expert-parallel dispatchers: the stage's rows
         previous, c.step_engine = c.step_engine, None
         if stage.type != "sft":
+            del previous
+            keep_train_step(c.net, c.step_settings, None)  # the SFT step's state goes before the post step's
             driver = make_step_driver(dict(run_cfg=self.run_cfg, stage=stage, dist=self.dist, model=c.model,
                                            net=c.net, params=self.params, names=c.names, source=self.source,
                                            allreduce=c.allreduce, collate=c.collate, stage_dir=self.stage_dir,
@@ -165,12 +171,17 @@ class Trainer:
         args = (c.net, self.params, c.names, stage.loss, stage, self.dist.dp, c.allreduce, ctx.precision,
                 ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window)
         kw = dict(gradients_mean=self.run_cfg.parallel.gradients_mean, compiler_reduces=self.dist.compiler_reduces)
+        drop_post_step(c.net)
+        if previous is None and c.reuse_steps:  # the last SFT step of an earlier run_training on this network
+            previous = kept_train_step(c.net, c.step_settings)
         if previous is not None and c.reuse_steps and not moe_changed and previous.restart(*args, **kw):
             log.info("stage %s: the previous stage's compiled step fits it, reused", stage.name)
             c.step_engine = previous
         else:
-            del previous  # the chain holds no step but the current stage's
+            del previous  # the chain and the network hold no step but the current stage's
+            keep_train_step(c.net, c.step_settings, None)
             c.step_engine = TrainStep(*args, **kw)
+        keep_train_step(c.net, c.step_settings, c.step_engine)
         return None, c.step_engine
 
     def _restore(self, resume: ResumePoint) -> None:
@@ -338,6 +349,7 @@ class StageChain:
         random.seed(run_cfg.seed)
         self.model = model if model is not None else build_model(run_cfg)
         self.net = prepare_model(self.model, run_cfg, self.dist)
+        self.step_settings = (repr(run_cfg.recompute_config),)  # shapes the step's graphs beside graph_key
         self.collate = collate or default_collate(run_cfg)
         self.data_factory = data_factory or default_data_factory
         self.names = list(getattr(self.model, "INPUT_NAMES"))

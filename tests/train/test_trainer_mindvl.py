@@ -95,7 +95,7 @@ def test_stages_on_mindvl(tmp_path, monkeypatch):
 
     # sft_long fits sft's graphs (micro-step, reduction, update, the balanced loss's weight pre-pass): it
     # compiles nothing and trains on them (bit-identically to a new step: tests/train/test_train_step.py
-    # restart test, and test_variants.py's resume, which builds a new step where the uninterrupted run reused one)
+    # restart test, and test_kept_step.py, which compares a run on a kept step with one on a new step)
     assert compiles.count("warmup") >= 3 and compiles.count("sft") >= 4 and "sft_long" not in compiles
     assert summary["stages"][2]["compiled_graphs"] == 0
     final = {p.name: p.asnumpy() for p in model.get_parameters()}

@@ -170,11 +170,11 @@ def reference(tmp_path_factory):
     model = tiny_model(cfg)
     rec = Recorder(model, copy_at=("sft_2k", str(d / "ref"), str(d / "after_multitask")))
     summary = run_training(cfg, str(d / "ref"), model=model, data_factory=rec, progress=False)
-    return data, str(d / "ref"), summary, rec.seen, str(d / "after_multitask")
+    return data, str(d / "ref"), summary, rec.seen, str(d / "after_multitask"), model
 
 
 def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(reference):
-    _, out, summary, seen, _ = reference
+    _, out, summary, seen, _, _ = reference
     assert [s["stage"] for s in summary["stages"]] == ["multitask", *VARIANTS]
     assert [s["compiled_graphs"] for s in summary["stages"]] == [1, 0, 0, 0]  # the variants reuse multitask's step
     start = read_tensors(summary["stages"][0]["checkpoint"])  # the multitask stage's final checkpoint
@@ -200,7 +200,7 @@ def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(re
 
 
 def test_merge_is_the_mean_of_the_three_variants(reference):
-    _, out, summary, _, _ = reference
+    _, out, summary, _, _, _ = reference
     (m,) = summary["merges"]
     assert m["stage"] == "sft" and m["checkpoint"] == os.path.join(out, "sft", "merged")
     ends = [read_tensors(s["checkpoint"]) for s in summary["stages"][1:]]
@@ -214,7 +214,7 @@ def test_merge_is_the_mean_of_the_three_variants(reference):
 
 
 def test_kill_between_variants_then_resume_is_bit_identical(reference, tmp_path):
-    data, ref_dir, summary, _, after_multitask = reference
+    data, ref_dir, summary, _, after_multitask, model = reference
     out = str(tmp_path / "killed")
     shutil.copytree(after_multitask, out)  # the uninterrupted run when multitask ended
     with open(os.path.join(out, "latest.json")) as f:
@@ -229,11 +229,12 @@ def test_kill_between_variants_then_resume_is_bit_identical(reference, tmp_path)
     assert not os.path.exists(os.path.join(out, "sft_4k")) and not os.path.exists(os.path.join(out, "sft"))
 
     cfg = run_cfg(data)
-    model = tiny_model(cfg)
-    rec = Recorder(model)
+    rec = Recorder(model)  # the reference's model: the resume loads its weights and restarts the step kept on it
     resumed = run_training(cfg, out, resume=out, model=model, data_factory=rec, progress=False)
     assert [s["stage"] for s in resumed["stages"]] == ["sft_4k", "sft_8k"]
-    assert [s["compiled_graphs"] for s in resumed["stages"]] == [1, 0]  # a new step where the resume starts
+    # no compile: the reference run's step, kept on the model, restarted (a kept step trains as a new one:
+    # tests/train/test_kept_step.py; a resume on a new step: the resumes of test_resume.py and test_soak.py)
+    assert [s["compiled_graphs"] for s in resumed["stages"]] == [0, 0]
     assert losses(out) == losses(ref_dir)  # every logged loss, both runs, bit for bit
     start = read_tensors(summary["stages"][0]["checkpoint"])
     for k, t in start.items():  # the resumed variant started from the multitask weights, not sft_2k's

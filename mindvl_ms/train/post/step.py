@@ -164,6 +164,11 @@ def cached_post_step(net: nn.Cell):
     return entry[1] if entry else None
 
 
+def drop_post_step(net: nn.Cell) -> None:
+    """Drop the post-training step kept on `net` (an SFT stage follows: its state need not stay allocated)."""
+    vars(net).pop(_CACHED, None)
+
+
 def post_train_step(net, params, input_names, objective: nn.Cell, objective_key: tuple, stage, dp: int = 1,
                     allreduce_host=None, precision: str = "float32", loss_scale_value: float = 65536.0,
                     loss_scale_factor: float = 2.0, loss_scale_window: int = 1000,
