@@ -37,16 +37,18 @@ def test_interleaved_cos_sin_match_qwen3_vl(rotary, rot_dim, section, theta):
     rng = np.random.default_rng(0)
     pos = rng.integers(0, 200, (3, 2, 7)).astype(np.int32)  # distinct t, h, w positions
     ref_cos, ref_sin = _reference(rot_dim, section, theta, pos)
-    cos, sin = rotary(rot_dim, theta, section, "interleaved")(Tensor(pos))
+    # one cell per layout, each called on two position arrays of one shape: one compiled graph each
+    interleaved, chunked_rope = (rotary(rot_dim, theta, section, layout) for layout in ("interleaved", "chunked"))
+    cos, sin = interleaved(Tensor(pos))
     np.testing.assert_allclose(cos.asnumpy()[:, 0], ref_cos, atol=2e-5)
     np.testing.assert_allclose(sin.asnumpy()[:, 0], ref_sin, atol=2e-5)
     # the layouts really differ on image positions ...
-    chunked, _ = rotary(rot_dim, theta, section, "chunked")(Tensor(pos))
+    chunked, _ = chunked_rope(Tensor(pos))
     assert np.abs(chunked.asnumpy() - cos.asnumpy()).max() > 0.1
     # ... and agree exactly on text positions (t = h = w): plain 1D RoPE either way
     same = np.broadcast_to(pos[:1], pos.shape).copy()
-    a, _ = rotary(rot_dim, theta, section, "interleaved")(Tensor(same))
-    b, _ = rotary(rot_dim, theta, section, "chunked")(Tensor(same))
+    a, _ = interleaved(Tensor(same))
+    b, _ = chunked_rope(Tensor(same))
     np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
 
 

@@ -9,6 +9,7 @@ import math
 import os
 
 import numpy as np
+import mindspore as ms
 import pytest
 from mindspore import Tensor
 
@@ -108,15 +109,20 @@ def test_tower_feeds_the_listed_blocks():
     names = ["pixel_values", "vision_pos_ids", "window_index", "reverse_index", "window_segment_ids",
              "full_segment_ids"]
     out = vit(*[Tensor(b[k]) for k in names]).asnumpy()
-    # the same blocks run one by one (dense masks), capturing the outputs the connector should read
-    x = vit.patch_embed(Tensor(b["pixel_values"]))
-    x = ops.gather(x.reshape(-1, 4, x.shape[1]), Tensor(b["window_index"]), 0).reshape(-1, x.shape[1])
-    cos, sin = vit.rotary_pos_emb(Tensor(b["vision_pos_ids"]))
-    ws, fs = Tensor(b["window_segment_ids"])[None], Tensor(b["full_segment_ids"])[None]
-    outs = []
-    for i, blk in enumerate(vit.blocks):
-        x = blk(x, cos, sin, segment_bias(fs, fs, False) if vit.full[i] else segment_bias(ws, ws, False))
-        outs.append(x.asnumpy())
+    # the same blocks run one by one (dense masks), capturing the outputs the connector should read; op by op
+    # (PyNative): a graph compile per sub-cell would cost more than running its few ops
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        x = vit.patch_embed(Tensor(b["pixel_values"]))
+        x = ops.gather(x.reshape(-1, 4, x.shape[1]), Tensor(b["window_index"]), 0).reshape(-1, x.shape[1])
+        cos, sin = vit.rotary_pos_emb(Tensor(b["vision_pos_ids"]))
+        ws, fs = Tensor(b["window_segment_ids"])[None], Tensor(b["full_segment_ids"])[None]
+        outs = []
+        for i, blk in enumerate(vit.blocks):
+            x = blk(x, cos, sin, segment_bias(fs, fs, False) if vit.full[i] else segment_bias(ws, ws, False))
+            outs.append(x.asnumpy())
+    finally:
+        ms.set_context(mode=ms.GRAPH_MODE)
     ref = _np_merger(vit.merger, [outs[0], outs[-1]], cfg.vision.hierarchical_fusion)[b["reverse_index"]]
     np.testing.assert_allclose(out, ref, atol=5e-5)
 
