@@ -17,7 +17,7 @@ from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
-from tests.support import hf_tiny
+from tests.support import hf_tiny, msrun
 from tests.support.paths import ROOT
 
 
@@ -57,5 +57,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    msrun.schedule_only()  # msrun's scheduler runs this script too: it only schedules
     freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     main(sys.argv[1])

@@ -15,6 +15,7 @@ from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.parallel.runtime import setup
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
+from tests.support import msrun
 from tests.support.train_tiny import TinyVLM, collate, make_rows
 
 
@@ -46,6 +47,7 @@ def setup_again() -> str:
 
 
 if __name__ == "__main__":
+    msrun.schedule_only()  # msrun's scheduler runs this script too: it only schedules
     freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     main(sys.argv[1])
     print("SETUP AGAIN", setup_again(), flush=True)

@@ -3,9 +3,9 @@ skewed sizes, merged into the text as the training graph does.
 
 Under msrun the 2 ranks stand in for one tensor-parallel group under `vision_parallel: dp`: each takes its
 share of the images (`vit_balance.balanced_batch`), encodes it with the tiny ViT, all-gathers the features
-over the group (a real AllGather) and merges them into the text through `GroupMerge`. The same process also
-builds the embeddings as one process does (`RowMerge` over the rows' own ViT inputs). Rank 0 writes both
-to OUT_DIR/features.npz.
+over the group (a real AllGather) and merges them into the text through `GroupMerge`. Rank 0 also builds the
+embeddings as one process does (`RowMerge` over the rows' own ViT inputs) and writes both to
+OUT_DIR/features.npz.
 
     python tests/workers/vit_balance_msrun.py OUT_DIR
 """
@@ -15,6 +15,7 @@ import sys
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
+from mindspore.communication import get_group_size, get_rank, init
 
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.data import DataConfig, ImageConfig
@@ -24,6 +25,7 @@ from mindvl_ms.models.mindvl import RowMerge, flat_vision_inputs
 from mindvl_ms.models.vision import VisionTransformer
 from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.parallel.vit_balance import GroupMerge, assign, balanced_batch
+from tests.support import msrun
 from tests.support.paths import ROOT
 
 GRID = np.array([[1, 16, 24], [1, 4, 4], [1, 8, 8], [1, 4, 8], [1, 12, 8], [1, 4, 4], [1, 6, 10]])
@@ -57,12 +59,10 @@ def main(out: str) -> None:
                                         video_total_pixels=384 * 196))
     batch = build_model_inputs([[sample(cfg, list(r), rng)] for r in ROWS], cfg, budget=row_budget(cfg, data))
     text = Tensor(rng.standard_normal((2, 192, cfg.text.hidden_size)).astype(np.float32))
-    single = RowMerge()(text, encode(vit, batch), Tensor(batch["embed_index"])).asnumpy()  # [B, L, D]
-
-    from mindspore.communication import get_group_size, get_rank, init
-
     init()
     rank, ranks = get_rank(), get_group_size()
+    if rank == 0:  # one process's merge, which rank 0 writes
+        single = RowMerge()(text, encode(vit, batch), Tensor(batch["embed_index"])).asnumpy()  # [B, L, D]
     share = share_budget(cfg, data, ranks)
     mine = balanced_batch(batch, cfg, ranks, share, rank)[0]
     feats = ops.AllGather()(encode(vit, mine))  # [ranks * Ud, D], rank order
@@ -76,5 +76,6 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
+    msrun.schedule_only()  # msrun's scheduler runs this script too: it only schedules
     freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     main(sys.argv[1])
