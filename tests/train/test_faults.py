@@ -18,7 +18,7 @@ from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train import trainer as trainer_mod
 from mindvl_ms.train.batches import RowSource
 from tests.support.stopped_run import nothing_written as _nothing_written, params as _params
-from tests.support.stopped_run import snapshot as _snapshot, tiny_model as _model
+from tests.support.stopped_run import kept_model as _model, snapshot as _snapshot
 from tests.support.train_tiny import IGNORE, collate, make_rows
 
 

@@ -7,7 +7,7 @@ train step's forward (MindVL, both losses, several chunks) against the full [B, 
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Tensor
+from mindspore import Tensor, nn
 
 from mindvl_ms.config.base import load
 from mindvl_ms.config.model import MindVLConfig
@@ -84,29 +84,42 @@ def head_case(seed: int):
     return h, w, t, coef, rng
 
 
+class _HeadGrad(nn.Cell):
+    """(sum(CE * coef), CE) and its gradients w.r.t. hidden and weight, for any chunk count (dynamic n)."""
+
+    def __init__(self, c, d, v):
+        super().__init__()
+        self.head = ChunkedHeadCE()
+        self.grad = ms.value_and_grad(self.weighted, grad_position=(0, 1), has_aux=True)
+        self.set_inputs(Tensor(shape=[None, c, d], dtype=ms.float32), Tensor(shape=[v, d], dtype=ms.float32),
+                        Tensor(shape=[None, c], dtype=ms.int32), Tensor(shape=[None, c], dtype=ms.float32))
+
+    def weighted(self, h, w, t, coef):
+        ce = self.head(h, w, t)
+        return (ce * coef).sum(), ce
+
+    def construct(self, h, w, t, coef):
+        return self.grad(h, w, t, coef)
+
+
 def test_chunked_ce_and_gradients_match_numpy():
     ms.set_context(mode=ms.GRAPH_MODE)
     h, w, t, coef, rng = head_case(1)
     n, c, d = h.shape
     v = w.shape[0]
-    head = ChunkedHeadCE()
-
-    def f(h_, w_, t_, k_):
-        return (head(h_, w_, t_) * k_).sum()
-
-    grad = ms.jit(ms.value_and_grad(f, grad_position=(0, 1)))
-    for _ in range(2):  # dynamic chunk count: the second call has one chunk more
-        val, (gh, gw) = grad(Tensor(h), Tensor(w), Tensor(t), Tensor(coef))
+    grad = _HeadGrad(c, d, v)
+    for _ in range(2):  # dynamic chunk count: the second call has one chunk more, on the same compiled graph
+        (val, got_ce), (gh, gw) = grad(Tensor(h), Tensor(w), Tensor(t), Tensor(coef))
         ce, rh, rw = _numpy_ce_and_grads(h.reshape(-1, d), w, t.reshape(-1), coef.reshape(-1))
         assert float(val.asnumpy()) == pytest.approx(float((ce * coef.reshape(-1)).sum()), rel=1e-5)
-        np.testing.assert_allclose(head(Tensor(h), Tensor(w), Tensor(t)).asnumpy().reshape(-1), ce, rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(got_ce.asnumpy().reshape(-1), ce, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(gh.asnumpy().reshape(-1, d), rh, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(gw.asnumpy(), rw, rtol=1e-4, atol=1e-5)
         extra = (rng.standard_normal((1, c, d)).astype(np.float32), rng.integers(0, v, (1, c)).astype(np.int32))
         h, t = np.concatenate([h, extra[0]]), np.concatenate([t, extra[1]])
         coef = np.concatenate([coef, rng.random((1, c)).astype(np.float32)])
         n += 1
+    assert len(grad.compile_cache) == 1  # both chunk counts ran on one graph
 
 
 def _batch(seed=0):
@@ -123,14 +136,22 @@ def _batch(seed=0):
     return rows
 
 
+@pytest.fixture(scope="module")
+def one_block_mindvl():
+    """(config, model) of the tiny MindVL with a one-block ViT (the head sees only the language model's
+    hidden states; the gradients still reach every vision parameter): built once for both loss kinds."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    cfg = load(MindVLConfig, dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0])), "test")
+    ms.set_seed(0)
+    return cfg, MindVLModel(cfg)
+
+
 @pytest.mark.parametrize("kind", ["token_mean", "balanced"])
-def test_sparse_chunked_forward_equals_the_full_logits_path(kind):
+def test_sparse_chunked_forward_equals_the_full_logits_path(kind, one_block_mindvl):
     """ForwardLoss on MindVL: supervised-only chunked head (chunk of 5 positions, several chunks) vs the
     model's full [B, L, V] logits: same loss share and the same gradient for every parameter."""
     ms.set_context(mode=ms.GRAPH_MODE)
-    cfg = load(MindVLConfig, MODEL, "test")
-    ms.set_seed(0)
-    model = MindVLModel(cfg)
+    cfg, model = one_block_mindvl
     assert has_sparse_head(model)
     batch = build_model_inputs(_batch(), cfg)
     names = list(model.INPUT_NAMES)

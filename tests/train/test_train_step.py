@@ -35,9 +35,34 @@ def snapshot(m):
     return {p.name: p.asnumpy().copy() for p in m.get_parameters()}
 
 
-def train(model, stage, rows_per_step, steps=2, **kw):
+@pytest.fixture(scope="module")
+def kept_steps():
+    """precision -> (model, its micro-batch-4 step), kept across this module's tests: a later test takes the
+    step back restarted (`TrainStep.restart`: a new step's state, and training bit-identical to a new step's,
+    test_restart_for_a_fitting_stage_equals_a_new_step) on the same model with its weights set, instead of
+    compiling a new step's graphs."""
+    return {}
+
+
+def kept_step(kept, init, stage, **kw):
+    """(model with the weights `init`, a step for `stage` with a new step's state) from `kept`, or new ones
+    that `kept` keeps."""
+    precision = kw.get("precision", "float32")
+    if precision not in kept:
+        m = fresh_model(init)
+        kept[precision] = (m, TrainStep(m, select_trainable(m, stage.trainable_prefixes()), m.INPUT_NAMES,
+                                        stage.loss, stage, **kw))
+        return kept[precision]
+    m, eng = kept[precision]
+    for p in m.get_parameters():
+        p.set_data(Tensor(init[p.name]))
+    assert eng.restart(m, select_trainable(m, stage.trainable_prefixes()), m.INPUT_NAMES, stage.loss, stage, **kw)
+    return m, eng
+
+
+def train(model, stage, rows_per_step, steps=2, eng=None, **kw):
     params = select_trainable(model, stage.trainable_prefixes())
-    eng = TrainStep(model, params, model.INPUT_NAMES, stage.loss, stage, **kw)
+    eng = eng or TrainStep(model, params, model.INPUT_NAMES, stage.loss, stage, **kw)
     results = []
     for s in range(steps):
         rows = rows_per_step[s]
@@ -121,11 +146,9 @@ def test_adamw_matches_numpy():
     assert int(upd.step.asnumpy()) == 3
 
 
-def test_nonfinite_step_is_skipped_bit_identically():
+def test_nonfinite_step_is_skipped_bit_identically(kept_steps):
     st = stage_cfg(micro_batch_size=4)
-    m = fresh_model()
-    params = select_trainable(m, st.trainable_prefixes())
-    eng = TrainStep(m, params, m.INPUT_NAMES, st.loss, st)
+    m, eng = kept_step(kept_steps, snapshot(fresh_model()), st)
     rows = make_rows(16, seed=2)
     good = [collate(r, st) for r in micro_batches(rows[:8], 4)]
     assert eng.run(good, 1e-2).applied
@@ -143,29 +166,30 @@ def test_nonfinite_step_is_skipped_bit_identically():
     assert eng.run(good, 1e-2).applied                            # training continues
 
 
-def test_dynamic_loss_scale_halves_on_overflow_and_matches_unscaled():
+def test_dynamic_loss_scale_halves_on_overflow_and_matches_unscaled(kept_steps):
     """A loss scale that overflows fp32 skips the step and halves; once finite, the update equals the
     unscaled run (power-of-two scaling is exact)."""
     st = stage_cfg(micro_batch_size=4)
     rows = make_rows(40, seed=3)
     steps = [rows[i * 8:(i + 1) * 8] for i in range(5)]
     init = snapshot(fresh_model())
-    m2 = fresh_model(init)
-    _, res = train(m2, st, steps, steps=5, precision="float16", loss_scale_value=2.0 ** 130 / 2 ** 3,
-                   loss_scale_factor=2.0, loss_scale_window=1000)
+    fp16 = dict(precision="float16", loss_scale_value=2.0 ** 130 / 2 ** 3, loss_scale_factor=2.0,
+                loss_scale_window=1000)
+    m2, eng2 = kept_step(kept_steps, init, st, **fp16)
+    _, res = train(m2, st, steps, steps=5, eng=eng2)
     scales = [r.loss_scale for r in res]
     skipped = [not r.applied for r in res]
     assert skipped[0] and scales[0] == 2.0 ** 126
     first_ok = skipped.index(False)
     assert all(skipped[:first_ok])
     # after the overflow steps, the same updates happen (shifted by the skipped steps)
-    m3 = fresh_model(init)
-    _, ref_shift = train(m3, st, steps[first_ok:], steps=5 - first_ok)
+    m3, eng3 = kept_step(kept_steps, init, st)
+    _, ref_shift = train(m3, st, steps[first_ok:], steps=5 - first_ok, eng=eng3)
     np.testing.assert_allclose([r.loss for r in res[first_ok:]], [r.loss for r in ref_shift], rtol=1e-5)
     assert all(r.applied for r in ref_shift)
 
 
-def test_restart_for_a_fitting_stage_equals_a_new_step():
+def test_restart_for_a_fitting_stage_equals_a_new_step(kept_steps):
     """A step restarted for the next stage (same trainable set, loss and micro-batch share; other rows'
     length, LR, weight decay, epsilon, clipping and LM-head chunk) holds a new step's state (moments, step,
     accumulators, the float16 loss scale and its good-step count back at the start) and trains
@@ -176,8 +200,8 @@ def test_restart_for_a_fitting_stage_equals_a_new_step():
                   loss={"logits_chunk_tokens": 64})
     fp16 = dict(precision="float16", loss_scale_value=2.0 ** 100, loss_scale_factor=2.0, loss_scale_window=2)
     rows = make_rows(48, seed=3)
-    m = fresh_model()
-    eng, res = train(m, a, [rows[i * 8:(i + 1) * 8] for i in range(3)], steps=3, **fp16)
+    m, eng = kept_step(kept_steps, snapshot(fresh_model()), a, **fp16)
+    eng, res = train(m, a, [rows[i * 8:(i + 1) * 8] for i in range(3)], steps=3, eng=eng)
     state = {k: p.asnumpy().copy() for k, p in eng.state_parameters().items()}
     assert all(r.applied for r in res) and int(state["adam_step"]) == 3
     assert float(state["loss_scale"]) == 2.0 ** 101 and int(state["loss_scale_good_steps"]) == 1
