@@ -11,6 +11,7 @@ import sys
 import mindspore as ms
 import numpy as np
 import pytest
+from mindspore import Tensor
 
 from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.checkpoint.pretrained import load_into
@@ -33,9 +34,21 @@ def factory(rc, stage, i, dist):
     return RowSource(ROWS, seed=rc.seed)
 
 
-def model():
-    ms.set_seed(0)
-    return TinyVLM()
+_LAST = {}  # the module's last new model and its seed-0 weights
+
+
+def model(new=True):
+    """The tiny model with seed 0's weights: a new one, or (new False) the module's last new one with its
+    weights set back, so a run whose stage fits restarts the SFT step the previous run kept on it
+    (`train_step.keep_train_step`) instead of compiling a new step."""
+    if new or "model" not in _LAST:
+        ms.set_seed(0)
+        _LAST["model"] = TinyVLM()
+        _LAST["init"] = {p.name: p.asnumpy().copy() for p in _LAST["model"].get_parameters()}
+    m = _LAST["model"]
+    for p in m.get_parameters():
+        p.set_data(Tensor(_LAST["init"][p.name]))
+    return m
 
 
 def losses(out):
@@ -59,7 +72,7 @@ def test_kill_during_save_then_resume_is_bit_identical(tmp_path):
     assert [d for d in os.listdir(stage_dir) if ".tmp-" in d]                    # ... its temp dir is left over
     assert len(losses(dir_b)) == 4                                               # steps 0..3 were logged
 
-    run_training(run_cfg(), dir_b, resume=dir_b, model=model(), data_factory=factory, collate=collate,
+    run_training(run_cfg(), dir_b, resume=dir_b, model=model(new=False), data_factory=factory, collate=collate,
                  progress=False)
     got = losses(dir_b)
     assert [s for s, _ in got] == list(range(6))
@@ -83,7 +96,7 @@ def test_nonfinite_steps_in_a_row_stop_with_intact_checkpoint(tmp_path):
         return arrays
 
     with pytest.raises(TrainingStopped, match="2 steps in a row had a non-finite"):
-        run_training(run_cfg(max_nonfinite=2, save_every=1), out, model=model(), data_factory=factory,
+        run_training(run_cfg(max_nonfinite=2, save_every=1), out, model=model(new=False), data_factory=factory,
                      collate=poisoned, progress=False)
     recs = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["applied"] for r in recs] == [True, True, False, False]
