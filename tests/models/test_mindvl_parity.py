@@ -11,6 +11,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from tests.support import hf_tiny as hf_tiny
+from tests.support import infer_tiny as infer_tiny
 from mindvl_ms.data.collate import build_model_inputs, model_args
 from mindvl_ms.checkpoint.pretrained import load_pretrained
 from mindvl_ms.models.mindvl import MindVLModel
@@ -20,9 +21,11 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_pair(tmp_path_factory):
-    path, hf = hf_tiny.tiny_qwen2_5_vl(tmp_path_factory.mktemp("hf"))
-    model = load_pretrained(MindVLModel, path).set_dynamic_inputs()
+def hf_pair():
+    """The infer tests' shared tiny pair (tests/support/infer_tiny.py: the hf_tiny checkpoint, transformers'
+    model and the MindSpore model with dynamic inputs), so a process that runs both compiles the full
+    forward graph once."""
+    path, hf, model, _ = infer_tiny.setup()
     return path, hf, model
 
 

@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from tests.support import hf_tiny as hf_tiny
+from tests.support import infer_tiny as infer_tiny
 from mindvl_ms.data.rope_index import rope_index
 from mindvl_ms.data.collate import build_model_inputs, model_args
-from mindvl_ms.checkpoint.pretrained import load_pretrained
-from mindvl_ms.models.mindvl import MindVLModel
 
 VIDEO = 253
 TOL = 1e-4
@@ -58,9 +57,10 @@ SAMPLES = [
 
 
 @pytest.fixture(scope="module")
-def hf_pair(tmp_path_factory):
-    path, hf = hf_tiny.tiny_qwen2_5_vl(tmp_path_factory.mktemp("hfv"))
-    model = load_pretrained(MindVLModel, path).set_dynamic_inputs()
+def hf_pair():
+    """The infer tests' shared tiny pair (tests/support/infer_tiny.py, the hf_tiny checkpoint): its full
+    forward graph, compiled once with dynamic inputs, serves these video batches too."""
+    _, hf, model, _ = infer_tiny.setup()
     rng = np.random.default_rng(3)
     return hf, model, [_sample(rng, items) for items in SAMPLES]
 
@@ -145,7 +145,6 @@ def test_accumulated_video_positions_by_hand():
 def test_greedy_generation_with_videos_equals_transformers():
     """KV-cache generation (the infer tests' shared tiny model) on a video and an image + video prompt gives
     transformers' greedy tokens, batched with left padding."""
-    from tests.support import infer_tiny as infer_tiny
     from mindvl_ms.infer.generate import generate
 
     _, hf, model, _ = infer_tiny.setup()

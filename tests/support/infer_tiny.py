@@ -1,7 +1,8 @@
-"""One tiny random Qwen2.5-VL checkpoint + its MindSpore model for all tests/infer/test_*.py modules.
+"""One tiny random Qwen2.5-VL checkpoint + its MindSpore model for all tests/infer/test_*.py modules and the
+parity tests of tests/models (test_video_parity.py, test_mindvl_parity.py: the same hf_tiny checkpoint).
 
-Built once per pytest process (the compiled generation cells are cached on the model, so every inference
-test module reuses the same graphs instead of compiling its own).
+Built once per pytest process (the compiled generation cells are cached on the model, and the full forward
+graph on the model itself, so every module reuses the same graphs instead of compiling its own).
 """
 import functools
 import shutil
