@@ -112,3 +112,46 @@ def test_eval_phase_backend_takes_the_next_checkpoints_weights(tmp_path):
     save_pretrained(MindVLModel(other.model), str(tmp_path / "c"))
     third = checkpoint_backend(second, str(tmp_path / "c"), cfg.data, 4)
     assert third is not second and third.model.config.text.num_hidden_layers == 2
+
+
+def test_eval_phase_borrows_the_cached_backends_model_and_gives_its_weights_back(tmp_path):
+    """With the phases in one process, the post-training evaluation streams the next checkpoints into the
+    model `evaluation.eval_backend` keeps for one of them (`post_phases.borrowed_backend`: its graphs are
+    compiled already) and, on exit, gives that model its own checkpoint's weights back; without a cached
+    backend there is nothing to borrow."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from mindvl_ms.checkpoint.pretrained import save_pretrained
+    from mindvl_ms.models.mindvl import MindVLModel
+    from mindvl_ms.recipes.demo import evaluation
+    from mindvl_ms.recipes.demo.post_phases import borrowed_backend, checkpoint_backend
+    from tests.support import post as H
+
+    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
+    ms.set_seed(0)
+    model = MindVLModel(cfg.model)
+    save_pretrained(model, str(tmp_path / "merged"))
+    own = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
+    rng = np.random.default_rng(1)
+    for p in model.get_parameters():
+        p.set_data(Tensor((own[p.name] + rng.standard_normal(p.shape)).astype(own[p.name].dtype)))
+    save_pretrained(model, str(tmp_path / "dpo"))
+    dpo = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
+    ckpts = {"merged": str(tmp_path / "merged"), "dpo": str(tmp_path / "dpo")}
+    with borrowed_backend(ckpts, cfg.data, 4) as none:
+        assert none is None
+    cached = evaluation.eval_backend(ckpts["merged"], cfg.data, 4)
+    try:
+        with borrowed_backend(ckpts, cfg.data, 4) as lent:
+            assert lent.model is cached.model and lent.engine is cached.engine
+            got = checkpoint_backend(lent, ckpts["dpo"], cfg.data, 4)
+            assert got is lent
+            for p in got.model.get_parameters():
+                np.testing.assert_array_equal(p.asnumpy(), dpo[p.name], err_msg=p.name)
+            got.engine.image_cache["x"] = np.zeros(1)
+        assert evaluation.cached_backend(ckpts["merged"]) is cached and not cached.engine.image_cache
+        for p in cached.model.get_parameters():
+            np.testing.assert_array_equal(p.asnumpy(), own[p.name], err_msg=p.name)
+    finally:
+        evaluation._BACKENDS.pop(os.path.abspath(ckpts["merged"]), None)

@@ -224,7 +224,8 @@ def test_post_train_on_the_quick_model(run, capsys):
     are the rollout's own samples under the pair rule, the chain is DPO from merged then GRPO from DPO, and
     the held-out table is recomputed from the prediction files with a numpy IoU. The command runs in this
     process (`cli.main`, what `mindvl` calls), its phases too (`demo.phase_processes=false`: the rollout samples
-    with the graphs the demo's evaluation compiled for the merged checkpoint), without plots."""
+    with the graphs the demo's evaluation compiled for the merged checkpoint, and the DPO and GRPO checkpoints
+    are evaluated on that model, which has the merged weights back afterwards), without plots."""
     import hashlib
 
     import mindspore as ms
@@ -302,6 +303,13 @@ def test_post_train_on_the_quick_model(run, capsys):
         assert s["mean_iou"] == pytest.approx(ious.mean(), abs=1e-9)
         assert s["acc_iou75"] == pytest.approx(np.mean(ious >= 0.75))
         assert s["acc_iou50"] == pytest.approx(np.mean(ious >= 0.5))
+
+    # the demo's cached backend of merged (the one the evaluation of DPO and GRPO borrowed) answers for merged again
+    from mindvl_ms.recipes.demo.evaluation import cached_backend
+    lent = cached_backend(os.path.join(out, "merged"))
+    assert lent is not None
+    for name, p in lent.model.parameters_and_names():
+        np.testing.assert_array_equal(p.asnumpy(), ck["merged"][name].float32(), err_msg=name)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux-only")

@@ -30,6 +30,11 @@ def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
     return _BACKENDS[key]
 
 
+def cached_backend(ckpt: str):
+    """The backend `eval_backend` built for ckpt in this process (its graphs compiled), or None; builds nothing."""
+    return _BACKENDS.get(os.path.abspath(ckpt))
+
+
 def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any],
                  out_dir: str, progress: bool = True) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {task: primary score}} on every held-out split."""

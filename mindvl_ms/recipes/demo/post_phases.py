@@ -4,10 +4,11 @@ preference pairs, the DPO -> GRPO training chain, and the held-out grounding eva
 GRPO's IoU reward speaks to."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -18,9 +19,9 @@ from mindvl_ms.data.preference import read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.eval.benchmark import evaluate
 from mindvl_ms.eval.metrics import parse_box
-from mindvl_ms.infer.generate import EvalBackend, load_model
+from mindvl_ms.infer.generate import EvalBackend, get_engine, load_model
 from mindvl_ms.infer.rollout import EngineSampler, rollout_pairs, write_pairs
-from mindvl_ms.recipes.demo.evaluation import eval_backend
+from mindvl_ms.recipes.demo.evaluation import cached_backend, eval_backend
 from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.train import run_training
 from mindvl_ms.train.post.rewards import Verifier
@@ -101,28 +102,59 @@ def checkpoint_backend(prev: Optional[EvalBackend], ckpt: str, data_cfg, tokens:
     return EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), tokens)
 
 
+def _stream_checkpoint(model, ckpt: str) -> None:
+    """ckpt's weights into `model` (same model config), tensor by tensor."""
+    _, sources = open_checkpoint(ckpt)
+    try:
+        stream_into(model, sources)
+    finally:
+        if isinstance(sources, Sources):
+            sources.close()
+
+
+@contextlib.contextmanager
+def borrowed_backend(ckpts: Dict[str, str], data_cfg, tokens: int) -> Iterator[Optional[EvalBackend]]:
+    """A backend on the model that `evaluation.eval_backend` keeps for one of `ckpts` in this process (the
+    demo's evaluation and the rollout of the merged checkpoint, when the phases run in one process), or None:
+    `checkpoint_backend` streams the next checkpoints into that model, so its compiled graphs (vision,
+    prefill, decode) serve them too, three graph compiles fewer. On exit the model gets its own
+    checkpoint's weights back, so the cached backend answers for its checkpoint again."""
+    owner = next((c for c in ckpts.values() if cached_backend(c) is not None), None)
+    if owner is None:
+        yield None
+        return
+    model = cached_backend(owner).model
+    try:
+        yield EvalBackend(model, MindVLProcessor(config=data_cfg), tokens)
+    finally:
+        _stream_checkpoint(model, owner)
+        get_engine(model).image_cache.clear()  # image features computed with the borrowed weights
+
+
 def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, Any], out_dir: str,
                progress: bool, reuse: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
-    `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun)."""
+    `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun). The
+    checkpoints share one model (`checkpoint_backend`), the cached one of the process when there is one
+    (`borrowed_backend`)."""
     child_setup()
     reuse = reuse or {}
     out = {}
     tokens = int(demo.get("max_new_tokens", 24))
-    backend = None
-    for name, ckpt in ckpts.items():
-        d = reuse.get(name) or os.path.join(out_dir, name)
-        if name in reuse:
-            with open(os.path.join(d, "scores.json"), encoding="utf-8") as f:
-                res = json.load(f)
-        else:
-            backend = checkpoint_backend(backend, ckpt, data_cfg, tokens)
-            res = evaluate(ckpt, heldout, d, backend=backend,
-                           min_pixels=data_cfg.image.min_pixels, max_pixels=data_cfg.image.max_pixels,
-                           batch_size=int(demo.get("eval_batch_size", 8)), max_new_tokens=tokens,
-                           progress=progress)
-        out[name] = dict(source=d, acc_iou50=res["tasks"]["grounding"]["primary"],
-                         **heldout_iou(os.path.join(d, "predictions.jsonl"), heldout))
+    with borrowed_backend(ckpts, data_cfg, tokens) as backend:
+        for name, ckpt in ckpts.items():
+            d = reuse.get(name) or os.path.join(out_dir, name)
+            if name in reuse:
+                with open(os.path.join(d, "scores.json"), encoding="utf-8") as f:
+                    res = json.load(f)
+            else:
+                backend = checkpoint_backend(backend, ckpt, data_cfg, tokens)
+                res = evaluate(ckpt, heldout, d, backend=backend,
+                               min_pixels=data_cfg.image.min_pixels, max_pixels=data_cfg.image.max_pixels,
+                               batch_size=int(demo.get("eval_batch_size", 8)), max_new_tokens=tokens,
+                               progress=progress)
+            out[name] = dict(source=d, acc_iou50=res["tasks"]["grounding"]["primary"],
+                             **heldout_iou(os.path.join(d, "predictions.jsonl"), heldout))
     return out
 
 
