@@ -56,10 +56,20 @@ def low_ids(response, answer):
     return sum(int(t) < int(answer) for t in toks) / max(len(toks), 1)
 
 
+_FRESH = {}  # model spec (JSON) -> reset() of the process's model for it (fresh_model)
+
+
 def fresh_model(model_spec=None):
     """-> reset(): a tiny MindVL with the weights `ms.set_seed(0); MindVLModel(MODEL)` gives, set back before each
-    use (the engine's image features dropped): one model for a module, so the graphs compiled on it (the post
-    stage's step kept on it, the engine's cells) are compiled once."""
+    use (the engine's image features dropped): one model per spec for the process (every module asking for it),
+    so the graphs compiled on it (the post stage's step kept on it, the engine's cells) are compiled once."""
+    key = json.dumps(model_spec or MODEL, sort_keys=True)
+    if key not in _FRESH:
+        _FRESH[key] = _new_fresh_model(model_spec)
+    return _FRESH[key]
+
+
+def _new_fresh_model(model_spec):
     cfg = load_run_config(data={"seed": 0, "model": model_spec or MODEL, "stages": [{"name": "x", "max_steps": 1}]})
     ms.set_seed(0)
     model = MindVLModel(cfg.model)

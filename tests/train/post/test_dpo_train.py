@@ -1,6 +1,7 @@
 """DPO stage in the trainer on a tiny MindVL (pairs as two segments of one row, NTP rows mixed in, MPO
 losses): the chosen/rejected margin grows, the stage run again on the same model (its kept step, state reset)
-is bit-identical, and resuming from a mid-stage checkpoint is exact."""
+is bit-identical, and resuming from a mid-stage checkpoint is exact (on the process's tiny model,
+tests/support/post.py fresh_model)."""
 import os
 import shutil
 

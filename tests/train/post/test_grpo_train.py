@@ -2,8 +2,9 @@
 from a `module:function` name): metrics per step, a rising reward, exact resume; rollouts reproducible from a
 seed; a GRPO stage without a sampler is a clear error.
 
-The GRPO and KV-cache sampling tests share one tiny model (`fresh`), handed to each at its seed-0 initial
-weights, so the graphs compiled on it (the engine's vision, prefill and decode cells) are compiled once."""
+The GRPO and KV-cache sampling tests share one tiny model (`fresh`, the process's: tests/support/post.py
+fresh_model), handed to each at its seed-0 initial weights, so the graphs compiled on it (the engine's vision,
+prefill and decode cells, the post step kept on it) are compiled once."""
 import os
 import shutil
 
@@ -30,7 +31,7 @@ GRPO_STAGE = {"name": "grpo", "type": "grpo", "seq_length": 64, "global_batch_si
 
 @pytest.fixture(scope="module")
 def fresh():
-    """fresh() -> the module's tiny MindVL at its seed-0 initial weights (tests/support/post.py fresh_model)."""
+    """fresh() -> the process's tiny MindVL at its seed-0 initial weights (tests/support/post.py fresh_model)."""
     return H.fresh_model()
 
 

@@ -1,6 +1,8 @@
 """The DPO stage's NTP mix is a ratio (`dpo.ntp_ratio`, NTP rows per preference pair; openPangu-VL report 4.2:
 "we also proportionally mix in the remaining SFT data"): the count per step follows the pairs, a ratio without
-SFT files is named, the old fixed-count key names its replacement. The stage test compiles one tiny graph.
+SFT files is named, the old fixed-count key names its replacement. The stage test trains the process's tiny
+model (tests/support/post.py fresh_model) with the objective constants of tests/train/post/test_dpo_train.py,
+so in one process with that module it reuses the post step compiled there.
 
     python -m pytest -q tests/train/post/test_ntp_mix.py
 """
@@ -59,7 +61,8 @@ def test_a_dpo_step_draws_ratio_times_pairs_ntp_rows(tmp_path):
     src = H.pair_source(n=8, n_ntp=5)
     stage = {"name": "dpo", "type": "dpo", "seq_length": 64, "global_batch_size": 4, "micro_batch_size": 2,
              "max_lr": 1e-3, "warmup_ratio": 0.0, "epochs": None, "max_steps": 2, "weight_decay": 0.0,
-             "dpo": {"sft_weight": 0.5, "ntp_sources": ["unused.jsonl"], "ntp_ratio": 0.5}}
-    _, _, recs = H.run(str(tmp_path / "run"), stage, lambda *a: src, plot=False)
+             "dpo": {"beta": 0.5, "sft_weight": 0.5, "quality_weight": 0.2, "ntp_sources": ["unused.jsonl"],
+                     "ntp_ratio": 0.5}}
+    _, _, recs = H.run(str(tmp_path / "run"), stage, lambda *a: src, plot=False, model=H.fresh_model()())
     assert len(recs) == 2 and all(r["applied"] for r in recs)
     assert (src.ntp.epoch, src.ntp.pos) == (0, 4) and (src.main.epoch, src.main.pos) == (1, 0)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tests.support import msrun
+from tests.support import post as H
 from tests.support.paths import ROOT
 from tests.workers import post_msrun as post_msrun_worker
 
@@ -18,7 +19,9 @@ WORKER = os.path.join(ROOT, "tests", "workers", "post_msrun.py")
 def test_grpo_two_workers_match_single_process(tmp_path):
     single, dp = str(tmp_path / "single"), str(tmp_path / "dp")
     with msrun.launch(2, WORKER, [dp], tmp_path / "logs", cluster_timeout=300) as job:
-        post_msrun_worker.main(single)  # the single-process reference, in this process, meanwhile
+        # the single-process reference, in this process, meanwhile, on the process's tiny model (its graphs
+        # compiled once per process: tests/support/post.py fresh_model)
+        post_msrun_worker.main(single, H.fresh_model()())
         logs = job.finish(timeout=600)
     assert "RANKS 2" in logs
     worst = msrun.assert_ranks_match(single, dp)
