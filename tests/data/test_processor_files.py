@@ -32,12 +32,21 @@ CONVS = [
 ]
 
 
-@pytest.mark.parametrize("system_prompt", ["", "You are a helpful assistant.", 'Say "ok".\nThen stop. é 😀'])
-def test_template_renders_like_the_processor(tmp_path, system_prompt):
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """transformers' tokenizer loaded from the files `save_processor` writes (they do not depend on the
+    system prompt, which only the chat template carries): loaded once for the template tests."""
     from transformers import AutoTokenizer
 
+    d = tmp_path_factory.mktemp("tok")
+    save_processor(str(d), data_cfg=DataConfig())
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.mark.parametrize("system_prompt", ["", "You are a helpful assistant.", 'Say "ok".\nThen stop. é 😀'])
+def test_template_renders_like_the_processor(tmp_path, system_prompt, hf_tokenizer):
     save_processor(str(tmp_path), data_cfg=DataConfig(system_prompt=system_prompt))
-    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = hf_tokenizer
     template = json.load(open(tmp_path / pf.CHAT_TEMPLATE))["chat_template"]
     for conv in CONVS:
         for gen in (False, True):
