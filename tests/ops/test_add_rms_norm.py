@@ -41,7 +41,8 @@ class _Unfused(nn.Cell):
 
 
 class _Loss(nn.Cell):
-    """A scalar of both outputs, so the gradients flow through the norm and the sum."""
+    """A scalar of both outputs, so the gradients flow through the norm and the sum; the outputs come along
+    (auxiliary outputs: one compiled graph gives them and the gradients)."""
 
     def __init__(self, cell):
         super().__init__()
@@ -49,7 +50,7 @@ class _Loss(nn.Cell):
 
     def construct(self, x, residual, dy, dh):
         y, h = self.cell(x, residual)
-        return (y * dy).sum() + (h * dh).sum()
+        return (y * dy).sum() + (h * dh).sum(), y, h
 
 
 def _pair(dim, kernel, weight):
@@ -62,8 +63,7 @@ def _pair(dim, kernel, weight):
 
 
 def _outputs(cell, args):
-    y, h = cell(*args[:2])
-    grads = ms.grad(_Loss(cell), (0, 1), cell.trainable_params())(*args)
+    (_, y, h), grads = ms.value_and_grad(_Loss(cell), (0, 1), cell.trainable_params(), has_aux=True)(*args)
     (dx, dres), (dw,) = grads
     return [t.asnumpy() for t in (y, h, dx, dres, dw)]
 
