@@ -111,6 +111,22 @@ def _positions(mask: np.ndarray) -> List[np.ndarray]:
     return [np.flatnonzero(m != 0) for m in mask]
 
 
+_TOKEN_MEAN: Dict[tuple, TrainLoss] = {}  # (logits dtype, id dtypes) -> the keyword call's loss, any shape
+
+
+def _token_mean(logits: Tensor, ids: List[Tensor]) -> TrainLoss:
+    """The token-mean loss Cell for these dtypes, with dynamic input shapes: one graph compile per process for
+    every batch and length (a new Cell per call would compile on every call)."""
+    key = (logits.dtype,) + tuple(t.dtype for t in ids)
+    if key not in _TOKEN_MEAN:
+        loss = TrainLoss("token_mean")
+        scalar = Tensor(shape=[], dtype=ms.float32)
+        loss.set_inputs(Tensor(shape=[None, None, None], dtype=logits.dtype),
+                        *[Tensor(shape=[None, None], dtype=t.dtype) for t in ids], scalar, scalar)
+        _TOKEN_MEAN[key] = loss
+    return _TOKEN_MEAN[key]
+
+
 def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image_grid_thw=None, labels=None,
             **unknown) -> MindVLOutput:
     """`model(**inputs)`; see the module docstring."""
@@ -130,9 +146,9 @@ def forward(model, input_ids=None, attention_mask=None, pixel_values=None, image
     loss = None
     if labels is not None:
         sup = float((batch["targets"] != -100).sum())
-        loss = TrainLoss("token_mean")(logits, Tensor(batch["targets"]), Tensor(batch["segment_ids"]),
-                                       Tensor(batch["token_index"]), Tensor(sup, ms.float32),
-                                       Tensor(float(batch["num_samples"]), ms.float32))
+        ids = [Tensor(batch[k]) for k in ("targets", "segment_ids", "token_index")]
+        loss = _token_mean(logits, ids)(logits, *ids, Tensor(sup, ms.float32),
+                                        Tensor(float(batch["num_samples"]), ms.float32))
     mask = np.ones(shape, np.int64) if attention_mask is None else to_numpy(attention_mask).reshape(shape)
     pos = _positions(mask)
     if any(not np.array_equal(p, np.arange(p.size)) for p in pos):  # left/inner padding: back to input columns

@@ -17,6 +17,7 @@ from mindvl_ms.config.data import DataConfig, ImageConfig
 from mindvl_ms.data.processor import MindVLProcessor, save_processor
 from mindvl_ms.data.collate import build_model_inputs, model_args
 from mindvl_ms import MindVLForConditionalGeneration
+from mindvl_ms.infer import hf_api
 
 VOCAB = 151936
 IMAGE, VIDEO, VSTART, VEND = 151655, 151656, 151652, 151653
@@ -127,6 +128,15 @@ def test_model_call_logits_and_loss(setup):
     np.testing.assert_allclose(out.logits.asnumpy(), ref.logits.numpy(), atol=1e-4)
     assert abs(float(out.loss.asnumpy()) - float(ref.loss)) < 1e-4
     assert out["loss"] is out.loss and "logits" in out.keys()
+    # another length: its loss against transformers too, on the loss graph compiled once (dynamic shapes)
+    msgs2 = [msgs[0], {"role": "assistant", "content": "A small red square near the top left corner."}]
+    inputs2 = proc(messages=msgs2, images=[img])
+    assert inputs2["input_ids"].shape != inputs["input_ids"].shape
+    with torch.no_grad():
+        ref2 = hf(**_hf_inputs(hf_proc, msgs2, [img], add_generation_prompt=False),
+                  labels=torch.tensor(inputs2["labels"]))
+    assert abs(float(model(**inputs2).loss.asnumpy()) - float(ref2.loss)) < 1e-4
+    assert hf_api._TOKEN_MEAN and all(len(cell.compile_cache) == 1 for cell in hf_api._TOKEN_MEAN.values())
     # Tensors in, and no labels -> no loss
     ms_inputs = proc(messages=msgs, images=[img], return_tensors="ms")
     ms_inputs.pop("labels")
