@@ -3,8 +3,9 @@
 `python -m pytest -q -n 2 tests` (README, Makefile) runs the tests on two pytest-xdist workers, a work unit
 at a time (pytest_xdist_make_scheduler below): the tests of one module are one unit, so a module's fixtures
 (the `mindvl demo --quick` run, a module's compiled model, a module's msrun reference job) are built once, by
-one worker; the tests/infer modules are one unit, sharing the compiled tiny model of
-tests/support/infer_tiny.py; and the units known to take longest are handed out first, so that no long unit
+one worker; the tests/infer modules (with the model parity modules) are one unit, sharing the compiled tiny
+model of tests/support/infer_tiny.py, and so are the post-training modules that share tests/support/post.py's
+model (UNITS); and the units known to take longest are handed out first, so that no long unit
 starts when the other worker is nearly done. Without -n nothing of this applies: one process, collection order.
 """
 import os
@@ -41,6 +42,13 @@ if _COMPILES or _CPU:
             yield
 
 
+# path prefix -> one unit for all its modules: those that use the compiled model of tests/support/infer_tiny.py,
+# and the post-training modules that share tests/support/post.py's model (and the graphs compiled on it)
+POST_SHARED = "tests/train/post/ (fresh_model)"
+UNITS = {"tests/infer/": "tests/infer/", "tests/models/test_video_parity.py": "tests/infer/",
+         "tests/models/test_mindvl_parity.py": "tests/infer/",
+         **{f"tests/train/post/test_{m}.py": POST_SHARED for m in ("post_msrun", "dpo_train", "ntp_mix", "grpo_train")}}
+
 # modules (or unit names) in the order the workers take them, longest first: the slow lane's end-to-end
 # runs, then the longest of the rest (docs/PERFORMANCE.md, ## tests); every other module follows in
 # collection order
@@ -52,7 +60,7 @@ FIRST = (
     "tests/infer/",
     "tests/parallel/test_shard_consistency.py",
     "tests/recipes/test_demo_post.py",
-    "tests/train/post/test_post_msrun.py",
+    POST_SHARED,
     "tests/train/test_variants.py",
     "tests/models/test_moe_parity.py",
     "tests/models/test_moe_sparse.py",
@@ -63,8 +71,6 @@ FIRST = (
     "tests/parallel/test_msrun_dp.py",
     "tests/train/test_resume.py",
 )
-# path prefix -> one unit for all its modules: those that use the compiled model of tests/support/infer_tiny.py
-UNITS = {"tests/infer/": "tests/infer/", "tests/models/test_video_parity.py": "tests/infer/"}
 
 
 def _unit(nodeid: str) -> str:
