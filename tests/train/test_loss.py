@@ -64,6 +64,14 @@ def make_samples(rng, n, vocab):
     return out
 
 
+def any_shape(cell, vocab):
+    """`cell` compiled once for every [B, L] (dynamic shapes, as in the train step), vocabulary `vocab`."""
+    ids = Tensor(shape=[None, None], dtype=ms.int32)
+    scalar = Tensor(shape=[], dtype=ms.float32)
+    cell.set_inputs(Tensor(shape=[None, None, vocab], dtype=ms.float32), ids, ids, ids, scalar, scalar)
+    return cell
+
+
 def run_loss(cell, logits, targets, segs, tidx, norm, j):
     return float(cell(Tensor(logits), Tensor(targets), Tensor(segs), Tensor(tidx),
                       Tensor(norm, ms.float32), Tensor(j, ms.float32)).asnumpy())
@@ -125,7 +133,7 @@ def test_per_sample_terms_inside_a_pack():
     separate = np.zeros((3, 10, 9), np.float32)
     for r, lg in enumerate(logits_rows):
         separate[r, :len(lg)] = lg
-    cell = TrainLoss("balanced", 0.0, 1.0)  # per-sample term only: a per-row version would differ
+    cell = any_shape(TrainLoss("balanced", 0.0, 1.0), 9)  # per-sample term only: a per-row version would differ
     a = run_loss(cell, packed, t1, s1, i1, -1.0, 3.0)
     b = run_loss(cell, separate, t2, s2, i2, -1.0, 3.0)
     assert a == pytest.approx(b, rel=1e-6)
@@ -144,7 +152,7 @@ def test_global_loss_invariant_to_micro_batch_split(kind):
     layout = [[0, 1], [2], [3, 4, 5], [6, 7]]
     targets, segs, tidx = pack(samples, 20, layout)
     logits = rng.randn(4, 20, 10).astype(np.float32)
-    cell = TrainLoss(kind, 0.6, 0.4, 0.1, 2.0)
+    cell = any_shape(TrainLoss(kind, 0.6, 0.4, 0.1, 2.0), 10)
     j = 8.0
     sup = float((targets != IGNORE).sum())
 
