@@ -101,8 +101,6 @@ def default_model(tmp_path_factory):
      "first_k_dense_replace": 2},
 ])
 def test_logits_match_transformers_and_export_is_bit_exact(tmp_path, variant, request):
-    """The default variant runs the module's compiled graph; the other one runs op by op (PyNative), one
-    forward being cheaper than a graph compile of its model."""
     if variant:
         hf_dir, hf = hf_tiny_deepseek(tmp_path / "hf", **variant)
         lm, tc = load_native(hf_dir)
@@ -113,12 +111,7 @@ def test_logits_match_transformers_and_export_is_bit_exact(tmp_path, variant, re
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
     i, p, s = packed_inputs([[ids[0]], [ids[1]]])
-    if variant:
-        ms.set_context(mode=ms.PYNATIVE_MODE)
-    try:
-        logits, aux, load = lm(Tensor(i), Tensor(p), Tensor(s))
-    finally:
-        ms.set_context(mode=ms.GRAPH_MODE)
+    logits, aux, load = lm(Tensor(i), Tensor(p), Tensor(s))
     err = np.abs(logits.asnumpy() - ref).max()
     assert err < 1e-4, f"max |logit diff| {err}"
     n_moe = tc.num_hidden_layers - tc.moe.first_k_dense_replace
