@@ -23,6 +23,7 @@ read the `tokenizers.Tokenizer` they hold, so sharing one is safe.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -57,8 +58,10 @@ class TextTokenizer:
         self.source = source
         self.eos_token = eos_token
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
+        """Tokens, the added ones included; counted once per tokenizer (a count walks the whole vocabulary, and
+        the loaders add every special token before wrapping it, so the count does not change)."""
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str) -> int:

@@ -14,7 +14,7 @@ from mindvl_ms.data.image import image_tokens, patchify, process_images, smart_r
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.data.tokens import IGNORE_INDEX
 from mindvl_ms.data.schema import SampleError, parse_sample
-from mindvl_ms.data.tokenizer import default_tokenizer_dir, load_tokenizer
+from mindvl_ms.data.tokenizer import TextTokenizer, default_tokenizer_dir, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +159,21 @@ def test_a_tokenizer_loads_once_per_process_until_its_files_change(tmp_path):
     assert second is not first and load_tokenizer(str(d)) is second
     word = first.tok.decode([first.token_to_id(last[0] + last[1])])  # the text the dropped merge made one token
     assert len(first.encode(word)) == 1 and len(second.encode(word)) == 2
+
+
+def test_vocab_size_is_counted_once_per_tokenizer(tmp_path):
+    tok = load_tokenizer(str(_vocab_merges_dir(tmp_path)))
+    calls = []
+
+    class Counting:  # the wrapped tokenizers.Tokenizer, its vocabulary counts recorded
+        def get_vocab_size(self, with_added_tokens=True):
+            calls.append(with_added_tokens)
+            return real.get_vocab_size(with_added_tokens=with_added_tokens)
+
+    real = tok.tok
+    fresh = TextTokenizer(Counting(), tok.source, tok.eos_token)
+    assert fresh.vocab_size == fresh.vocab_size == real.get_vocab_size(with_added_tokens=True)
+    assert calls == [True]
 
 
 def test_sentencepiece_model_loads(tmp_path):
