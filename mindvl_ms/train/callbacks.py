@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import json
 import numbers
 import os
@@ -47,6 +48,9 @@ class ProgressBar:
         self.bar.close()
 
 
+_EVENT_FILES = itertools.count()  # event files opened by this process (TensorBoardLog file names)
+
+
 class TensorBoardLog:
     """Step records and the run summary as TensorBoard scalars in one directory (tensorboardX).
 
@@ -64,7 +68,9 @@ class TensorBoardLog:
 
     One writer at a time: it opens on the first value, `close()` flushes and closes it (the trainer calls
     it at every stage end, also when the stage fails), and the next value opens a new event file. File
-    names end in .<pid>.<n> so two files opened in the same second do not overwrite each other.
+    names end in .<pid>.<n>, n counting the files the process opened (every log's), so two files opened in
+    the same second (tensorboardX names them by the second) do not overwrite each other, also when a
+    stopped run and its resume run in one process.
 
     tensorboardX is imported when the first file opens, not with this module: its package imports torch
     when torch is installed (as in the test environment), which costs every training process seconds and
@@ -75,14 +81,14 @@ class TensorBoardLog:
         self.writer: Any = None  # a tensorboardX SummaryWriter while a file is open
         self.purge_step: Optional[int] = 0  # cleared once the first file carries it
         self.last_step: Dict[int, int] = {}  # stage index -> its last logged step
-        self.global_step, self.files = -1, 0
+        self.global_step = -1
 
     def _open(self):
         if self.writer is None:
             from tensorboardX import SummaryWriter  # on first use: see the class docstring
             self.writer = SummaryWriter(self.logdir, purge_step=self.purge_step,
-                                        filename_suffix=f".{os.getpid()}.{self.files:03d}")
-            self.purge_step, self.files = None, self.files + 1
+                                        filename_suffix=f".{os.getpid()}.{next(_EVENT_FILES):03d}")
+            self.purge_step = None
         return self.writer
 
     def _advance(self, rec: Dict[str, Any]) -> int:

@@ -21,6 +21,7 @@ from tensorboardX.record_writer import masked_crc32c
 from mindvl_ms.config.base import ConfigError
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
+from mindvl_ms.train.callbacks import TensorBoardLog
 from tests.support.train_tiny import TinyVLM, collate, make_rows
 
 ROWS = make_rows(48, seed=5)
@@ -153,6 +154,22 @@ def test_stopped_stage_closes_its_writer_and_resume_hides_the_dropped_steps(tmp_
     recs, scalars = assert_matches_jsonl(out)  # step 3 of the stopped run (NaN) is hidden, the resumed one kept
     assert [r["step"] for r in recs] == list(range(6)) and np.isfinite(scalars["loss"][3])
     assert len(os.listdir(os.path.join(out, "tensorboard"))) == 3  # stopped stage, resumed stage, summary
+
+
+def test_two_logs_of_one_process_in_one_second_keep_both_files(tmp_path, monkeypatch):
+    """A stopped run and its resume in one process can open their event files within one second (tensorboardX
+    names files by the second): both files stay, each with its own step."""
+    import tensorboardX.event_file_writer as efw
+
+    monkeypatch.setattr(efw.time, "time", lambda: 1_800_000_000.0)  # the same second for every file
+    for loss in (1.0, 2.0):
+        log = TensorBoardLog(str(tmp_path))
+        log.write({"stage_index": 0, "step": int(loss), "loss": loss})
+        log.close()
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 2
+    assert [[v.simple_value for e in read_events(os.path.join(tmp_path, f)) for v in e.summary.value
+             if v.tag == "loss"] for f in files] == [[1.0], [2.0]]
 
 
 def test_unknown_report_target_is_a_config_error():
