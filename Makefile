@@ -8,7 +8,7 @@ PYTHON ?= python
 test:
 	$(PYTHON) -m pytest -q -n 2 tests
 
-# what to run first: leaves out the tests marked slow (pytest.ini), end-to-end runs whose parts other tests cover
+# what to run first: leaves out the tests marked slow (pytest.ini: about 12 s or more each)
 test-fast:
 	$(PYTHON) -m pytest -q -n 2 -m "not slow" tests
 

@@ -165,6 +165,7 @@ SPEC = st.tuples(st.integers(0, len(TEMPLATES) - 1), st.one_of(st.none(), st.sam
                  st.integers(0, 2 ** 32 - 1))
 
 
+@pytest.mark.slow
 def test_fuzzed_lines_are_named_good_lines_train_counts_add_up(world):
     w, config, proc, model = world
     totals = {"files": 0, "lines": 0, "bad_named": 0, "trained": 0}

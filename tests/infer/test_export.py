@@ -17,6 +17,8 @@ from mindvl_ms.infer.generate import generate
 from mindvl_ms.infer.preprocess import uint8_patches
 from mindvl_ms.infer.mindir_runner import ExportedRunner
 
+pytestmark = pytest.mark.slow  # over ~12 s: -m 'not slow' leaves it out, CI runs it
+
 N_NEW = 5
 
 

@@ -14,6 +14,8 @@ from tests.support import msrun
 from tests.support.paths import ROOT
 from tests.workers import train_msrun as train_msrun_worker
 
+pytestmark = pytest.mark.slow  # over ~12 s: -m 'not slow' leaves it out, CI runs it
+
 WORKER = os.path.join(ROOT, "tests", "workers", "train_msrun.py")
 
 

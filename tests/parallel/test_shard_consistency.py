@@ -161,6 +161,7 @@ def ref(request, rows):
                            logits=logits, loss=loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ref", ["tiny.yaml", "tiny-moe.yaml"], indirect=True)
 def test_ranks_concatenated_equal_the_global_batch(rows, ref):
     model, budget, glob, num_samples = ref.model, ref.budget, ref.glob, ref.num_samples
@@ -176,6 +177,7 @@ def test_ranks_concatenated_equal_the_global_batch(rows, ref):
         assert abs(loss - ref_loss) <= TOL, f"dp{dp} x tp{tp}: loss {loss} vs global {ref_loss}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ref", ["tiny.yaml", "tiny-moe.yaml"], indirect=True)
 def test_balanced_vision_shares_equal_the_global_batch(rows, ref):
     """vision_parallel dp, dp 2 x tp 2: each TP group's 2 ranks take their own share of the group's images

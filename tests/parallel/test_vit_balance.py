@@ -101,6 +101,7 @@ def test_gather_index_restores_image_order():
         gather_index(grid, [[0], [1]], 2, pad)
 
 
+@pytest.mark.slow
 def test_two_msrun_workers_merge_what_one_process_merges(tmp_path):
     """Two msrun ranks as one TP group: each encodes its share, a real AllGather joins them, GroupMerge puts
     them into the text; equal to one process's row-by-row merge."""

@@ -88,6 +88,7 @@ def test_head_grid_is_the_stage_seq_length_under_semi_auto():
     assert mf_step.head_slots([{"targets": t}], fixed=64) == 64
 
 
+@pytest.mark.slow
 def test_one_graph_step_equals_train_step(monkeypatch):
     """Same loss (to 1 float32 ulp) and parameters (to 1e-6) as TrainStep after 3 steps x 2 micro-batches
     (2 rows each: the one-graph step unrolls one forward and backward per micro-batch, so 2 is its smallest

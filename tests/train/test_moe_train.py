@@ -5,6 +5,7 @@ import os
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn
+import pytest
 
 from mindvl_ms.config import load_model_config
 from mindvl_ms.config.model import MoEConfig
@@ -40,6 +41,7 @@ def _task(b=4, length=16, vocab=64, seed=0):
     return ids, pos, seg, tgt
 
 
+@pytest.mark.slow
 def test_loss_decreases_with_mtp_aux_and_bias_update_in_graph_mode():
     cfg = _tiny_text()
     assert cfg.moe.num_nextn_predict_layers == 1 and cfg.moe.seq_aux_loss_coef > 0

@@ -34,6 +34,8 @@ from mindvl_ms.train.train_step import TrainStep
 from tests.support.paths import ROOT
 from tests.train.test_mf_step import cpu_overflow
 
+pytestmark = pytest.mark.slow  # over ~12 s: -m 'not slow' leaves it out, CI runs it
+
 VOCAB, LENGTH = 64, 16
 
 

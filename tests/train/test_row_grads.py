@@ -101,6 +101,7 @@ def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
     assert np.abs(dw_np).max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_train_step_with_row_grads_equals_plain_autodiff(tied):
     """Two steps of the tiny MindVL (one ViT block: the tables are the language model's): the tables (untied:

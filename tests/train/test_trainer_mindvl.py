@@ -10,6 +10,7 @@ import os
 import mindspore as ms
 import numpy as np
 from mindspore.graph import api
+import pytest
 
 from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.checkpoint.pretrained import load_pretrained
@@ -41,6 +42,7 @@ def rows(n, seed=0):
     return out
 
 
+@pytest.mark.slow
 def test_stages_on_mindvl(tmp_path, monkeypatch):
     data = rows(24)
     cfg = load_run_config(data={"seed": 0, "model": MODEL, "plot": True, "recompute_config": {"recompute": True},

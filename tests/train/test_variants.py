@@ -173,6 +173,7 @@ def reference(tmp_path_factory):
     return data, str(d / "ref"), summary, rec.seen, str(d / "after_multitask"), model
 
 
+@pytest.mark.slow
 def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(reference):
     _, out, summary, seen, _, _ = reference
     assert [s["stage"] for s in summary["stages"]] == ["multitask", *VARIANTS]
@@ -199,6 +200,7 @@ def test_three_variants_from_one_checkpoint_with_their_own_lengths_and_pixels(re
     assert not np.array_equal(ends[0][w].float32(), ends[1][w].float32())
 
 
+@pytest.mark.slow
 def test_merge_is_the_mean_of_the_three_variants(reference):
     _, out, summary, _, _, _ = reference
     (m,) = summary["merges"]
@@ -213,6 +215,7 @@ def test_merge_is_the_mean_of_the_three_variants(reference):
         np.testing.assert_allclose(merged[k].float32(), mean, rtol=np.finfo(np.float32).eps, atol=1e-7, err_msg=k)
 
 
+@pytest.mark.slow
 def test_kill_between_variants_then_resume_is_bit_identical(reference, tmp_path):
     data, ref_dir, summary, _, after_multitask, model = reference
     out = str(tmp_path / "killed")

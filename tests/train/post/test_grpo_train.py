@@ -35,6 +35,7 @@ def fresh():
     return H.fresh_model()
 
 
+@pytest.mark.slow
 def test_grpo_stage_logs_learns_and_resumes_exactly(tmp_path, fresh):
     out = str(tmp_path / "g")
     model, summary, recs = H.run(out, GRPO_STAGE, lambda *a: H.prompt_source(), model=fresh())

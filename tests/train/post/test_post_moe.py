@@ -1,12 +1,15 @@
 """DPO on the tiny MindVL-MoE (DeepSeek-V3 style LM: its forward returns logits, the sequence-wise aux loss
 and the expert load): the post-training step takes the aux-loss path and the margin grows."""
 import os
+import pytest
 
 from tests.support import hf_tiny as hf_tiny
 from tests.support import post as H
 from mindvl_ms.config.base import read_yaml
 
 from tests.support.paths import ROOT  # noqa: E402
+
+pytestmark = pytest.mark.slow  # over ~12 s: -m 'not slow' leaves it out, CI runs it
 
 
 def test_dpo_on_moe_model(tmp_path, monkeypatch):
