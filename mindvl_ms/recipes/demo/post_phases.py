@@ -82,34 +82,31 @@ def reusable_eval(d: str, ckpt: str, heldout: str, data_cfg) -> bool:
         (s.get("min_pixels"), s.get("max_pixels")) == (data_cfg.image.min_pixels, data_cfg.image.max_pixels)
 
 
+def _stream_checkpoint(model, ckpt: str) -> bool:
+    """ckpt's weights into `model`, tensor by tensor, when ckpt's model config is the model's; else False
+    (nothing loaded)."""
+    cfg, sources = open_checkpoint(ckpt)
+    try:
+        if cfg != model.config:
+            return False
+        stream_into(model, sources)
+        return True
+    finally:
+        if isinstance(sources, Sources):
+            sources.close()
+
+
 def checkpoint_backend(prev: Optional[EvalBackend], ckpt: str, data_cfg, tokens: int) -> EvalBackend:
     """The evaluation backend of ckpt (the processor the demo trained with). When ckpt's model config is
     that of `prev`'s model (the post-training chain's checkpoints all are), ckpt's weights are streamed
     into that model instead of a new one: the graphs compiled on it (vision, prefill, decode) serve every
     checkpoint, three graph compiles fewer per checkpoint after the first."""
-    if prev is not None:
-        cfg, sources = open_checkpoint(ckpt)
-        try:
-            if cfg == prev.model.config:
-                stream_into(prev.model, sources)
-                prev.engine.image_cache.clear()  # image features computed with the previous weights
-                return prev
-        finally:
-            if isinstance(sources, Sources):
-                sources.close()
+    if prev is not None and _stream_checkpoint(prev.model, ckpt):
+        prev.engine.image_cache.clear()  # image features computed with the previous weights
+        return prev
     # not evaluation.eval_backend: its backends are cached by checkpoint path, and the one returned here
     # takes the next checkpoint's weights, so a cached one would later answer with the wrong weights
     return EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), tokens)
-
-
-def _stream_checkpoint(model, ckpt: str) -> None:
-    """ckpt's weights into `model` (same model config), tensor by tensor."""
-    _, sources = open_checkpoint(ckpt)
-    try:
-        stream_into(model, sources)
-    finally:
-        if isinstance(sources, Sources):
-            sources.close()
 
 
 @contextlib.contextmanager
