@@ -135,9 +135,9 @@ def find_bias_updater(model: nn.Cell):
 def graph_key(model: nn.Cell, params: Sequence[Parameter], input_names: Sequence[str], loss_cfg, stage, dp: int,
               precision: str, gradients_mean: bool, compiler_reduces: bool, row_grads: bool) -> tuple:
     """Everything a `TrainStep` built from these arguments bakes into its graphs as constants: the model and
-    its parameters' shapes, its inputs, the trainable parameters (hence the sparse head, row-gradient tables and decay masks),
-    the loss type and weights, each micro-batch's share 1/(accumulation x dp), the parameters' LR
-    coefficients, the AdamW betas and the reduction (dp, mean, compiler-inserted). Two stages with equal
+    its parameters' shapes, its inputs, the trainable parameters (hence the sparse head, row-gradient tables
+    and decay masks), the loss type and weights, each micro-batch's share 1/(accumulation x dp), the
+    parameters' LR coefficients, the AdamW betas and the reduction (dp, mean, compiler-inserted). Two stages with equal
     keys can train on one step's compiled graphs (`TrainStep.restart`); sequence length, batch shapes,
     learning rate, weight decay, epsilon and clipping are inputs or host values and may differ."""
     coefs = stage.lr_prefixes()

@@ -154,9 +154,7 @@ class Trainer:
         """(driver, engine): the SFT step, or a DPO / GRPO step driver with its own step (train/post/stage.py)."""
         c, stage = self.chain, self.stage
         moe_changed = set_moe_seq_length(c.model, stage.seq_length)  # expert-parallel dispatchers: the stage's rows
-        previous, c.step_engine = c.step_engine, None
         if stage.type != "sft":
-            del previous
             keep_train_step(c.net, c.step_settings, None)  # the SFT step's state goes before the post step's
             driver = make_step_driver(dict(run_cfg=self.run_cfg, stage=stage, dist=self.dist, model=c.model,
                                            net=c.net, params=self.params, names=c.names, source=self.source,
@@ -172,17 +170,15 @@ class Trainer:
                 ctx.loss_scale_value, ctx.loss_scale_factor, ctx.loss_scale_window)
         kw = dict(gradients_mean=self.run_cfg.parallel.gradients_mean, compiler_reduces=self.dist.compiler_reduces)
         drop_post_step(c.net)
-        if previous is None and c.reuse_steps:  # the last SFT step of an earlier run_training on this network
-            previous = kept_train_step(c.net, c.step_settings)
-        if previous is not None and c.reuse_steps and not moe_changed and previous.restart(*args, **kw):
+        previous = kept_train_step(c.net, c.step_settings)  # the last SFT stage's, of this run or an earlier one
+        if previous is not None and not moe_changed and previous.restart(*args, **kw):
             log.info("stage %s: the previous stage's compiled step fits it, reused", stage.name)
-            c.step_engine = previous
-        else:
-            del previous  # the chain and the network hold no step but the current stage's
-            keep_train_step(c.net, c.step_settings, None)
-            c.step_engine = TrainStep(*args, **kw)
-        keep_train_step(c.net, c.step_settings, c.step_engine)
-        return None, c.step_engine
+            return None, previous
+        del previous
+        keep_train_step(c.net, c.step_settings, None)  # the network holds no step but the current stage's
+        engine = TrainStep(*args, **kw)
+        keep_train_step(c.net, c.step_settings, engine)
+        return None, engine
 
     def _restore(self, resume: ResumePoint) -> None:
         """Optimizer state, this rank's data position and the step counters of the checkpoint."""
@@ -334,11 +330,8 @@ class StageChain:
     `run()` drives one `Trainer` per stage, from the resume point if any, and writes the summary."""
 
     def __init__(self, run_cfg, out_dir: str, model=None, data_factory: Optional[Callable] = None,
-                 collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None,
-                 reuse_steps: bool = True):
+                 collate: Optional[Callable] = None, progress: bool = True, sampler: Optional[ResponseSampler] = None):
         self.run_cfg, self.out_dir, self.progress, self.sampler = run_cfg, out_dir, progress, sampler
-        self.reuse_steps = reuse_steps  # False: every SFT stage builds (and compiles) its own TrainStep
-        self.step_engine: Optional[TrainStep] = None  # the last SFT stage's, restarted by the next when it fits
         self.schedule = run_cfg.schedule()  # (stage as it trains, the stage it is a variant of or None)
         self.stages = [st for st, _ in self.schedule]
         self.base = run_cfg.init_from or None  # the checkpoint the next group of variants starts from
