@@ -12,7 +12,6 @@ import json
 import os
 import struct
 
-import mindspore as ms
 import numpy as np
 import pytest
 from tensorboardX.proto.event_pb2 import Event, SessionLog
@@ -22,7 +21,8 @@ from mindvl_ms.config.base import ConfigError
 from mindvl_ms.train import TrainingStopped, load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
 from mindvl_ms.train.callbacks import TensorBoardLog
-from tests.support.train_tiny import TinyVLM, collate, make_rows
+from tests.support.stopped_run import kept_model as model  # one network: its runs restart the step kept on it
+from tests.support.train_tiny import collate, make_rows
 
 ROWS = make_rows(48, seed=5)
 STAGE = dict(trainable="all", seq_length=28, global_batch_size=4, micro_batch_size=2, max_lr=5e-3,
@@ -35,21 +35,6 @@ def run_cfg(stages, **run):
 
 def factory(rc, stage, i, dist):
     return RowSource(ROWS, seed=rc.seed + i)
-
-
-_MODEL = {}
-
-
-def model():
-    """The module's stand-in with its seed-0 weights set back: one network for every run here, so the runs
-    train on the step kept on it (train_step.keep_train_step) and compile it once."""
-    if not _MODEL:
-        ms.set_seed(0)
-        net = TinyVLM()
-        _MODEL["net"], _MODEL["init"] = net, {p.name: p.asnumpy().copy() for p in net.get_parameters()}
-    for p in _MODEL["net"].get_parameters():
-        p.set_data(ms.Tensor(_MODEL["init"][p.name]))
-    return _MODEL["net"]
 
 
 def read_events(path):
