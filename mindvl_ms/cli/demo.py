@@ -1,4 +1,4 @@
-"""`mindvl demo [--out DIR] [--quick]`: the tiny three-stage MindVL example, end to end on CPU.
+"""`mindvl demo [--out DIR] [--quick] [--seeds S ...]`: the tiny three-stage MindVL example, end to end on CPU.
 
 MindSpore is imported inside the handler so `mindvl --help` stays fast.
 """
@@ -36,6 +36,7 @@ examples:
   mindvl demo                       # full run into runs/demo
   mindvl demo --quick --out /tmp/d  # the CI-sized run
   mindvl demo --set stages.1.max_lr=2e-3 --set seed=1   # change the recipe (configs/demo/full.yaml)
+  mindvl demo --seeds 0 1 2 --out runs/seeds   # one run per seed (runs/seeds/seed_<s>), the per-seed table
   mindvl demo --post-train          # then DPO -> GRPO on runs/demo/merged (configs/demo/post_train.yaml)"""
 
 
@@ -51,6 +52,10 @@ def register(subparsers) -> None:
                    help="demo YAML (default: configs/demo/full.yaml, or quick.yaml with --quick)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a run-config value, e.g. --set stages.1.epochs=2 (repeatable)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, metavar="S",
+                   help="run the demo once per seed, one after the other, each into OUT/seed_<S> (its own data: the "
+                        "seed draws it), then print the merged checkpoint's scores per seed against the targets, "
+                        "with mean, sd and min over seeds (also OUT/seeds.json)")
     p.add_argument("--post-train", action="store_true",
                    help="post-train OUT/merged of a finished demo with the same --out: rollout -> DPO -> GRPO "
                         "on grounding, held-out scores before and after (configs/demo/post_train.yaml)")
@@ -63,9 +68,15 @@ def _run_demo(args) -> int:
     from mindvl_ms.config.base import ConfigError  # after the logging set-up: imports may log
     from mindvl_ms.recipes.demo.post import run_post_train
     from mindvl_ms.recipes.demo.run import run_demo
+    from mindvl_ms.recipes.demo.seeds import run_seeds
 
     try:
-        if args.post_train:
+        if args.seeds is not None and args.post_train:
+            raise ConfigError("--post-train takes one finished demo (--out), not --seeds")
+        if args.seeds is not None:
+            run_seeds(args.out, args.seeds, quick=args.quick, config=args.config, overrides=args.set,
+                      progress=not args.no_progress)
+        elif args.post_train:
             if args.quick:
                 raise ConfigError("--post-train takes the run's own YAML (--config), not --quick")
             run_post_train(args.out, config=args.config, overrides=args.set, progress=not args.no_progress)

@@ -15,6 +15,8 @@ The steps, one module each:
 - `processes`: each phase (training, evaluation) runs in its own spawned process (`demo.phase_processes`;
   --quick runs them in the demo's process).
 - `report`: the printed summary.
+- `seeds`: `mindvl demo --seeds 0 1 2`, the demo once per seed (OUT/seed_<s>) and the per-seed table of the
+  merged checkpoint's scores against the demo's targets.
 Everything lands in OUT: data/, a directory per trained stage (warmup/, multitask/, sft_256/, sft_512/:
 checkpoints and loss plots) with metrics.jsonl and summary.json, merged/, eval/, resolution_search/ and
 report.json (the printed summary, machine readable).
