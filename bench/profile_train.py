@@ -2,6 +2,14 @@
 packed batch, same compiled graphs), summarised by operator type and by model part.
 
     python bench/profile_train.py [--config small] [--steps 5] [--top 12] [--rows 1]
+    python bench/profile_train.py --config demo [--data OUT/data] [--steps 10]
+
+`--config demo` profiles the demo's multitask step instead (configs/demo/full.yaml as `mindvl demo` trains
+it: its model with `vocab: data`, one micro-batch of 8 rows x 256 tokens with 16-token 112x112 images,
+the balanced loss, lr_coefficients), through the trainer's own `Trainer.train_step` (row draw, collate,
+compiled step), on the demo data in `--data` (a demo run's OUT/data) or, without it, on a small set of
+demo data written to a temporary directory (same generators, fewer samples: the vocabulary subset
+can be a few ids smaller than the full demo's).
 
 Runs `--warmup` untimed steps (compile), then profiles `--steps` steps with
 `mindspore.profiler.profile(activities=[CPU])` and prints:
@@ -49,9 +57,47 @@ def part_of(full_name: str) -> str:
     return ("grad: " if grad else "") + label
 
 
+DEMO_SIZES = {"vqa": [300, 8], "ocr": [150, 8], "grounding": [300, 8]}  # [train, held-out] without --data
+
+
+def setup_demo(data_dir, work):
+    """step() = one `Trainer.train_step` of the demo's multitask stage (row draw, collate, compiled step)."""
+    import mindspore as ms
+
+    from mindvl_ms.models.mindvl import MindVLModel
+    from mindvl_ms.recipes.demo.config import config_path, load_demo_config
+    from mindvl_ms.recipes.demo.prepare import restrict_vocab, write_data
+    from mindvl_ms.recipes.demo.rows import DemoRows
+    from mindvl_ms.train.trainer import StageChain, Trainer
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    if data_dir is None:  # a small demo data set, its vocabulary subset as the demo writes it
+        data_dir = os.path.join(work, "data")
+        cfg, demo = load_demo_config(config_path(False), data_dir, vocab_subset=False)
+        info = write_data(dict(demo, data_sizes=DEMO_SIZES), data_dir, cfg.seed, progress=False)
+        restrict_vocab(cfg, demo, data_dir, list(info["files"]["heldout"].values()))
+    cfg, _ = load_demo_config(config_path(False), data_dir)
+    ms.set_seed(cfg.seed)
+    rows = DemoRows(progress=False)
+    chain = StageChain(cfg, os.path.join(work, "run"), MindVLModel(cfg.model), rows, rows.collate(cfg.model),
+                       progress=False)
+    si = [s.name for s in chain.stages].index("multitask")
+    trainer = Trainer(chain, si)
+    state = {}
+
+    def step():
+        rec = trainer.train_step()
+        trainer.step += 1
+        state.update(loss=rec["loss"], tokens=rec["tokens"])
+    return step, state
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="small", choices=["tiny", "small"], help="bench_model.SIZES entry")
+    ap.add_argument("--config", default="small", choices=["tiny", "small", "demo"],
+                    help="bench_model.SIZES entry, or demo: the demo's multitask step")
+    ap.add_argument("--data", default=None, help="--config demo: a demo run's OUT/data (default: a small set)")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (graph compile)")
     ap.add_argument("--rows", type=int, default=1, help="packed rows per batch (as bench_train)")
@@ -67,18 +113,23 @@ def main():
 
     out = args.out or tempfile.mkdtemp(prefix="mindvl_profile_")
     with tempfile.TemporaryDirectory() as d:
-        build_hf(args.config, vocab=151936).save_pretrained(d)
-        step, state, _ = setup_ms(d, args.rows)
+        if args.config == "demo":
+            step, state = setup_demo(args.data, d)
+        else:
+            build_hf(args.config, vocab=151936).save_pretrained(d)
+            step, state, _ = setup_ms(d, args.rows)
         for _ in range(args.warmup):
             step()
         prof = ms.profiler.profile(activities=[ProfilerActivity.CPU],
                                    on_trace_ready=ms.profiler.tensorboard_trace_handler(out))
         prof.start()
-        t0 = time.perf_counter()
+        walls = []
         for _ in range(args.steps):
+            t0 = time.perf_counter()
             step()
-        wall = (time.perf_counter() - t0) / args.steps
+            walls.append(time.perf_counter() - t0)
         prof.stop()
+        wall = sorted(walls)[len(walls) // 2]  # median: the machine is shared
     details = glob.glob(os.path.join(out, "**", "cpu_op_detail_info_*.csv"), recursive=True)
     if not details:
         raise SystemExit(f"the profiler wrote no cpu_op_detail_info_*.csv under {out}")
@@ -90,8 +141,10 @@ def main():
             count[row["op_type"]] += int(row["op_occurrences"])
             by_part[part_of(row["full_op_name"])] += ms_total
     kernels = sum(by_type.values())
-    print(f"config {args.config}: {state['tokens']} tokens, loss {state['loss']:.4f}; wall {1e3 * wall:.1f} ms/step = "
-          f"kernels {kernels:.1f} ms + host/launch {1e3 * wall - kernels:.1f} ms   (raw output: {out})")
+    load = os.getloadavg()[0]
+    print(f"config {args.config}: {state['tokens']} tokens, loss {state['loss']:.4f}; wall {1e3 * wall:.1f} ms/step "
+          f"(median of {args.steps}, load {load:.2f}) = kernels {kernels:.1f} ms + host/launch "
+          f"{1e3 * wall - kernels:.1f} ms; {sum(count.values()) / args.steps:.0f} kernels/step   (raw output: {out})")
     for title, table in (("operator type", by_type), ("model part", by_part)):
         print(f"\n{'top ' + title:40s} {'ms/step':>8s} {'share':>6s}" + ("  kernels/step" if table is by_type else ""))
         for name, t in sorted(table.items(), key=lambda kv: -kv[1])[:args.top]:

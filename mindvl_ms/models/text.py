@@ -20,7 +20,8 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from mindvl_ms.config import TextConfig
-from mindvl_ms.ops import AddRMSNorm, ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
+from mindvl_ms.ops import AddRMSNorm, ApplyRotary, CoreAttention, RMSNorm, SwiGLU
+from mindvl_ms.ops.attention import SegmentBias
 from mindvl_ms.ops.activation import GatedAct
 from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
 
@@ -104,6 +105,7 @@ class TextModel(nn.Cell):
         self.layers = nn.CellList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(cfg.head_dim_, cfg.rope_theta, cfg.mrope_section, cfg.mrope_layout)
+        self.segment_bias = SegmentBias(causal=True)
 
     def embed(self, input_ids):  # [B, L] -> [B, L, D]
         return self.embed_tokens(input_ids)
@@ -111,7 +113,7 @@ class TextModel(nn.Cell):
     def construct(self, inputs_embeds, position_ids, segment_ids, actual_seq_len=None):
         """`actual_seq_len` int32[B*K] (inputs.llm_actual_seq_len) drives the Ascend TND kernel only."""
         cos, sin = self.rotary_emb(position_ids)  # [B, 1, L, hd]
-        bias = segment_bias(segment_ids, segment_ids, True)  # [B, 1, L, L]
+        bias = self.segment_bias(segment_ids, segment_ids)  # [B, 1, L, L]
         x = inputs_embeds
         for layer in self.layers:
             x = layer(x, cos, sin, bias, actual_seq_len)

@@ -42,6 +42,7 @@ from mindspore import Tensor, nn, ops
 from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
 from mindvl_ms.ops.broadcast import expand_as
+from mindvl_ms.ops.cpu_kernels import custom_op
 from mindvl_ms.ops.dispatch import is_ascend
 
 NEG_INF = -1e9  # finite: a fully masked (padding) row gives a uniform softmax instead of NaN
@@ -53,15 +54,76 @@ def segment_bias(seg_q, seg_k, causal: bool):
     """seg_q int32[B, L], seg_k int32[B, S] -> additive bias float32[B, 1, L, S] (0 allowed, NEG_INF masked).
 
     With `causal`, query i may see key j only when j <= i (queries and keys aligned at the end, which is
-    the identity for self-attention over the same tokens).
+    the identity for self-attention over the same tokens). The head axis is put on the small [B, L] / [B, S]
+    inputs before the comparisons: inserting it into the [B, L, S] result would be a StridedSlice copy of
+    the whole bias (docs/PERFORMANCE.md, "## models").
     """
-    allowed = ops.logical_and(seg_q[:, :, None] == seg_k[:, None, :], (seg_q > 0)[:, :, None])
+    b, l, s = seg_q.shape[0], seg_q.shape[1], seg_k.shape[1]
+    q4 = seg_q.reshape(b, 1, l, 1)
+    allowed = ops.logical_and(q4 == seg_k.reshape(b, 1, 1, s), q4 > 0)  # [B, 1, L, S]
     if causal:
-        qi = ops.cumsum(ops.ones_like(seg_q), 1) + (seg_k.shape[1] - seg_q.shape[1])  # [B, L], 1-based
+        qi = ops.cumsum(ops.ones_like(seg_q), 1) + (s - l)  # [B, L], 1-based
         kj = ops.cumsum(ops.ones_like(seg_k), 1)  # [B, S]
-        allowed = ops.logical_and(allowed, kj[:, None, :] <= qi[:, :, None])
-    bias = ops.logical_not(allowed).astype(ms.float32) * NEG_INF
-    return bias[:, None, :, :]
+        allowed = ops.logical_and(allowed, kj.reshape(b, 1, 1, s) <= qi.reshape(b, 1, l, 1))
+    return ops.logical_not(allowed).astype(ms.float32) * NEG_INF
+
+
+# The C++ mask kernels (ops/csrc/attention_mask.cc), loaded once by `mask_kernels()`. Module-level, not held
+# by the cells: a parallel layout gives every primitive its cells hold a strategy, and these CPU kernels
+# never run under one (those compile for Ascend); the cells' `kernel` flag selects them.
+_SEGMENT_BIAS = None
+_SEGMENT_BIAS_CAUSAL = None
+_SCALE_BIAS_ADD = None
+
+
+def mask_kernels() -> bool:
+    """True when the C++ mask kernels are available here (loading them on the first call); False on
+    Ascend and where the kernel library cannot be built (the composite ops run instead)."""
+    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD  # pylint: disable=global-statement
+    if _SCALE_BIAS_ADD is None and not is_ascend():
+        loaded = (custom_op("SegmentBias", 2), custom_op("SegmentBiasCausal", 2), custom_op("ScaleBiasAdd", 3))
+        if all(op is not None for op in loaded):
+            _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD = loaded
+    return _SCALE_BIAS_ADD is not None
+
+
+class SegmentBias(nn.Cell):
+    """`segment_bias` as a cell: on CPU one C++ pass (SegmentBias / SegmentBiasCausal, the same values bit
+    for bit: tests/ops/test_attention_mask.py) instead of the composite's eight kernels over [B, L, S]; the
+    composite where the kernels are unavailable or after `drop_kernel`."""
+
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.kernel = mask_kernels()  # read by the graph; only drop_kernel changes it
+
+    def drop_kernel(self):
+        """The composite ops from now on (an exported graph must not name this machine's kernel library)."""
+        self.kernel = False
+
+    def construct(self, seg_q, seg_k):  # int32 [B, L], [B, S] -> float32 [B, 1, L, S]
+        if not self.kernel:
+            return segment_bias(seg_q, seg_k, self.causal)
+        q, k = ops.stop_gradient(seg_q.astype(ms.float32)), ops.stop_gradient(seg_k.astype(ms.float32))
+        if self.causal:
+            return ops.stop_gradient(_SEGMENT_BIAS_CAUSAL(q, k))
+        return ops.stop_gradient(_SEGMENT_BIAS(q, k))
+
+
+class _ScaleBiasAdd(nn.Cell):
+    """scores * scale + bias by the C++ ScaleBiasAdd (bias [B|1, 1, L, S] broadcast over heads), with the
+    composite's gradient: d(scores) = dout * scale; the bias comes from segment ids and gets none."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.scale_t = Tensor([scale], ms.float32)
+
+    def construct(self, scores, bias):
+        return _SCALE_BIAS_ADD(scores, bias, self.scale_t)
+
+    def bprop(self, scores, bias, out, dout):
+        return dout * self.scale, ops.zeros_like(bias)
 
 
 _SOFTMAX = ops.Softmax(-1)
@@ -140,12 +202,21 @@ class CoreAttention(nn.Cell):
         self.softmax = ops.Softmax(-1)
         self.pv_matmul = ops.BatchMatMul()  # [B, H, L, S] x [B, H, S, Dv]
         self.softmax_v = SoftmaxV()  # the pre-scaled path's softmax + p.v (hand-written backward)
+        # CPU float32: scale and bias add in one C++ pass (ScaleBiasAdd, bit for bit the Mul and Add)
+        self.kernel = mask_kernels()  # read by the graph; only drop_kernel changes it
+        self.scale_bias = _ScaleBiasAdd(self.scale)
+
+    def drop_kernel(self):
+        """The composite scale Mul and bias Add from now on (`ops.cpu_kernels.drop_kernels`)."""
+        self.kernel = False
 
     def construct(self, q, k, v, bias, actual_seq_qlen=None, actual_seq_kvlen=None):
         if self.fused and actual_seq_qlen is not None:
             return self._flash(q, k, v, actual_seq_qlen, actual_seq_kvlen)
         k = self._repeat(k)
         v = self._repeat(v)
+        if not self.fused and self.kernel and q.dtype == ms.float32 and bias.ndim == 4:
+            return self.softmax_v(self.scale_bias(self.qk_matmul(q, k), bias), v)  # [B, H, L, Dv]
         scores = self.scale_mul(self.qk_matmul(q, k), self.scale).astype(ms.float32)  # [B, H, L, S]
         if self.fused:  # Ascend without sequence lengths: the primitives the parallel layout shards
             probs = self.softmax(self.bias_add(scores, bias)).astype(q.dtype)
