@@ -153,7 +153,11 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
     splits (`sample_line`). `describe`: every train answer first names the image's colour and shape
     (`describe_answer`; only questions on images whose attributes `image_attributes` knows are drawn,
     about 89% of them), `meta.short_answer` keeps the short answer, and each held-out line gets the
-    `answer_after` field (`mindvl eval` scores the text after the description)."""
+    `answer_after` field (`mindvl eval` scores the text after the description).
+    The held-out split draws from a child stream of rng (`Generator.spawn`, which leaves rng's own draws as
+    they were), so it depends on the seed and n_heldout only: a recipe's train settings (size, mix,
+    balance, describe) do not change the questions it is scored on, nor their image-blind prior."""
+    streams = {"train": rng, "heldout": rng.spawn(1)[0]}
     splits = {"train": (easy_vqa.get_train_questions(), easy_vqa.get_train_image_paths(), n_train),
               "heldout": (easy_vqa.get_test_questions(), easy_vqa.get_test_image_paths(), n_heldout)}
     img_dir = os.path.join(out_dir, "images", "vqa")
@@ -165,7 +169,7 @@ def easy_vqa_lines(out_dir: str, n_train: int, n_heldout: int, rng: np.random.Ge
         try:
             chosen = (sample_questions([answers[i] for i in pool], n, rng, train_mix, [questions[i] for i in pool],
                                        train_balance_yes_no) if split == "train"
-                      else sample_questions(answers, n, rng))
+                      else sample_questions(answers, n, streams[split]))
         except ValueError as e:
             raise ValueError(f"easy-VQA {split}: {e}") from None
         lines = []
