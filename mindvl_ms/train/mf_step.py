@@ -165,7 +165,7 @@ class AdamWGrads(AdamWUpdate):
 
     def __init__(self, params: Sequence[Parameter], lr_coefs: Dict[str, float], weight_decay: float,
                  beta1: float, beta2: float, eps: float):
-        super().__init__(params, None, lr_coefs, weight_decay, beta1, beta2, eps)
+        super().__init__(params, None, lr_coefs, weight_decay, beta1, beta2, eps, kernel=False)
         self.lr_k, self.eps_k, self.wd_k = (Parameter(Tensor(0.0, ms.float32), name=f"adamw.{k}", requires_grad=False)
                                             for k in ("lr", "eps", "wd"))
 

@@ -33,6 +33,9 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindspore.common.initializer import initializer
 
+from mindvl_ms.ops.cpu_kernels import custom_op
+from mindvl_ms.ops.dispatch import is_ascend
+
 NO_DECAY_KEYS = ("norm", "bias", "ln_", "layernorm")
 
 
@@ -116,6 +119,15 @@ def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v, mine):
     return _inplace_sub(acc, one, acc)
 
 
+@_adamw.register("Function", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
+                 "Tensor", "Tensor", "Tensor", "Tensor", "Bool")
+def _adamw_fused(kernel, mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v, mine):
+    """One parameter by the `FusedAdamW` CPU kernel (ops/csrc/fused_adamw.cc): the same scaling, AdamW and
+    zeroing as `_adamw_one`, bitwise, in one pass over parameter, moments and accumulator instead of four
+    kernels (docs/PERFORMANCE.md, ## train). Returns the kernel's [1] zero."""
+    return kernel(param, m, v, acc, mult, lr, coef, b1, b2, eps, wd, wd_on)
+
+
 _sq = ops.MultitypeFuncGraph("sq")
 _REDUCE_SUM = ops.ReduceSum()
 
@@ -156,7 +168,10 @@ class AdamWUpdate(nn.Optimizer):
     lr * coef_p and wd * (1 if it decays). The kernel has no bias correction, so the caller folds it in:
     lr = lr0 * sqrt(1 - b2^t) / (1 - b1^t), eps = eps0 * sqrt(1 - b2^t), wd = wd0 * (1 - b1^t) / sqrt(1 - b2^t)
     gives exactly  p -= lr0 * (m_hat / (sqrt(v_hat) + eps0) + wd0 * p)  (`bias_corrected`).
-    Written in place, one parameter at a time, so the update needs no optimizer-sized temporaries.
+    Written in place, one parameter at a time, so the update needs no optimizer-sized temporaries. On CPU
+    with `kernel` (stand-alone and data-parallel steps) each parameter's scaling, AdamW and zeroing is one
+    `FusedAdamW` C++ kernel (ops/csrc/fused_adamw.cc, bitwise the same values; `_adamw_fused`); on Ascend,
+    under a compiler-sharded layout or without the kernel library, MindSpore's kernels (`_adamw_one`).
 
     An `nn.Optimizer` subclass (declared `_support_parallel_optimizer`) with its moments cloned from the
     parameters (`zero_clone`, names `adam_m.<param>` / `adam_v.<param>`), which is what
@@ -170,9 +185,10 @@ class AdamWUpdate(nn.Optimizer):
     _support_parallel_optimizer = True
 
     def __init__(self, params: Sequence[Parameter], accum: ParameterTuple, lr_coefs: Dict[str, float],
-                 weight_decay: float, beta1: float, beta2: float, eps: float):
+                 weight_decay: float, beta1: float, beta2: float, eps: float, kernel: bool = True):
         super().__init__(0.0, list(params), 0.0)  # LR and decay come in per call (bias-corrected scalars)
         self.params = self._parameters
+        self.kernel = custom_op("FusedAdamW", 12) if kernel and not is_ascend() and not self.use_parallel else None
         self.accum = accum
         self.m = ParameterTuple(zero_clone(p, "adam_m") for p in self._parameters)
         self.v = ParameterTuple(zero_clone(p, "adam_v") for p in self._parameters)
@@ -199,8 +215,11 @@ class AdamWUpdate(nn.Optimizer):
         return lr * bc2 / bc1, self.eps * bc2, self.weight_decay_value * bc1 / bc2
 
     def construct(self, mult, lr, eps, wd):
-        done = self.hyper_map(ops.partial(_adamw, mult, lr, self.b1, self.b2, eps, wd),
-                              self.coefs, self.wd_on, self.accum, self.params, self.m, self.v, self.optim_filter)
+        if self.kernel is None:
+            one = ops.partial(_adamw, mult, lr, self.b1, self.b2, eps, wd)
+        else:
+            one = ops.partial(_adamw, self.kernel, mult, lr, self.b1, self.b2, eps, wd)
+        done = self.hyper_map(one, self.coefs, self.wd_on, self.accum, self.params, self.m, self.v, self.optim_filter)
         if self.use_parallel:
             done = self.broadcast_params(done)
         inc = ops.assign(self.step, self.step + 1)

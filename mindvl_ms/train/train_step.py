@@ -188,7 +188,7 @@ class TrainStep:
         self.params = params
         self.accum = zeros_like_params(params, "accum")
         self.update = AdamWUpdate(params, self.accum, stage.lr_prefixes(), stage.weight_decay,
-                                  stage.adam_beta1, stage.adam_beta2, stage.adam_eps)
+                                  stage.adam_beta1, stage.adam_beta2, stage.adam_eps, kernel=not compiler_reduces)
         self.dynamic = precision == "float16"
         self.scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
         self.good = Parameter(Tensor(0, ms.int32), name="loss_scale_good_steps", requires_grad=False)
