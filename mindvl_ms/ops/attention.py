@@ -202,7 +202,8 @@ class CoreAttention(nn.Cell):
         self.softmax = ops.Softmax(-1)
         self.pv_matmul = ops.BatchMatMul()  # [B, H, L, S] x [B, H, S, Dv]
         self.softmax_v = SoftmaxV()  # the pre-scaled path's softmax + p.v (hand-written backward)
-        # CPU float32: scale and bias add in one C++ pass (ScaleBiasAdd, bit for bit the Mul and Add)
+        # CPU float32: scale and bias add in one C++ pass (ScaleBiasAdd, bit for bit the Mul and Add), query
+        # heads grouped by their key/value head instead of k/v repeated (`_grouped`)
         self.kernel = mask_kernels()  # read by the graph; only drop_kernel changes it
         self.scale_bias = _ScaleBiasAdd(self.scale)
 
@@ -213,10 +214,10 @@ class CoreAttention(nn.Cell):
     def construct(self, q, k, v, bias, actual_seq_qlen=None, actual_seq_kvlen=None):
         if self.fused and actual_seq_qlen is not None:
             return self._flash(q, k, v, actual_seq_qlen, actual_seq_kvlen)
+        if not self.fused and self.kernel and q.dtype == ms.float32 and bias.ndim == 4:
+            return self._grouped(q, k, v, bias)
         k = self._repeat(k)
         v = self._repeat(v)
-        if not self.fused and self.kernel and q.dtype == ms.float32 and bias.ndim == 4:
-            return self.softmax_v(self.scale_bias(self.qk_matmul(q, k), bias), v)  # [B, H, L, Dv]
         scores = self.scale_mul(self.qk_matmul(q, k), self.scale).astype(ms.float32)  # [B, H, L, S]
         if self.fused:  # Ascend without sequence lengths: the primitives the parallel layout shards
             probs = self.softmax(self.bias_add(scores, bias)).astype(q.dtype)
@@ -224,6 +225,17 @@ class CoreAttention(nn.Cell):
             # backward (no reduction, broadcast or subtraction over the [B, H, L, S] scores)
             return self.softmax_v(self.bias_add(scores, expand_as(bias, scores)), v)  # [B, H, L, Dv]
         return self.pv_matmul(probs, v)  # [B, H, L, Dv]
+
+    def _grouped(self, q, k, v, bias):
+        """The CPU float32 path: the n_rep query heads that share a key/value head stacked along the rows,
+        q [B, H, L, D] -> [B, Hkv, n_rep * L, D], against the unrepeated k/v; ScaleBiasAdd applies bias row
+        r % L to score row r. The same scores and outputs as repeating k/v to every query head, without the
+        [B, H, S, D] copies of k and v and their gradients' reduction over the copies (the matmuls sum over
+        the stacked rows instead: d(k), d(v) round differently from the repeat's ReduceSum)."""
+        b, h, l, d = q.shape
+        qg = q.reshape(b, self.num_kv_heads, self.n_rep * l, d)                      # [B, Hkv, n_rep*L, D]
+        out = self.softmax_v(self.scale_bias(self.qk_matmul(qg, k), bias), v)        # [B, Hkv, n_rep*L, Dv]
+        return out.reshape(b, h, l, out.shape[-1])                                   # [B, H, L, Dv]
 
     def prescaled(self, q, k, v, key_bias):
         """The CPU path for queries already multiplied by `scale` (e.g. folded into their RoPE cos/sin) and a
