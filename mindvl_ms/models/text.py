@@ -21,7 +21,7 @@ from mindspore import nn, ops
 
 from mindvl_ms.config import TextConfig
 from mindvl_ms.ops import AddRMSNorm, ApplyRotary, CoreAttention, RMSNorm, SwiGLU
-from mindvl_ms.ops.attention import SegmentBias
+from mindvl_ms.ops.attention import SegmentBias, SwapHeads
 from mindvl_ms.ops.activation import GatedAct
 from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
 
@@ -57,6 +57,7 @@ class TextAttention(nn.Cell):
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.rotary = ApplyRotary()
         self.core = CoreAttention(self.h, self.kv, self.hd)
+        self.swap_heads = SwapHeads()  # [B, L, N, hd] <-> [B, N, L, hd] (a C++ copy on CPU)
 
     def construct(self, x, cos, sin, bias, actual_seq_len=None):  # x [B, L, D]
         q, k, v = self.project_qkv(x, cos, sin)
@@ -67,19 +68,19 @@ class TextAttention(nn.Cell):
         b, l, _ = x.shape
         q = self.q_proj(x).reshape(b, l, self.h, self.hd)
         k = self.k_proj(x).reshape(b, l, self.kv, self.hd)
-        v = self.v_proj(x).reshape(b, l, self.kv, self.hd).transpose(0, 2, 1, 3)  # [B, KV, L, hd]
+        v = self.swap_heads(self.v_proj(x).reshape(b, l, self.kv, self.hd))  # [B, KV, L, hd]
         if self.use_qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.rotary(q.transpose(0, 2, 1, 3), cos, sin)  # [B, H, L, hd]
-        k = self.rotary(k.transpose(0, 2, 1, 3), cos, sin)
+        q = self.rotary(self.swap_heads(q), cos, sin)  # [B, H, L, hd]
+        k = self.rotary(self.swap_heads(k), cos, sin)
         return q, k, v
 
     def attend(self, q, k, v, bias, actual_seq_len=None):
         """Attention over (possibly cached) keys/values and the output projection -> [B, L, D]."""
         b, l = q.shape[0], q.shape[2]
         out = self.core(q, k.astype(q.dtype), v.astype(q.dtype), bias, actual_seq_len, actual_seq_len)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, l, self.h * self.hd))
+        return self.o_proj(self.swap_heads(out).reshape(b, l, self.h * self.hd))
 
 
 class DecoderLayer(nn.Cell):

@@ -68,23 +68,55 @@ def segment_bias(seg_q, seg_k, causal: bool):
     return ops.logical_not(allowed).astype(ms.float32) * NEG_INF
 
 
-# The C++ mask kernels (ops/csrc/attention_mask.cc), loaded once by `mask_kernels()`. Module-level, not held
-# by the cells: a parallel layout gives every primitive its cells hold a strategy, and these CPU kernels
-# never run under one (those compile for Ascend); the cells' `kernel` flag selects them.
+# The C++ attention kernels (ops/csrc/attention_mask.cc), loaded once by `attention_kernels()`. Module-level,
+# not held by the cells: a parallel layout gives every primitive its cells hold a strategy, and these CPU
+# kernels never run under one (those compile for Ascend); the cells' `kernel` flag selects them.
 _SEGMENT_BIAS = None
 _SEGMENT_BIAS_CAUSAL = None
 _SCALE_BIAS_ADD = None
+_SWAP_AXES12 = None
 
 
-def mask_kernels() -> bool:
-    """True when the C++ mask kernels are available here (loading them on the first call); False on
+def attention_kernels() -> bool:
+    """True when the C++ attention kernels are available here (loading them on the first call); False on
     Ascend and where the kernel library cannot be built (the composite ops run instead)."""
-    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD  # pylint: disable=global-statement
+    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12  # pylint: disable=global-statement
     if _SCALE_BIAS_ADD is None and not is_ascend():
-        loaded = (custom_op("SegmentBias", 2), custom_op("SegmentBiasCausal", 2), custom_op("ScaleBiasAdd", 3))
+        loaded = (custom_op("SegmentBias", 2), custom_op("SegmentBiasCausal", 2), custom_op("ScaleBiasAdd", 3),
+                  custom_op("SwapAxes12", 1))
         if all(op is not None for op in loaded):
-            _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD = loaded
+            _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12 = loaded
     return _SCALE_BIAS_ADD is not None
+
+
+class _SwapAxes12Kernel(nn.Cell):
+    """The C++ SwapAxes12 with its gradient (the same swap of dout)."""
+
+    def construct(self, x):
+        return _SWAP_AXES12(x)
+
+    def bprop(self, x, out, dout):
+        return (_SWAP_AXES12(dout),)
+
+
+class SwapHeads(nn.Cell):
+    """x [A, B, C, D] -> [A, C, B, D]: the LLM attention's [B, L, H, hd] <-> [B, H, L, hd] transposes. On CPU
+    for float32 one C++ copy of hd-float rows (SwapAxes12: the same values, bit for bit, forward and
+    backward), elsewhere, or after `drop_kernel`, `transpose(0, 2, 1, 3)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = attention_kernels()  # read by the graph; only drop_kernel changes it
+        self.swap = _SwapAxes12Kernel()
+
+    def drop_kernel(self):
+        """The Transpose from now on (an exported graph must not name this machine's kernel library)."""
+        self.kernel = False
+
+    def construct(self, x):
+        if self.kernel and x.dtype == ms.float32:
+            return self.swap(x)
+        return x.transpose(0, 2, 1, 3)
 
 
 class SegmentBias(nn.Cell):
@@ -95,7 +127,7 @@ class SegmentBias(nn.Cell):
     def __init__(self, causal: bool):
         super().__init__()
         self.causal = causal
-        self.kernel = mask_kernels()  # read by the graph; only drop_kernel changes it
+        self.kernel = attention_kernels()  # read by the graph; only drop_kernel changes it
 
     def drop_kernel(self):
         """The composite ops from now on (an exported graph must not name this machine's kernel library)."""
@@ -204,7 +236,7 @@ class CoreAttention(nn.Cell):
         self.softmax_v = SoftmaxV()  # the pre-scaled path's softmax + p.v (hand-written backward)
         # CPU float32: scale and bias add in one C++ pass (ScaleBiasAdd, bit for bit the Mul and Add), query
         # heads grouped by their key/value head instead of k/v repeated (`_grouped`)
-        self.kernel = mask_kernels()  # read by the graph; only drop_kernel changes it
+        self.kernel = attention_kernels()  # read by the graph; only drop_kernel changes it
         self.scale_bias = _ScaleBiasAdd(self.scale)
 
     def drop_kernel(self):

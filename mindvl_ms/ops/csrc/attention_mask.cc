@@ -14,6 +14,7 @@
 //   equals the composite's bit for bit, without its BroadcastTo of the bias to [B, H, L, S].
 // Single-threaded, as qkv_rope.cc.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 class AotExtra;         // MindSpore's attribute accessor (custom_aot_extra.h); unused here
@@ -104,6 +105,36 @@ extern "C" int ScaleBiasAdd(int nparam, void **params, int *ndims, int64_t **sha
           const float t = in[o + j] * scale;
           out[o + j] = t + bi[j];
         }
+      }
+    }
+  }
+  return 0;
+}
+
+// SwapAxes12: x [A, B, C, D] -> y [A, C, B, D] (y[a, c, b, :] = x[a, b, c, :]), the heads <-> tokens
+//   transposes of the LLM attention ([B, L, H, hd] <-> [B, H, L, hd]); its gradient is the same op. A copy
+//   of D-float rows: the values are the input's, bit for bit, without MindSpore's Transpose kernel and its
+//   per-element index table under dynamic shapes.
+extern "C" std::vector<int64_t> SwapAxes12InferShape(int *ndims, int64_t **shapes, AotExtra *extra) {
+  if (ndims[0] != 4) return std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]);
+  return std::vector<int64_t>{shapes[0][0], shapes[0][2], shapes[0][1], shapes[0][3]};
+}
+
+extern "C" TypeId SwapAxes12InferType(std::vector<TypeId> type_ids, AotExtra *extra) { return type_ids[0]; }
+
+extern "C" int SwapAxes12(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                          void *stream, void *extra) {
+  if (nparam != 2 || ndims[0] != 4) return 1;
+  const int64_t *x = shapes[0];
+  const int64_t nb = x[1], nc = x[2], d = x[3];
+  const float *in = static_cast<const float *>(params[0]);
+  float *out = static_cast<float *>(params[1]);
+  for (int64_t a = 0; a < x[0]; ++a) {
+    const float *src = in + a * nb * nc * d;
+    float *dst = out + a * nb * nc * d;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t c = 0; c < nc; ++c) {
+        std::memcpy(dst + (c * nb + b) * d, src + (b * nc + c) * d, sizeof(float) * d);
       }
     }
   }
