@@ -1,6 +1,9 @@
-"""Tiny random transformers models (no download) and matching inputs, shared by the parity tests."""
+"""Tiny random transformers models (no download) and matching inputs, shared by the parity tests.
+
+torch and transformers are imported where a model is built, not here: the msrun workers and post-training
+helpers that only draw `image_sample` inputs then start without them (docs/PERFORMANCE.md, ## tests).
+"""
 import numpy as np
-import torch
 
 IMAGE, VSTART, VEND = 250, 251, 252
 VOCAB = 256
@@ -8,6 +11,7 @@ VOCAB = 256
 
 def tiny_qwen2_5_vl(tmp_path, seed=0, tie=False):
     """Save a tiny random Qwen2_5_VLForConditionalGeneration (fp32, eager attention); return (dir, model)."""
+    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)

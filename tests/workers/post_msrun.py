@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 from mindvl_ms.ops.process import freeze_imported_objects
+from tests.support import msrun
 from tests.support import post as H
 
 # seq_length 16: one prompt (9 tokens) + response (4) per row, so rows are the same in both runs; the objective
@@ -30,5 +31,6 @@ def main(out: str, model=None) -> None:
 
 
 if __name__ == "__main__":
+    msrun.schedule_only()  # msrun's scheduler runs this script too: it only schedules (no model of its own)
     freeze_imported_objects()  # the gc.collect() before each graph compile skips the imports (ops/process.py)
     main(sys.argv[1])
