@@ -26,7 +26,8 @@ from mindvl_ms.checkpoint import trainer_state as ts
 from mindvl_ms.ops.process import freeze_imported_objects
 from mindvl_ms.train import load_run_config, run_training
 from mindvl_ms.train.batches import RowSource
-from tests.support.train_tiny import TinyVLM, collate, make_rows
+from tests.support.stopped_run import kept_model
+from tests.support.train_tiny import collate, make_rows
 
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 100, 20, 4
 ROWS = make_rows(48, seed=23)  # 48 rows, 4 per step: an epoch every 12 steps, 8 1/3 epochs in all
@@ -37,11 +38,6 @@ def soak_cfg():
                  max_lr=2e-3, warmup_ratio=0.1, epochs=None, max_steps=STEPS, save_every=SAVE_EVERY,
                  loss={"type": "balanced"})
     return load_run_config(data={"seed": 5, "plot": False, "stages": [stage]})
-
-
-def tiny_model():
-    ms.set_seed(0)
-    return TinyVLM()
 
 
 class SoakSource(RowSource):
@@ -126,7 +122,9 @@ def arm(kind, at, source, coll):
 def train(out, progress, resume=False, kill=None, at=None):
     """One run into `out`, from its latest checkpoint when `resume`, killed as `kill` says (module
     docstring); returns run_training's summary. The test also calls it in its own process, for the
-    uninterrupted run and the last resume (they are not killed)."""
+    uninterrupted run and the last resume (they are not killed): both on the process's one tiny model
+    (`stopped_run.kept_model`, its seed-0 weights set back), so the resume restarts the step the
+    uninterrupted run compiled and kept on it."""
     def report(step):
         with open(progress, "w") as f:
             f.write(f"{step}\n")
@@ -134,7 +132,7 @@ def train(out, progress, resume=False, kill=None, at=None):
     source = SoakSource(ROWS, seed=soak_cfg().seed, first_step=resume_step(out) if resume else 0, on_step=report)
     if kill:
         arm(kill, at, source, coll)
-    return run_training(soak_cfg(), out, resume=out if resume else None, model=tiny_model(),
+    return run_training(soak_cfg(), out, resume=out if resume else None, model=kept_model(),
                         data_factory=lambda rc, st, i, d: source, collate=coll, progress=False)
 
 
