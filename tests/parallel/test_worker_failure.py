@@ -33,6 +33,9 @@ WORKER = os.path.join(ROOT, "tests", "workers", "kill_target.py")
 FAILURE_TIMEOUT = 8  # seconds; scripts/msrun_train.sh passes it to MindSpore as MS_NODE_TIMEOUT
 BOUND = FAILURE_TIMEOUT + 15  # death -> exit: the scheduler's heartbeat checks and exit, msrun's 1 s polls
 KILLS = {"mid_step": (1, "step:2"), "mid_save": (0, "save:2")}  # name -> (rank, KILL_AT)
+# priorities of the jobs started beside the first killed job's exit (`jobs`): the second killed job below it,
+# the resuming job and `held` below both, so that no start-up slows an exit the test times
+NICE_SECOND, NICE_REST = 10, 19
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +57,56 @@ class Killed:
     logs: str                # the launcher's output and the workers' logs, for the messages
 
 
-def kill_job(base: Path, rank: int, kill_at: str, cache: Dict[str, str]) -> Killed:
-    """Run until `rank` kills itself at `kill_at` (FAILURE_TIMEOUT as above)."""
-    out = base / "out"
+def start_kill(base: Path, rank: int, kill_at: str, cache: Dict[str, str], nice: int = 0) -> msrun.MsrunJob:
+    """Launch a job whose `rank` kills itself at `kill_at` (FAILURE_TIMEOUT as above); see `ended`."""
     env = {"FAILURE_TIMEOUT": str(FAILURE_TIMEOUT), "KILL_RANK": str(rank), "KILL_AT": kill_at, **cache}
-    with msrun.launch(2, WORKER, [out], base / "logs", env=env) as job:
+    return msrun.launch(2, WORKER, [base / "out"], base / "logs", env=env, nice=nice)
+
+
+def wait_for_death(job: msrun.MsrunJob, marker: Path) -> None:
+    """Until the killed rank's marker file is there (or the job has ended without it)."""
+    deadline = time.time() + 600
+    while not marker.is_file() and job.proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def ended(job: msrun.MsrunJob, base: Path, rank: int) -> Killed:
+    """Wait for a killed job's launcher; what it and the machine showed."""
+    out = base / "out"
+    with job:
         status = job.wait(timeout=600)
     marker = out / f"killed_rank{rank}"
     elapsed = job.ended - float(marker.read_text()) if marker.is_file() else None
     return Killed(out, status, elapsed, leftovers(str(out)), leftovers(str(base / "logs")),
                   job.output[-2000:] + msrun.worker_logs(base / "logs"))
+
+
+def copy_run(src: Path, dst: Path) -> None:
+    """A copy of a killed run directory, appearing at `dst` at once (the resuming workers wait for it)."""
+    shutil.copytree(src, dst.with_name(dst.name + ".copying"))
+    os.rename(dst.with_name(dst.name + ".copying"), dst)
+
+
+class Held:
+    """The job test_killed_msrun_takes_its_processes kills, rank 1 holding in step 1: `jobs` starts it while
+    it waits for the killed jobs to end (the graphs are in the compile cache by then), else the test does."""
+
+    def __init__(self, base: Path, cache: Dict[str, str]):
+        self.out, self.logs, self.cache, self.job = base / "out", base / "logs", cache, None
+
+    def start(self, nice: int = 0) -> msrun.MsrunJob:
+        if self.job is None:
+            env = {"KILL_RANK": "1", "KILL_AT": "hold:1", **self.cache}
+            self.job = msrun.launch(2, WORKER, [self.out], self.logs, env=env, nice=nice)
+        return self.job
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory, compile_cache):
+    h = Held(tmp_path_factory.mktemp("held"), compile_cache)
+    yield h
+    if h.job is not None:
+        h.job.__exit__(None, None, None)  # stopped if a failed test left it running
 
 
 @dataclass
@@ -75,19 +118,30 @@ class Jobs:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory, compile_cache) -> Jobs:
+def jobs(tmp_path_factory, compile_cache, held) -> Jobs:
     """The two killed jobs, then one job through the same launcher whose workers train the uninterrupted
     reference and resume a copy of each killed run, one run after another (one start-up and cluster for the
-    three runs instead of three jobs). The copies leave the killed directories as the kills left them."""
+    three runs instead of three jobs). The copies leave the killed directories as the kills left them.
+    The jobs overlap where one waits: when the first killed job's rank has died (its graphs are in the
+    compile cache by then) the second killed job, the resuming job and the job
+    test_killed_msrun_takes_its_processes kills (`held`) start, at lower priorities (NICE_SECOND, NICE_REST)
+    so that no start-up slows the exit of a killed job, which the test times; each copy is made when its
+    killed job has ended, and the resuming workers wait for it (tests/workers/kill_target.py)."""
     base = tmp_path_factory.mktemp("jobs")
-    killed = {name: kill_job(base / name, rank, kill_at, compile_cache) for name, (rank, kill_at) in KILLS.items()}
-    resumed, args = {}, [base / "reference"]
-    for name, k in killed.items():
-        if (k.out / ts.LATEST).is_file():  # else its test fails on the kill's checks
-            resumed[name] = base / name / "resumed"
-            shutil.copytree(k.out, resumed[name])
-            args += [resumed[name], "--resume"]
-    msrun.run(2, WORKER, args, base / "logs_resume", timeout=900, env=compile_cache)
+    (first, (rank_a, at_a)), (second, (rank_b, at_b)) = KILLS.items()
+    resumed = {name: base / name / "resumed" for name in KILLS}
+    args = [base / "reference"] + [a for name in KILLS for a in (resumed[name], "--resume")]
+    job_a = start_kill(base / first, rank_a, at_a, compile_cache)
+    with job_a:
+        wait_for_death(job_a, base / first / "out" / f"killed_rank{rank_a}")
+        job_b = start_kill(base / second, rank_b, at_b, compile_cache, nice=NICE_SECOND)
+        with job_b, msrun.launch(2, WORKER, args, base / "logs_resume", env=compile_cache, nice=NICE_REST) as job:
+            held.start(nice=NICE_REST)
+            killed = {first: ended(job_a, base / first, rank_a)}
+            copy_run(killed[first].out, resumed[first])
+            killed[second] = ended(job_b, base / second, rank_b)
+            copy_run(killed[second].out, resumed[second])
+            job.finish(timeout=900)
     logs = msrun.worker_logs(base / "logs_resume", tail=100_000)  # every run's DONE lines
     reference = {r: dict(np.load(base / "reference" / f"params_rank{r}.npz")) for r in (0, 1)}
     return Jobs(killed, resumed, reference, logs)
@@ -174,12 +228,12 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def test_killed_msrun_takes_its_processes(tmp_path, compile_cache):
+def test_killed_msrun_takes_its_processes(held):
     """SIGKILL to msrun itself (none of its code runs) while rank 1 holds in step 1 (the second): the workers and the
     scheduler die with it, the launcher ends what is left of msrun's process group (its log tails) and exits
     128 + 9."""
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    with msrun.launch(2, WORKER, [out], logs, env={"KILL_RANK": "1", "KILL_AT": "hold:1", **compile_cache}) as job:
+    out, logs = held.out, held.logs
+    with held.start() as job:
         deadline = time.time() + 600
         while not (out / "held_rank1").exists() and job.proc.poll() is None and time.time() < deadline:
             time.sleep(0.5)
@@ -193,4 +247,3 @@ def test_killed_msrun_takes_its_processes(tmp_path, compile_cache):
     assert not leftovers(str(out), wait=10), "workers or the scheduler outlived msrun"
     assert not leftovers(str(logs)), "msrun's log tails outlived it"
     assert not (out / "params_rank0.npz").exists()
-

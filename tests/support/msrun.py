@@ -11,8 +11,10 @@
     assert not msrun.processes_with(out_dir)   # no worker or scheduler of it is left
 
 The workers get the repository on PYTHONPATH (they import `tests.support`), this interpreter's bin first on
-PATH (msrun and python from the same environment), MindSpore's C++ log at errors only, and a free
-scheduler port; `env` adds to that (the launcher's FAILURE_TIMEOUT, a worker's own switches).
+PATH (msrun and python from the same environment), MindSpore's C++ log at errors only, a free scheduler
+port and a 1 s retry interval between a node and the scheduler (MS_RETRY_INTERVAL_LOWER/UPPER; MindSpore's
+3-5 s default, meant for nodes across a network, leaves the local workers waiting to join and to finish:
+docs/PERFORMANCE.md, ## tests); `env` adds to that (the launcher's FAILURE_TIMEOUT, a worker's own switches).
 
 msrun starts its scheduler as one more process of the worker script (MS_ROLE=MS_SCHED), whose `init()` is the
 scheduler; a worker script calls `schedule_only()` first in its `__main__`, so that process goes there at once
@@ -89,13 +91,14 @@ class MsrunJob:
     msrun, the workers and the scheduler, then SIGKILL after 30 s."""
 
     def __init__(self, workers: int, script: str, args: Sequence[str], log_dir, cwd: Optional[str] = None,
-                 cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None):
+                 cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None, nice: int = 0):
         self.log_dir = str(log_dir)
         full = worker_env(MASTER_PORT=str(free_port()), LOG_DIR=self.log_dir, CLUSTER_TIMEOUT=str(cluster_timeout),
-                          **(env or {}))
+                          MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="1", **(env or {}))
         self.output, self.ended = "", None
         self.proc = subprocess.Popen([LAUNCHER, str(workers), script, *map(str, args)], env=full, cwd=cwd,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
     def wait(self, timeout: float) -> int:
         """Wait for the launcher; its exit status. Sets `output` (the launcher's) and `ended` (time.time())."""
@@ -125,8 +128,10 @@ class MsrunJob:
 
 
 def launch(workers: int, script: str, args: Sequence[str], log_dir, cwd: Optional[str] = None,
-           cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None) -> MsrunJob:
-    return MsrunJob(workers, script, args, log_dir, cwd, cluster_timeout, env)
+           cluster_timeout: int = 120, env: Optional[Dict[str, str]] = None, nice: int = 0) -> MsrunJob:
+    """A running job (MsrunJob); `nice` > 0 starts the launcher, msrun, the scheduler and the workers at that
+    lower priority (a job started next to another job whose exit a test times)."""
+    return MsrunJob(workers, script, args, log_dir, cwd, cluster_timeout, env, nice)
 
 
 def run(workers: int, script: str, args: Sequence[str], log_dir, timeout: float, cwd: Optional[str] = None,

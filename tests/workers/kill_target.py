@@ -16,7 +16,9 @@ test's clock starts there. Without KILL_AT the runs are uninterrupted.
 
 Each OUT_DIR is a run, trained one after another in the same processes (one job's start-up and cluster for
 all of them); an OUT_DIR followed by `--resume` continues from its latest checkpoint, any other trains from
-the start. Both ranks save each run's final parameters to OUT_DIR/params_rank<r>.npz.
+the start. An OUT_DIR to resume that is not there yet is waited for: the test copies a killed run there when
+its job has ended, while this job trains the runs before it; one without a checkpoint (a kill that left
+none, which its test reports) is skipped. Both ranks save each run's final parameters to OUT_DIR/params_rank<r>.npz.
 """
 import os
 import signal
@@ -102,9 +104,23 @@ def runs(argv) -> List[Tuple[str, bool]]:
     return out
 
 
+def wait_for(path: str, timeout: float = 600.0) -> None:
+    """Until `path` is there (the test renames a finished copy into place)."""
+    deadline = time.time() + timeout
+    while not os.path.isdir(path):
+        if time.time() > deadline:
+            raise SystemExit(f"{path}: not there after {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def main(out: str, resume: bool) -> None:
     """One run: train (or, resuming, continue) OUT_DIR and save this rank's final parameters there."""
     rank = int(os.environ.get("RANK_ID", "0"))
+    if resume:
+        wait_for(out)
+        if not os.path.isfile(os.path.join(out, ts.LATEST)):
+            print("NO CHECKPOINT rank", rank, out, flush=True)
+            return
     rows = make_rows(64, seed=7)
     ms.set_seed(0)
     model = TinyVLM()
