@@ -2,7 +2,7 @@
 packed batch, same compiled graphs), summarised by operator type and by model part.
 
     python bench/profile_train.py [--config small] [--steps 5] [--top 12] [--rows 1]
-    python bench/profile_train.py --config demo [--data OUT/data] [--steps 10]
+    python bench/profile_train.py --config demo [--data OUT/data] [--steps 10] [--composite-attention]
 
 `--config demo` profiles the demo's multitask step instead (configs/demo/full.yaml as `mindvl demo` trains
 it: its model with `vocab: data`, one micro-batch of 8 rows x 256 tokens with 16-token 112x112 images,
@@ -60,11 +60,14 @@ def part_of(full_name: str) -> str:
 DEMO_SIZES = {"vqa": [300, 8], "ocr": [150, 8], "grounding": [300, 8]}  # [train, held-out] without --data
 
 
-def setup_demo(data_dir, work):
-    """step() = one `Trainer.train_step` of the demo's multitask stage (row draw, collate, compiled step)."""
+def setup_demo(data_dir, work, composite_attention=False):
+    """step() = one `Trainer.train_step` of the demo's multitask stage (row draw, collate, compiled step);
+    `composite_attention`: the attention's C++ kernels dropped first (ops/attention.py: SegmentBias,
+    CoreAttention, SwapHeads run their composite ops, k/v repeated), for an A/B of the same tree."""
     import mindspore as ms
 
     from mindvl_ms.models.mindvl import MindVLModel
+    from mindvl_ms.ops.attention import CoreAttention, SegmentBias, SwapHeads
     from mindvl_ms.recipes.demo.config import config_path, load_demo_config
     from mindvl_ms.recipes.demo.prepare import restrict_vocab, write_data
     from mindvl_ms.recipes.demo.rows import DemoRows
@@ -80,8 +83,12 @@ def setup_demo(data_dir, work):
     cfg, _ = load_demo_config(config_path(False), data_dir)
     ms.set_seed(cfg.seed)
     rows = DemoRows(progress=False)
-    chain = StageChain(cfg, os.path.join(work, "run"), MindVLModel(cfg.model), rows, rows.collate(cfg.model),
-                       progress=False)
+    model = MindVLModel(cfg.model)
+    if composite_attention:
+        for _, cell in model.cells_and_names():
+            if isinstance(cell, (SegmentBias, CoreAttention, SwapHeads)):
+                cell.drop_kernel()
+    chain = StageChain(cfg, os.path.join(work, "run"), model, rows, rows.collate(cfg.model), progress=False)
     si = [s.name for s in chain.stages].index("multitask")
     trainer = Trainer(chain, si)
     state = {}
@@ -98,6 +105,8 @@ def main():
     ap.add_argument("--config", default="small", choices=["tiny", "small", "demo"],
                     help="bench_model.SIZES entry, or demo: the demo's multitask step")
     ap.add_argument("--data", default=None, help="--config demo: a demo run's OUT/data (default: a small set)")
+    ap.add_argument("--composite-attention", action="store_true",
+                    help="--config demo: drop the attention's C++ kernels first (A/B against them)")
     ap.add_argument("--steps", type=int, default=5, help="profiled steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (graph compile)")
     ap.add_argument("--rows", type=int, default=1, help="packed rows per batch (as bench_train)")
@@ -114,7 +123,7 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="mindvl_profile_")
     with tempfile.TemporaryDirectory() as d:
         if args.config == "demo":
-            step, state = setup_demo(args.data, d)
+            step, state = setup_demo(args.data, d, args.composite_attention)
         else:
             build_hf(args.config, vocab=151936).save_pretrained(d)
             step, state, _ = setup_ms(d, args.rows)

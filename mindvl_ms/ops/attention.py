@@ -75,17 +75,19 @@ _SEGMENT_BIAS = None
 _SEGMENT_BIAS_CAUSAL = None
 _SCALE_BIAS_ADD = None
 _SWAP_AXES12 = None
+_MUL_SCALE = None
 
 
 def attention_kernels() -> bool:
     """True when the C++ attention kernels are available here (loading them on the first call); False on
     Ascend and where the kernel library cannot be built (the composite ops run instead)."""
-    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12  # pylint: disable=global-statement
+    # pylint: disable-next=global-statement
+    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12, _MUL_SCALE
     if _SCALE_BIAS_ADD is None and not is_ascend():
         loaded = (custom_op("SegmentBias", 2), custom_op("SegmentBiasCausal", 2), custom_op("ScaleBiasAdd", 3),
-                  custom_op("SwapAxes12", 1))
+                  custom_op("SwapAxes12", 1), custom_op("MulScale", 3))
         if all(op is not None for op in loaded):
-            _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12 = loaded
+            _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12, _MUL_SCALE = loaded
     return _SCALE_BIAS_ADD is not None
 
 
@@ -143,19 +145,20 @@ class SegmentBias(nn.Cell):
 
 
 class _ScaleBiasAdd(nn.Cell):
-    """scores * scale + bias by the C++ ScaleBiasAdd (bias [B|1, 1, L, S] broadcast over heads), with the
-    composite's gradient: d(scores) = dout * scale; the bias comes from segment ids and gets none."""
+    """scores * scale + bias by the C++ ScaleBiasAdd (bias [B|1, 1, L, S] broadcast over heads). Always
+    followed by `_SoftmaxVScaleGrad`, which returns d(scores) already multiplied by the scale (in the pass of
+    its own product, as the composite's scale Mul gradient rounds it), so this bprop passes dout through;
+    the bias comes from segment ids and gets none."""
 
     def __init__(self, scale: float):
         super().__init__()
-        self.scale = scale
         self.scale_t = Tensor([scale], ms.float32)
 
     def construct(self, scores, bias):
         return _SCALE_BIAS_ADD(scores, bias, self.scale_t)
 
     def bprop(self, scores, bias, out, dout):
-        return dout * self.scale, ops.zeros_like(bias)
+        return dout, ops.zeros_like(bias)
 
 
 _SOFTMAX = ops.Softmax(-1)
@@ -183,13 +186,33 @@ class SoftmaxV(nn.Cell):
         return _BMM(_SOFTMAX(scores).astype(v.dtype), v)                  # [.., L, Dv]
 
     def bprop(self, scores, v, out, dout):
-        p = _SOFTMAX(scores)                                              # [.., L, S] float32
-        dv = _BMM_TN(p.astype(v.dtype), dout)                             # [.., S, Dv]
-        g = dout.astype(ms.float32)
-        d = _ROW_SUM(g * out.astype(ms.float32), -1)                      # [.., L, 1] = rowsum(dP * P)
-        ones = ops.ones(v.shape[:-1] + (1,), ms.float32)
-        dp_minus_d = _BMM_NT(ops.cat((g, -d), -1), ops.cat((v.astype(ms.float32), ones), -1))  # [.., L, S]
+        p, dp_minus_d, dv = _softmax_v_parts(scores, v, out, dout)
         return p * dp_minus_d, dv
+
+
+def _softmax_v_parts(scores, v, out, dout):
+    """SoftmaxV's backward before its last product: (P, dP - D, d(v))."""
+    p = _SOFTMAX(scores)                                              # [.., L, S] float32
+    dv = _BMM_TN(p.astype(v.dtype), dout)                             # [.., S, Dv]
+    g = dout.astype(ms.float32)
+    d = _ROW_SUM(g * out.astype(ms.float32), -1)                      # [.., L, 1] = rowsum(dP * P)
+    ones = ops.ones(v.shape[:-1] + (1,), ms.float32)
+    dp_minus_d = _BMM_NT(ops.cat((g, -d), -1), ops.cat((v.astype(ms.float32), ones), -1))  # [.., L, S]
+    return p, dp_minus_d, dv
+
+
+class _SoftmaxVScaleGrad(SoftmaxV):
+    """SoftmaxV whose gradient of the scores comes out times `scale`: P * (dP - D) and the scale of the
+    `_ScaleBiasAdd` before it in one C++ pass (MulScale, each product rounded as the two Mul kernels round
+    them: the same values bit for bit)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale_t = Tensor([scale], ms.float32)
+
+    def bprop(self, scores, v, out, dout):
+        p, dp_minus_d, dv = _softmax_v_parts(scores, v, out, dout)
+        return _MUL_SCALE(p, dp_minus_d, self.scale_t), dv
 
 
 def causal_compressed_mask() -> Tensor:
@@ -238,6 +261,7 @@ class CoreAttention(nn.Cell):
         # heads grouped by their key/value head instead of k/v repeated (`_grouped`)
         self.kernel = attention_kernels()  # read by the graph; only drop_kernel changes it
         self.scale_bias = _ScaleBiasAdd(self.scale)
+        self.softmax_v_scaled = _SoftmaxVScaleGrad(self.scale)  # its gradient times the scale (_ScaleBiasAdd)
 
     def drop_kernel(self):
         """The composite scale Mul and bias Add from now on (`ops.cpu_kernels.drop_kernels`)."""
@@ -266,7 +290,7 @@ class CoreAttention(nn.Cell):
         the stacked rows instead: d(k), d(v) round differently from the repeat's ReduceSum)."""
         b, h, l, d = q.shape
         qg = q.reshape(b, self.num_kv_heads, self.n_rep * l, d)                      # [B, Hkv, n_rep*L, D]
-        out = self.softmax_v(self.scale_bias(self.qk_matmul(qg, k), bias), v)        # [B, Hkv, n_rep*L, Dv]
+        out = self.softmax_v_scaled(self.scale_bias(self.qk_matmul(qg, k), bias), v)  # [B, Hkv, n_rep*L, Dv]
         return out.reshape(b, h, l, out.shape[-1])                                   # [B, H, L, Dv]
 
     def prescaled(self, q, k, v, key_bias):

@@ -140,3 +140,34 @@ extern "C" int SwapAxes12(int nparam, void **params, int *ndims, int64_t **shape
   }
   return 0;
 }
+
+// MulScale: a, b of one shape, s [1] or [] -> (a * b) * s, each product rounded as MindSpore's Mul kernels
+//   round it: the softmax backward's P * (dP - D) and the attention scale's gradient in one pass
+//   (ops/attention.py `_SoftmaxVScaleGrad`).
+extern "C" std::vector<int64_t> MulScaleInferShape(int *ndims, int64_t **shapes, AotExtra *extra) {
+  return std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]);
+}
+
+extern "C" TypeId MulScaleInferType(std::vector<TypeId> type_ids, AotExtra *extra) { return type_ids[0]; }
+
+extern "C" int MulScale(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                        void *stream, void *extra) {
+  if (nparam != 4 || ndims[0] != ndims[1]) return 1;
+  int64_t n = 1;
+  for (int i = 0; i < ndims[0]; ++i) {
+    if (shapes[0][i] != shapes[1][i]) return 1;
+    n *= shapes[0][i];
+  }
+  int64_t n_scale = 1;
+  for (int i = 0; i < ndims[2]; ++i) n_scale *= shapes[2][i];
+  if (n_scale != 1) return 1;
+  const float *a = static_cast<const float *>(params[0]);
+  const float *b = static_cast<const float *>(params[1]);
+  const float s = *static_cast<const float *>(params[2]);
+  float *out = static_cast<float *>(params[3]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = a[i] * b[i];
+    out[i] = t * s;
+  }
+  return 0;
+}
