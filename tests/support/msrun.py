@@ -18,7 +18,8 @@ docs/PERFORMANCE.md, ## tests); `env` adds to that (the launcher's FAILURE_TIMEO
 
 msrun starts its scheduler as one more process of the worker script (MS_ROLE=MS_SCHED), whose `init()` is the
 scheduler; a worker script calls `schedule_only()` first in its `__main__`, so that process goes there at once
-instead of building the workers' model and data first.
+instead of building the workers' model and data first. `launch` runs the script through tests/workers/entry.py,
+whose scheduler process does not even import the script's modules.
 """
 import os
 import signal
@@ -35,6 +36,7 @@ from mindvl_ms.parallel.runtime import end_with_launcher
 from tests.support.paths import ROOT
 
 LAUNCHER = os.path.join(ROOT, "scripts", "msrun_train.sh")
+ENTRY = os.path.join(ROOT, "tests", "workers", "entry.py")
 
 
 def free_port() -> int:
@@ -86,7 +88,7 @@ def processes_with(marker: str) -> List[int]:
 
 
 class MsrunJob:
-    """A running `scripts/msrun_train.sh WORKERS SCRIPT ARGS...`; a context manager that stops it on the way
+    """A running `scripts/msrun_train.sh WORKERS ENTRY SCRIPT ARGS...`; a context manager that stops it on the way
     out if it is still running (a failed reference in the test process): SIGTERM, on which the launcher ends
     msrun, the workers and the scheduler, then SIGKILL after 30 s."""
 
@@ -96,7 +98,7 @@ class MsrunJob:
         full = worker_env(MASTER_PORT=str(free_port()), LOG_DIR=self.log_dir, CLUSTER_TIMEOUT=str(cluster_timeout),
                           MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="1", **(env or {}))
         self.output, self.ended = "", None
-        self.proc = subprocess.Popen([LAUNCHER, str(workers), script, *map(str, args)], env=full, cwd=cwd,
+        self.proc = subprocess.Popen([LAUNCHER, str(workers), ENTRY, script, *map(str, args)], env=full, cwd=cwd,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
