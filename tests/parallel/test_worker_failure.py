@@ -33,7 +33,7 @@ WORKER = os.path.join(ROOT, "tests", "workers", "kill_target.py")
 FAILURE_TIMEOUT = 8  # seconds; scripts/msrun_train.sh passes it to MindSpore as MS_NODE_TIMEOUT
 BOUND = FAILURE_TIMEOUT + 15  # death -> exit: the scheduler's heartbeat checks and exit, msrun's 1 s polls
 KILLS = {"mid_step": (1, "step:2"), "mid_save": (0, "save:2")}  # name -> (rank, KILL_AT)
-# priorities of the jobs started beside the first killed job's exit (`jobs`): the second killed job below it,
+# priorities of the jobs started beside a killed job's exit (`jobs`): the second killed job below the first,
 # the resuming job and `held` below both, so that no start-up slows an exit the test times
 NICE_SECOND, NICE_REST = 10, 19
 
@@ -122,11 +122,11 @@ def jobs(tmp_path_factory, compile_cache, held) -> Jobs:
     """The two killed jobs, then one job through the same launcher whose workers train the uninterrupted
     reference and resume a copy of each killed run, one run after another (one start-up and cluster for the
     three runs instead of three jobs). The copies leave the killed directories as the kills left them.
-    The jobs overlap where one waits: when the first killed job's rank has died (its graphs are in the
-    compile cache by then) the second killed job, the resuming job and the job
-    test_killed_msrun_takes_its_processes kills (`held`) start, at lower priorities (NICE_SECOND, NICE_REST)
-    so that no start-up slows the exit of a killed job, which the test times; each copy is made when its
-    killed job has ended, and the resuming workers wait for it (tests/workers/kill_target.py)."""
+    The jobs overlap where one waits: the second killed job starts when the first one's rank has died (its
+    graphs are in the compile cache by then), the resuming job and the job test_killed_msrun_takes_its_processes
+    kills (`held`) when the first killed job has ended, each at a lower priority than the killed job whose exit
+    the test is timing (NICE_SECOND, NICE_REST); each copy is made when its killed job has ended, and the
+    resuming workers wait for it (tests/workers/kill_target.py)."""
     base = tmp_path_factory.mktemp("jobs")
     (first, (rank_a, at_a)), (second, (rank_b, at_b)) = KILLS.items()
     resumed = {name: base / name / "resumed" for name in KILLS}
@@ -135,13 +135,14 @@ def jobs(tmp_path_factory, compile_cache, held) -> Jobs:
     with job_a:
         wait_for_death(job_a, base / first / "out" / f"killed_rank{rank_a}")
         job_b = start_kill(base / second, rank_b, at_b, compile_cache, nice=NICE_SECOND)
-        with job_b, msrun.launch(2, WORKER, args, base / "logs_resume", env=compile_cache, nice=NICE_REST) as job:
-            held.start(nice=NICE_REST)
+        with job_b:
             killed = {first: ended(job_a, base / first, rank_a)}
             copy_run(killed[first].out, resumed[first])
-            killed[second] = ended(job_b, base / second, rank_b)
-            copy_run(killed[second].out, resumed[second])
-            job.finish(timeout=900)
+            with msrun.launch(2, WORKER, args, base / "logs_resume", env=compile_cache, nice=NICE_REST) as job:
+                held.start(nice=NICE_REST)
+                killed[second] = ended(job_b, base / second, rank_b)
+                copy_run(killed[second].out, resumed[second])
+                job.finish(timeout=900)
     logs = msrun.worker_logs(base / "logs_resume", tail=100_000)  # every run's DONE lines
     reference = {r: dict(np.load(base / "reference" / f"params_rank{r}.npz")) for r in (0, 1)}
     return Jobs(killed, resumed, reference, logs)
