@@ -35,7 +35,7 @@ from mindspore.common.initializer import Normal, initializer
 from mindvl_ms.config import VisionConfig
 from mindvl_ms.ops import ApplyRotary, CoreAttention, RMSNorm, SwiGLU, segment_bias
 from mindvl_ms.ops.activation import activation
-from mindvl_ms.ops.attention import NEG_INF, SwapHeads
+from mindvl_ms.ops.attention import NEG_INF, BlocksToHeads, SwapHeads
 from mindvl_ms.ops.cpu_kernels import custom_op
 from mindvl_ms.ops.dispatch import is_ascend
 from mindvl_ms.ops.layers import dense
@@ -248,6 +248,7 @@ class VisionAttention(nn.Cell):
         # Ascend takes the fused one); the queries come pre-scaled, so attention is `core.prescaled`
         self.qkv_rope = QkvBiasRope(cfg.num_heads, cfg.head_dim)
         self.swap_heads = SwapHeads()  # the block outputs [S, H, W, hd] -> [S, W, H, hd] (a C++ copy on CPU)
+        self.to_heads = BlocksToHeads()  # gathered rows [S, W, 3, H, hd] -> [3, S, H, W, hd] (likewise)
 
     def construct(self, x, cos, sin, bias, blocks=None):
         """x [N, E]; `bias` [1, 1, N, N] (dense path) or `blocks` (gather, unpad, key_bias, seq_ends) from
@@ -273,7 +274,7 @@ class VisionAttention(nn.Cell):
         # their queries' outputs are never gathered back, so any real row gives the same result
         idx = ops.minimum(gather.reshape(-1), n - 1)
         blk = ops.gather(rows, idx, 0).reshape(s, w, 3, self.num_heads, self.head_dim)
-        q, k, v = ops.split(blk.transpose(2, 0, 3, 1, 4), 1, 0)  # 3 x [1, S, H, W, hd]
+        q, k, v = ops.split(self.to_heads(blk), 1, 0)  # 3 x [1, S, H, W, hd]
         shape = (s, self.num_heads, w, self.head_dim)
         out = self.core.prescaled(q.reshape(shape), k.reshape(shape), v.reshape(shape), key_bias)  # [S, H, W, hd]
         out = self.swap_heads(out).reshape(s * w, e)  # [S*W, E]

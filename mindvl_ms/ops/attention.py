@@ -13,6 +13,14 @@ hand-written backward has no reduction, broadcast or subtraction over the [B, H,
 The ViT's block path (`CoreAttention.prescaled`, no parallel layout) has queries pre-scaled, its per-key
 padding bias inside the q.k^T matmul and `SoftmaxV`'s hand-written backward (no reduction over the scores).
 
+CPU float32 with the C++ kernels (ops/csrc/attention_mask.cc, where `ops.cpu_kernels` can build them; each
+cell's `drop_kernel` returns it to the composite ops): `SegmentBias` builds the bias in one pass, the core
+stacks the query heads of a key/value head along the rows instead of repeating k/v (`_grouped`), scales and
+adds the bias in one pass (`_ScaleBiasAdd`) and returns the scale's gradient with the softmax backward's
+product (`_SoftmaxVScaleGrad`); `SwapHeads` / `BlocksToHeads` are the heads <-> tokens transposes as row
+copies. All of it gives the composite's values bit for bit, except d(k) and d(v) of grouped heads, summed
+inside the matmuls (tests/ops/test_attention_mask.py; figures in docs/PERFORMANCE.md, "## ops").
+
 Ascend path (only runs on Ascend hardware, never exercised here): `FlashAttentionScore` in TND layout
 (tokens of all rows flattened, [T, N, D]) with `actual_seq_qlen` / `actual_seq_kvlen`, the cumulative
 segment ends computed host-side (`mindvl_ms.data.collate`; no leading 0, last = T). The kernel attends
@@ -76,18 +84,23 @@ _SEGMENT_BIAS_CAUSAL = None
 _SCALE_BIAS_ADD = None
 _SWAP_AXES12 = None
 _MUL_SCALE = None
+_BLOCKS_TO_HEADS = None
+_HEADS_TO_BLOCKS = None
 
 
 def attention_kernels() -> bool:
     """True when the C++ attention kernels are available here (loading them on the first call); False on
     Ascend and where the kernel library cannot be built (the composite ops run instead)."""
     # pylint: disable-next=global-statement
-    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12, _MUL_SCALE
+    global _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12, _MUL_SCALE, _BLOCKS_TO_HEADS
+    global _HEADS_TO_BLOCKS  # pylint: disable=global-statement
     if _SCALE_BIAS_ADD is None and not is_ascend():
         loaded = (custom_op("SegmentBias", 2), custom_op("SegmentBiasCausal", 2), custom_op("ScaleBiasAdd", 3),
-                  custom_op("SwapAxes12", 1), custom_op("MulScale", 3))
+                  custom_op("SwapAxes12", 1), custom_op("MulScale", 3), custom_op("BlocksToHeads", 1),
+                  custom_op("HeadsToBlocks", 1))
         if all(op is not None for op in loaded):
-            _SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12, _MUL_SCALE = loaded
+            (_SEGMENT_BIAS, _SEGMENT_BIAS_CAUSAL, _SCALE_BIAS_ADD, _SWAP_AXES12, _MUL_SCALE, _BLOCKS_TO_HEADS,
+             _HEADS_TO_BLOCKS) = loaded
     return _SCALE_BIAS_ADD is not None
 
 
@@ -119,6 +132,36 @@ class SwapHeads(nn.Cell):
         if self.kernel and x.dtype == ms.float32:
             return self.swap(x)
         return x.transpose(0, 2, 1, 3)
+
+
+class _BlocksToHeadsKernel(nn.Cell):
+    """The C++ BlocksToHeads with its gradient (HeadsToBlocks of dout, the inverse permutation)."""
+
+    def construct(self, x):
+        return _BLOCKS_TO_HEADS(x)
+
+    def bprop(self, x, out, dout):
+        return (_HEADS_TO_BLOCKS(dout),)
+
+
+class BlocksToHeads(nn.Cell):
+    """x [S, W, 3, H, hd] -> [3, S, H, W, hd]: the ViT block path's gathered qkv rows to per-head q/k/v
+    blocks. On CPU for float32 one C++ copy of hd-float rows (the same values as the Transpose, bit for bit,
+    forward and backward), elsewhere, or after `drop_kernel`, `transpose(2, 0, 3, 1, 4)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernel = attention_kernels()  # read by the graph; only drop_kernel changes it
+        self.permute = _BlocksToHeadsKernel()
+
+    def drop_kernel(self):
+        """The Transpose from now on (an exported graph must not name this machine's kernel library)."""
+        self.kernel = False
+
+    def construct(self, x):
+        if self.kernel and x.dtype == ms.float32:
+            return self.permute(x)
+        return x.transpose(2, 0, 3, 1, 4)
 
 
 class SegmentBias(nn.Cell):

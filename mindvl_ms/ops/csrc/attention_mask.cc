@@ -171,3 +171,64 @@ extern "C" int MulScale(int nparam, void **params, int *ndims, int64_t **shapes,
   }
   return 0;
 }
+
+// BlocksToHeads: x [S, W, 3, H, hd] -> [3, S, H, W, hd] (transpose (2, 0, 3, 1, 4)), the ViT block path's
+//   gathered qkv rows to per-head q/k/v blocks; HeadsToBlocks is its inverse ((1, 3, 0, 2, 4)) and each is
+//   the other's gradient. Copies of hd-float rows: the input's values bit for bit.
+namespace {
+// out[o0, o1, o2, o3, :] = in[i0, i1, i2, i3, :] where in's axis perm[k] is out's axis k
+int permute_rows(void **params, int *ndims, int64_t **shapes, const int perm[4]) {
+  if (ndims[0] != 5) return 1;
+  const int64_t *x = shapes[0];
+  const int64_t d = x[4];
+  int64_t in_stride[4];
+  in_stride[3] = d;
+  for (int k = 2; k >= 0; --k) in_stride[k] = in_stride[k + 1] * x[k + 1];
+  const int64_t o[4] = {x[perm[0]], x[perm[1]], x[perm[2]], x[perm[3]]};
+  const int64_t s[4] = {in_stride[perm[0]], in_stride[perm[1]], in_stride[perm[2]], in_stride[perm[3]]};
+  const float *in = static_cast<const float *>(params[0]);
+  float *out = static_cast<float *>(params[1]);
+  for (int64_t a = 0; a < o[0]; ++a) {
+    for (int64_t b = 0; b < o[1]; ++b) {
+      for (int64_t c = 0; c < o[2]; ++c) {
+        const float *src = in + a * s[0] + b * s[1] + c * s[2];
+        for (int64_t e = 0; e < o[3]; ++e, out += d) std::memcpy(out, src + e * s[3], sizeof(float) * d);
+      }
+    }
+  }
+  return 0;
+}
+
+const int kToHeads[4] = {2, 0, 3, 1};
+const int kToBlocks[4] = {1, 3, 0, 2};
+
+std::vector<int64_t> permuted_shape(int *ndims, int64_t **shapes, const int perm[4]) {
+  if (ndims[0] != 5) return std::vector<int64_t>(shapes[0], shapes[0] + ndims[0]);
+  const int64_t *x = shapes[0];
+  return std::vector<int64_t>{x[perm[0]], x[perm[1]], x[perm[2]], x[perm[3]], x[4]};
+}
+}  // namespace
+
+extern "C" std::vector<int64_t> BlocksToHeadsInferShape(int *ndims, int64_t **shapes, AotExtra *extra) {
+  return permuted_shape(ndims, shapes, kToHeads);
+}
+
+extern "C" std::vector<int64_t> HeadsToBlocksInferShape(int *ndims, int64_t **shapes, AotExtra *extra) {
+  return permuted_shape(ndims, shapes, kToBlocks);
+}
+
+extern "C" TypeId BlocksToHeadsInferType(std::vector<TypeId> type_ids, AotExtra *extra) { return type_ids[0]; }
+
+extern "C" TypeId HeadsToBlocksInferType(std::vector<TypeId> type_ids, AotExtra *extra) { return type_ids[0]; }
+
+extern "C" int BlocksToHeads(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  if (nparam != 2) return 1;
+  return permute_rows(params, ndims, shapes, kToHeads);
+}
+
+extern "C" int HeadsToBlocks(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                             void *stream, void *extra) {
+  if (nparam != 2) return 1;
+  return permute_rows(params, ndims, shapes, kToBlocks);
+}
