@@ -6,9 +6,7 @@ dynamic shapes via `set_inputs`, recompiles are counted):
 - `MicroStep` (train/step_cells.py) over `ForwardLoss` (train/forward_loss.py): forward, loss share
   (+ MoE aux loss), gradients of the trainable parameters added into fp32 accumulators. MindVL's LM head
   runs only at the supervised positions, in chunks (train/loss_head.py), and its [V, D] tables add their
-  gradients row-wise (train/row_grads.py; standalone / data parallel). A micro-batch whose supervised
-  positions fit one chunk runs on a second micro-step graph whose head has no chunk loop (`micro_for`:
-  control flow splits a graph into kernel graphs launched one by one); each is compiled on first use.
+  gradients row-wise (train/row_grads.py; standalone / data parallel).
 - `ReduceStep` (train/step_cells.py): once per global batch, the data-parallel reduction of the
   accumulated gradients and the loss, and the global gradient norm. Under semi/auto parallel
   (`parallel_mode` 1/2) the compiler inserts the reduction, so this step reduces nothing
@@ -244,15 +242,9 @@ class TrainStep:
         under a compiler-sharded layout."""
         rows = row_grad_tables(model, self.params, self.accum) if row_grads else {}
         self.row_grad_tables = sorted(rows)
-        args = (model, self.loss, len(self.input_names), self.input_names.index("segment_ids"),
-                1.0 / (stage.accumulation(dp) * dp))
-        fwd = ForwardLoss(*args, sparse=self.sparse, row_grads=rows)
+        fwd = ForwardLoss(model, self.loss, len(self.input_names), self.input_names.index("segment_ids"),
+                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
         self.micro = MicroStep(fwd, self.params, self.accum)
-        # the sparse head's micro-batches whose supervised positions fit one chunk run on a graph without the
-        # chunk loop (`loss_head._HeadBlocks` one_block), compiled when the first such micro-batch comes; not
-        # under static shapes (compiler_reduces), where the compiler unrolls the loop
-        self.micro_one = MicroStep(ForwardLoss(*args, sparse=True, row_grads=rows, one_block=True), self.params,
-                                   self.accum) if self.sparse and not compiler_reduces else None
         self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
         self.zero = ZeroAccum(self.accum)
         self.weight_sum = WeightSumStep(fwd)
@@ -271,9 +263,7 @@ class TrainStep:
         semi/auto parallel, where every rank's arrays have the stage's fixed shapes (data.collate.RowBudget)."""
         if not self.static:
             scalar = Tensor(shape=[], dtype=ms.float32)
-            for micro in (self.micro, self.micro_one):
-                if micro is not None:
-                    micro.set_inputs(*dynamic_like(feed, self.constant), scalar, scalar, scalar)
+            self.micro.set_inputs(*dynamic_like(feed, self.constant), scalar, scalar, scalar)
             self.weight_sum.set_inputs(*dynamic_like(feed, self.constant))
         self._shaped = True
 
@@ -281,20 +271,13 @@ class TrainStep:
         """One graph feed per micro-batch (`step_arrays`)."""
         return [step_arrays(mb, self.input_names, self.sparse, self.chunk) for mb in micro_batches]
 
-    def micro_for(self, feed: List[np.ndarray]) -> MicroStep:
-        """The micro-step graph for a feed: the one-block head's (`micro_one`) when the sparse head's grid
-        [B, n, c] holds at most one chunk of positions (B * n * c <= logits_chunk_tokens), else the chunk loop's."""
-        if self.micro_one is not None and feed[len(self.input_names)].size <= self.chunk:
-            return self.micro_one
-        return self.micro
-
     def compile_micro(self, feed: List[np.ndarray]) -> None:
         """Compile the micro-step graph for inputs like `feed` (dynamic shapes), then hand the compiler's
         freed heap back to the OS (train/memory.py) before the first run allocates activations."""
         if not self._shaped:
             self._set_inputs(feed)
         one = Tensor(1.0, ms.float32)
-        self.micro_for(feed).compile(*[Tensor(a) for a in feed], one, one, one)
+        self.micro.compile(*[Tensor(a) for a in feed], one, one, one)
         release_heap()
 
     def _token_norm(self, arrays: List[List[np.ndarray]], g_sup: float) -> float:
@@ -313,19 +296,18 @@ class TrainStep:
         Returns (this rank's loss sum, summed expert load)."""
         scale = Tensor(self.scale.asnumpy(), ms.float32)
         loss_sum, load = 0.0, None
+        before = len(self.micro.compile_cache)
+        if not before:
+            self.compile_micro(feeds[0])
         for arr in feeds:
-            micro = self.micro_for(arr)
-            before = len(micro.compile_cache)
-            if not before:
-                self.compile_micro(arr)
-            loss, mb_load = micro(*[Tensor(a) for a in arr], *scalars, scale)
+            loss, mb_load = self.micro(*[Tensor(a) for a in arr], *scalars, scale)
             loss_sum += float(loss.asnumpy())
             load = mb_load.asnumpy() if load is None else load + mb_load.asnumpy()
-            after = len(micro.compile_cache)
-            if after != before:
-                self.compiles += after - before
-                if before:
-                    log.warning("train step recompiled (%d graphs now): input ranks/dtypes changed", after)
+        after = len(self.micro.compile_cache)
+        if after != before:
+            self.compiles += after - before
+            if before:
+                log.warning("train step recompiled (%d graphs now): input ranks/dtypes changed", after)
         return loss_sum, load
 
     def run(self, micro_batches: List[Dict[str, np.ndarray]], lr: float) -> StepResult:
