@@ -261,7 +261,7 @@ def test_vqa_mix_sets_the_train_question_types(tmp_path):
 
 
 def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
-    """full.yaml's `demo.vqa_mix` (2:3:6) draws its question types through `run.write_data` (largest remainders);
+    """full.yaml's `demo.vqa_mix` (1:2:3) draws its question types through `run.write_data` (largest remainders);
     quick.yaml resets it to null (easy-VQA's own mix, mostly yes/no). Sizes shrunk to 30 train questions."""
     from mindvl_ms.recipes.demo.config import config_path, load_demo_config
     from mindvl_ms.recipes.demo.prepare import write_data
@@ -272,11 +272,11 @@ def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
         demo["data_sizes"] = {"vqa": [30, 1], "ocr": [1, 1], "grounding": [1, 1]}
         info = write_data(demo, str(tmp_path / str(quick)), seed=0, progress=False)
         counts[quick] = Counter(_kind(_short(o)) for o in _lines(info["files"]["train"]["vqa"]))
-    assert counts[False] == {"yes/no": 6, "colour": 8, "shape": 16}  # 30 x (2, 3, 6) / 11 = 5.45, 8.18, 16.36
+    assert counts[False] == {"yes/no": 5, "colour": 10, "shape": 15}  # 30 x (1, 2, 3) / 6
     assert counts[True]["yes/no"] > 15  # ~73% of 30 (binomial sd ~2.4)
-    # `demo.vqa_balance_yes_no` reaches the writer too: 8 yes/no questions (44 x 2 / 11), 2 per (wording, answer) cell
+    # `demo.vqa_balance_yes_no` reaches the writer too: 8 yes/no questions (48 x 1 / 6), 2 per (wording, answer) cell
     _, demo = load_demo_config(config_path(False), str(tmp_path))
-    demo.update(data_sizes={"vqa": [44, 1], "ocr": [1, 1], "grounding": [1, 1]}, vqa_balance_yes_no=True)
+    demo.update(data_sizes={"vqa": [48, 1], "ocr": [1, 1], "grounding": [1, 1]}, vqa_balance_yes_no=True)
     info = write_data(demo, str(tmp_path / "balanced"), seed=0, progress=False)
     yn = [o for o in _lines(info["files"]["train"]["vqa"]) if _short(o) in ("yes", "no")]
     cells = Counter((" not " in o["messages"][0]["content"] or "\nis no " in o["messages"][0]["content"], _short(o))
