@@ -124,8 +124,11 @@ def _adamw_one(mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v, mine):
 def _adamw_fused(kernel, mult, lr, b1, b2, eps, wd, coef, wd_on, acc, param, m, v, mine):
     """One parameter by the `FusedAdamW` CPU kernel (ops/csrc/fused_adamw.cc): the same scaling, AdamW and
     zeroing as `_adamw_one`, bitwise, in one pass over parameter, moments and accumulator instead of four
-    kernels (docs/PERFORMANCE.md, ## train). Returns the kernel's [1] zero."""
-    return kernel(param, m, v, acc, mult, lr, coef, b1, b2, eps, wd, wd_on)
+    kernels (docs/PERFORMANCE.md, ## train). Returns the kernel's [1] zero. `mine` False (another rank owns
+    the parameter, `optim_filter`): only the zeroing, as in `_adamw_one`."""
+    if mine:
+        return kernel(param, m, v, acc, mult, lr, coef, b1, b2, eps, wd, wd_on)
+    return _inplace_sub(acc, ops.ones_like(mult), acc)
 
 
 _sq = ops.MultitypeFuncGraph("sq")
