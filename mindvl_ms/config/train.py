@@ -58,7 +58,8 @@ class LossConfig:
     tau1: float = F(0.1, "balanced: order weight 1/ln(e + tau1*i), i = index of the target in its sample")
     tau2: float = F(2.0, "balanced: magnitude weight 2*sigmoid(tau2*CE - 0.5)")
     logits_chunk_tokens: int = F(1024, "most positions whose [tokens, vocab] logits exist at once: the LM head "
-                                       "runs only at supervised positions, this many at a time (train/loss_head.py)")
+                                       "runs only at supervised positions, this many at a time (train/loss_head.py); when "
+                                       "micro_batch_size x seq_length fits, in one block with no chunk loop")
 
     def validate(self) -> None:
         if self.type not in ("token_mean", "balanced"):

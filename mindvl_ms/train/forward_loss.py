@@ -61,10 +61,12 @@ class ForwardLoss(nn.Cell):
 
     `row_grads` {table Parameter name: accumulator} (sparse head only, `row_grad_tables`): the embedding
     lookup and/or the head add those tables' gradients into the accumulators themselves (train/row_grads.py);
-    `self.token` then carries the dependency and the tables must be left out of the differentiated weights."""
+    `self.token` then carries the dependency and the tables must be left out of the differentiated weights.
+    `one_block`: the head's chunks run as one block, without a loop (`loss_head._HeadBlocks`), for a stage
+    whose micro-batches fit one chunk (`train_step.one_block_head`)."""
 
     def __init__(self, model: nn.Cell, loss: TrainLoss, n_model: int, seg_pos: int, aux_weight: float = 1.0,
-                 sparse: bool = False, row_grads: Optional[Dict[str, Parameter]] = None):
+                 sparse: bool = False, row_grads: Optional[Dict[str, Parameter]] = None, one_block: bool = False):
         super().__init__(auto_prefix=False)  # keep the model's parameter names
         self.model, self.loss, self.n_model, self.seg_pos = model, loss, n_model, seg_pos
         self.sparse = sparse
@@ -83,7 +85,7 @@ class ForwardLoss(nn.Cell):
                 self.embed = RowGradEmbedding(table, row_grads[table.name], self.token)
             if self.row_head:
                 self.head_acc = row_grads[head.name]
-            self.head = ChunkedHeadCERowGrad() if self.row_head else ChunkedHeadCE()
+            self.head = ChunkedHeadCERowGrad(one_block) if self.row_head else ChunkedHeadCE(one_block=one_block)
             shard_loss_head(self.head, self.net)  # vocab-parallel as the model's LM head, when it is sharded
         self.aux_weight = float(aux_weight)  # 1 / (micro-batches x ranks): the MoE aux loss is a batch mean
 

@@ -95,11 +95,17 @@ class _HeadBlocks(nn.Cell):
     instead of recomputing its logits, one [c, D] x [D, V] matmul fewer per micro-step (all of them when
     the step has one chunk). Only chunk 0's block is kept, so the head still holds O(C x V) memory: the
     block lives from the head's forward to its backward, which runs next. The primitives are the owning
-    `ChunkedHeadCE`'s (shared objects: the strategies it is given are theirs)."""
+    `ChunkedHeadCE`'s (shared objects: the strategies it is given are theirs).
 
-    def __init__(self, prims):
+    `one_block`: the n chunks are one [n * c, V] block, with no loop: for a stage whose micro-batches fit
+    one chunk (`train_step.one_block_head`), so that block is at most one chunk's. A loop over a
+    dynamic chunk count is control flow, which splits the micro-step into many kernel graphs launched one
+    after another; one block is one straight graph (docs/PERFORMANCE.md, ## train)."""
+
+    def __init__(self, prims, one_block: bool = False):
         super().__init__()
         self.vocab_parallel = False                         # set through ChunkedHeadCE.vocab_parallel
+        self.one_block = bool(one_block)
         for name in PRIMITIVES:
             setattr(self, name, prims[name])
         self.on, self.off = ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)
@@ -131,6 +137,9 @@ class _HeadBlocks(nn.Cell):
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]
         w = _cast(weight, hidden.dtype)
+        if self.one_block:                                           # [n * c, D] at once
+            ce, kept = self._block_ce(hidden.reshape(-1, hidden.shape[-1]), w, targets.reshape(-1))
+            return ce.reshape(targets.shape), kept
         ce = ops.zeros(targets.shape, ms.float32)                    # [n, c]
         first, kept = self._block_ce(hidden[0], w, targets[0])
         ce[0] = first
@@ -155,6 +164,10 @@ class _HeadBlocks(nn.Cell):
         added into acc in row blocks (`train.row_grads`) and dW is a [1] zero that depends on those adds."""
         n = hidden.shape[0]
         w = _cast(weight, hidden.dtype)
+        if self.one_block:                                            # one [n * c, V] block, kept from the forward
+            g, hs = self._block_grad(hidden.reshape(-1, hidden.shape[-1]), w, targets.reshape(-1), dout.reshape(-1),
+                                     kept)
+            return (self.mm(g, w) * hs[1]).reshape(hidden.shape), self._dw_first(g, hs[0], acc)
         dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
         g, hs = self._block_grad(hidden[0], w, targets[0], dout[0], kept)
         dh[0] = self.mm(g, w) * hs[1]
@@ -209,8 +222,10 @@ class _HeadBlocksRowGrad(_HeadBlocks):
 class ChunkedHeadCE(nn.Cell):
     """construct(hidden [n, c, D], weight [V, D], targets int32 [n, c]) -> CE float32 [n, c] (0 at IGNORE).
 
-    One [c, V] logits block at a time in both passes (custom bprop recomputes the block). The loop bound n is
-    a static shape, so graph mode unrolls it: no control flow reaches the compiler.
+    One [c, V] logits block at a time in both passes (custom bprop recomputes the block). With static shapes
+    graph mode unrolls the loop over n; with the train step's dynamic shapes n is unknown when compiling, so
+    the loop is control flow. `one_block` (all n chunks as one [n * c, V] block, for stages whose
+    micro-batches fit one chunk) has no loop.
 
     Every primitive the blocks use is the cell's own, so `parallel.parallelize.shard_loss_head` can declare
     MindFormers' vocab-parallel strategies on them (the head weight [V, D] split on V, the convention of
@@ -223,7 +238,7 @@ class ChunkedHeadCE(nn.Cell):
     cross entropy shard by shard). Unsharded (CPU, stand-alone) the block is the fused log-softmax / softmax
     path, as before."""
 
-    def __init__(self, blocks=_HeadBlocks):
+    def __init__(self, blocks=_HeadBlocks, one_block: bool = False):
         super().__init__()
         self.mm_nt = ops.MatMul(transpose_b=True)           # [c, D] x [V, D]^T -> [c, V]
         self.mm = ops.MatMul()                              # [c, V] x [V, D] -> [c, D]
@@ -237,7 +252,7 @@ class ChunkedHeadCE(nn.Cell):
         self.mul = ops.Mul()                                # z * onehot [c, V]
         self.div = ops.RealDiv()                            # exp z / sum [c, V]
         self.sub_onehot = ops.Sub()                         # P - onehot [c, V]
-        self.blocks = blocks({name: getattr(self, name) for name in PRIMITIVES})
+        self.blocks = blocks({name: getattr(self, name) for name in PRIMITIVES}, one_block)
 
     @property
     def vocab_parallel(self) -> bool:
@@ -258,8 +273,8 @@ class ChunkedHeadCERowGrad(ChunkedHeadCE):
 
     construct(hidden [n, c, D], weight [V, D], targets [n, c], acc [V, D], token [1]) -> CE [n, c]."""
 
-    def __init__(self):
-        super().__init__(_HeadBlocksRowGrad)
+    def __init__(self, one_block: bool = False):
+        super().__init__(_HeadBlocksRowGrad, one_block)
 
     def construct(self, hidden, weight, targets, acc, token):
         return self.blocks(hidden, weight, targets, acc, token)[0]

@@ -6,7 +6,9 @@ dynamic shapes via `set_inputs`, recompiles are counted):
 - `MicroStep` (train/step_cells.py) over `ForwardLoss` (train/forward_loss.py): forward, loss share
   (+ MoE aux loss), gradients of the trainable parameters added into fp32 accumulators. MindVL's LM head
   runs only at the supervised positions, in chunks (train/loss_head.py), and its [V, D] tables add their
-  gradients row-wise (train/row_grads.py; standalone / data parallel).
+  gradients row-wise (train/row_grads.py; standalone / data parallel). When a stage's micro-batch holds at
+  most one chunk of positions (`one_block_head`), the head is one block with no chunk loop: a loop over a
+  dynamic chunk count is control flow, which splits the graph into kernel graphs launched one by one.
 - `ReduceStep` (train/step_cells.py): once per global batch, the data-parallel reduction of the
   accumulated gradients and the loss, and the global gradient norm. Under semi/auto parallel
   (`parallel_mode` 1/2) the compiler inserts the reduction, so this step reduces nothing
@@ -133,14 +135,23 @@ def find_bias_updater(model: nn.Cell):
     return lm.bias_updater()
 
 
+def one_block_head(loss_cfg, stage) -> bool:
+    """Whether a stage's LM head runs as one block, without the chunk loop (`loss_head._HeadBlocks`): when
+    a micro-batch's positions (micro_batch_size x seq_length) fit `loss.logits_chunk_tokens`, so the loop
+    could never take a second chunk. Decided per stage, not per micro-batch: a stage has one micro-step graph."""
+    chunk = int(getattr(loss_cfg, "logits_chunk_tokens", 1024))
+    return int(stage.micro_batch_size) * int(stage.seq_length) <= chunk
+
+
 def graph_key(model: nn.Cell, params: Sequence[Parameter], input_names: Sequence[str], loss_cfg, stage, dp: int,
               precision: str, gradients_mean: bool, compiler_reduces: bool, row_grads: bool) -> tuple:
     """Everything a `TrainStep` built from these arguments bakes into its graphs as constants: the model and
     its parameters' shapes, its inputs, the trainable parameters (hence the sparse head, row-gradient tables
     and decay masks), the loss type and weights, each micro-batch's share 1/(accumulation x dp), the
-    parameters' LR coefficients, the AdamW betas and the reduction (dp, mean, compiler-inserted). Two stages with equal
-    keys can train on one step's compiled graphs (`TrainStep.restart`); sequence length, batch shapes,
-    learning rate, weight decay, epsilon and clipping are inputs or host values and may differ."""
+    parameters' LR coefficients, the AdamW betas, the reduction (dp, mean, compiler-inserted) and whether the
+    head is one block (`one_block_head`). Two stages with equal keys can train on one step's compiled graphs
+    (`TrainStep.restart`); sequence length, batch shapes, learning rate, weight decay, epsilon and clipping
+    are inputs or host values and may differ."""
     coefs = stage.lr_prefixes()
     shapes = tuple(tuple(p.shape) for p in model.get_parameters())  # e.g. a vocabulary subset resizes tables
     return (id(model), shapes, tuple(input_names), tuple(p.name for p in params),
@@ -148,7 +159,8 @@ def graph_key(model: nn.Cell, params: Sequence[Parameter], input_names: Sequence
              float(loss_cfg.tau2)),
             stage.accumulation(dp) * dp, tuple(lr_coefficient(p.name, coefs) for p in params),
             (float(stage.adam_beta1), float(stage.adam_beta2)), int(dp), precision, bool(gradients_mean),
-            bool(compiler_reduces), bool(row_grads and not compiler_reduces))
+            bool(compiler_reduces), bool(row_grads and not compiler_reduces),
+            has_sparse_head(model) and not compiler_reduces and one_block_head(loss_cfg, stage))
 
 
 _KEPT = "_mindvl_train_step"  # attribute of the network: (settings, TrainStep) of its last SFT stage
@@ -186,6 +198,8 @@ class TrainStep:
                              compiler_reduces, row_grads)
         self.loss = TrainLoss(loss_cfg.type, loss_cfg.lambda1, loss_cfg.lambda2, loss_cfg.tau1, loss_cfg.tau2)
         self.sparse = has_sparse_head(model)
+        # static shapes (compiler_reduces) keep the loop, which the compiler unrolls
+        self.one_block = self.sparse and not compiler_reduces and one_block_head(loss_cfg, stage)
         self.params = params
         self.accum = zeros_like_params(params, "accum")
         self.update = AdamWUpdate(params, self.accum, stage.lr_prefixes(), stage.weight_decay,
@@ -243,7 +257,8 @@ class TrainStep:
         rows = row_grad_tables(model, self.params, self.accum) if row_grads else {}
         self.row_grad_tables = sorted(rows)
         fwd = ForwardLoss(model, self.loss, len(self.input_names), self.input_names.index("segment_ids"),
-                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows)
+                          1.0 / (stage.accumulation(dp) * dp), sparse=self.sparse, row_grads=rows,
+                          one_block=self.one_block)
         self.micro = MicroStep(fwd, self.params, self.accum)
         self.reduce = ReduceStep(self.accum, dp, mean=gradients_mean, explicit=not compiler_reduces)
         self.zero = ZeroAccum(self.accum)

@@ -51,7 +51,7 @@ def test_stages_on_mindvl(tmp_path, monkeypatch):
          "max_lr": 1e-2, "epochs": None, "max_steps": 3},
         {"name": "sft", "trainable": "all", "lr_coefficients": {"vision": 0.1}, "seq_length": 40,
          "global_batch_size": 4, "micro_batch_size": 2, "max_lr": 5e-3, "warmup_ratio": 0.0, "epochs": None,
-         "max_steps": 6, "loss": {"type": "balanced"}},
+         "max_steps": 6, "loss": {"type": "balanced", "logits_chunk_tokens": 64}},  # 2 x 40 positions: the chunk loop
         {"name": "sft_long", "trainable": "all", "lr_coefficients": {"vision": 0.1}, "seq_length": 56,
          "global_batch_size": 4, "micro_batch_size": 2, "max_lr": 2e-3, "warmup_ratio": 0.5, "epochs": None,
          "max_steps": 2, "weight_decay": 0.05, "adam_eps": 1e-6, "grad_clip": 0.5,
