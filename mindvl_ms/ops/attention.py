@@ -64,7 +64,7 @@ def segment_bias(seg_q, seg_k, causal: bool):
     With `causal`, query i may see key j only when j <= i (queries and keys aligned at the end, which is
     the identity for self-attention over the same tokens). The head axis is put on the small [B, L] / [B, S]
     inputs before the comparisons: inserting it into the [B, L, S] result would be a StridedSlice copy of
-    the whole bias (docs/PERFORMANCE.md, "## models").
+    the whole bias (docs/PERFORMANCE.md, "## ops").
     """
     b, l, s = seg_q.shape[0], seg_q.shape[1], seg_k.shape[1]
     q4 = seg_q.reshape(b, 1, l, 1)
