@@ -125,9 +125,10 @@ def train(out, progress, resume=False, kill=None, at=None):
     uninterrupted run and the last resume (they are not killed): both on the process's one tiny model
     (`stopped_run.kept_model`, its seed-0 weights set back), so the resume restarts the step the
     uninterrupted run compiled and kept on it."""
-    def report(step):
-        with open(progress, "w") as f:
+    def report(step):  # atomic: a kill between truncating and writing the file would leave it empty
+        with open(progress + ".tmp", "w") as f:
             f.write(f"{step}\n")
+        os.replace(progress + ".tmp", progress)
     coll = NoisyCollate()
     source = SoakSource(ROWS, seed=soak_cfg().seed, first_step=resume_step(out) if resume else 0, on_step=report)
     if kill:
