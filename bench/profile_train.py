@@ -60,10 +60,11 @@ def part_of(full_name: str) -> str:
 DEMO_SIZES = {"vqa": [300, 8], "ocr": [150, 8], "grounding": [300, 8]}  # [train, held-out] without --data
 
 
-def setup_demo(data_dir, work, composite_attention=False):
+def setup_demo(data_dir, work, composite_attention=False, with_trainer=False):
     """step() = one `Trainer.train_step` of the demo's multitask stage (row draw, collate, compiled step);
     `composite_attention`: the attention's C++ kernels dropped first (ops/attention.py: SegmentBias,
-    CoreAttention, SwapHeads run their composite ops, k/v repeated), for an A/B of the same tree."""
+    CoreAttention, SwapHeads run their composite ops, k/v repeated), for an A/B of the same tree;
+    `with_trainer`: the stage's Trainer as a third value (an A/B of its parts, bench/ab_collate_ahead.py)."""
     import mindspore as ms
 
     from mindvl_ms.models.mindvl import MindVLModel
@@ -97,7 +98,7 @@ def setup_demo(data_dir, work, composite_attention=False):
         rec = trainer.train_step()
         trainer.step += 1
         state.update(loss=rec["loss"], tokens=rec["tokens"])
-    return step, state
+    return (step, state, trainer) if with_trainer else (step, state)
 
 
 def main():

@@ -8,11 +8,14 @@ same stream and the same state, so a single `state_dict()` ({epoch, pos}) resume
 single process with more accumulation sees exactly the rows that data-parallel ranks see.
 
 Any object with `rows_per_epoch`, `next_global_batch(n)`, `state_dict()` and
-`load_state_dict(d)` can be passed to `run_training` through `data_factory`.
+`load_state_dict(d)` can be passed to `run_training` through `data_factory`. One that also has
+`peek_global_batch(n)` (the next batch, position unchanged) gets its next batch collated on a thread
+while the current step runs (`CollateAhead`).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,6 +54,15 @@ class RowSource:
                 self.epoch, self.pos, self._order = self.epoch + 1, 0, None
         return out
 
+    def peek_global_batch(self, n: int) -> List[Sequence[Dict[str, Any]]]:
+        """The rows `next_global_batch(n)` returns next, without moving the position (RowSource's own
+        draw: a subclass's side effects on drawing do not run)."""
+        saved = self.epoch, self.pos, self._order
+        try:
+            return RowSource.next_global_batch(self, n)
+        finally:
+            self.epoch, self.pos, self._order = saved
+
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "pos": self.pos, "rows": len(self.rows), "seed": self.seed}
 
@@ -59,6 +71,53 @@ class RowSource:
             raise ValueError(f"data state is for {d['rows']} rows, this source has {len(self.rows)}: "
                              "resuming on different data would not continue the same run")
         self.epoch, self.pos, self._order = int(d["epoch"]), int(d["pos"]), None
+
+
+class CollateAhead:
+    """Collates the rows of the next step on one background thread while the current step runs.
+
+    Collation (image decode, patches, tokens, position ids) is host work that otherwise sits between two
+    compiled steps. `ahead(rows)` starts collating rows that the source has not handed out yet (its
+    `peek_global_batch`); `take(rows)` returns the collated micro-batches of the rows actually drawn: the
+    thread's result when they are the same row objects, else a collation done here. The source's position
+    only moves in the draw, so checkpoints and resume see what they see without this. Collation runs on one
+    thread at a time and in draw order, so a collate that uses the global RNGs draws the same numbers.
+    """
+
+    def __init__(self, collate: Callable[[List], List[Dict[str, np.ndarray]]]):
+        self.collate = collate
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Tuple[List, Future]] = None
+
+    def ahead(self, rows: List) -> None:
+        """Start collating `rows` (the next step's, not drawn yet) on the thread."""
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mindvl-collate")
+        self._pending = (rows, self._pool.submit(self.collate, rows))
+
+    def take(self, rows: List) -> List[Dict[str, np.ndarray]]:
+        """The collated micro-batches of `rows` (this step's, drawn): an error of the thread's collation
+        is raised here, at the step that needs the batch."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            ahead, fut = pending
+            if len(ahead) == len(rows) and all(a is b for a, b in zip(ahead, rows)):
+                return fut.result()
+            fut.exception()  # another batch was drawn (a subclass's draw): the thread's work is dropped
+        return self.collate(rows)
+
+    def wait(self) -> None:
+        """Let a started collation finish and drop it (stage end, error): nothing runs on after."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].exception()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def rank_slice(global_rows: List, rank: int, world: int) -> List:

@@ -64,7 +64,7 @@ from mindvl_ms.data.skiplog import SkipGuard, fingerprint_diff, stage_fingerprin
 from mindvl_ms.data.vocab_subset import follow_vocab_subset
 from mindvl_ms.parallel.moe import set_moe_seq_length
 from mindvl_ms.parallel.runtime import HostAllReduce, gather_json, setup
-from mindvl_ms.train.batches import micro_batches, rank_slice
+from mindvl_ms.train.batches import CollateAhead, micro_batches, rank_slice
 from mindvl_ms.train.build import (build_model, checkpoint_model_config, default_collate, default_data_factory,
                                    prepare_model, processor_writer)
 from mindvl_ms.train.callbacks import (MetricsLog, ProgressBar, device_peak, param_counts, plot_stage, soc_version,
@@ -141,6 +141,8 @@ class Trainer:
         log.info("stage %s: %d steps, %d micro-batches x %d rows per rank, %d trainable tensors",
                  stage.name, self.total, self.accum, stage.micro_batch_size, len(self.params))
         self.write_processor = processor_writer(self.run_cfg, stage, chain.model)
+        self.ahead = CollateAhead(lambda rows: [chain.collate(r, stage)
+                                                for r in micro_batches(rows, stage.micro_batch_size)])
 
     # -- set-up ----------------------------------------------------------------------------------
     def _make_source(self):
@@ -232,8 +234,16 @@ class Trainer:
                 return source.next_micro_batches(self.accum)
             except RuntimeError as e:  # no batch in a whole epoch: say why, no traceback
                 raise TrainingStopped(self.guard.no_data_message(getattr(source, "loader", source), e)) from None
-        local = rank_slice(source.next_global_batch(self.stage.global_batch_size), self.dist.dp_rank, self.dist.dp)
-        return [self.chain.collate(rows, self.stage) for rows in micro_batches(local, self.stage.micro_batch_size)]
+        return self.ahead.take(rank_slice(source.next_global_batch(self.stage.global_batch_size), self.dist.dp_rank,
+                                          self.dist.dp))
+
+    def _collate_next(self) -> None:
+        """The next step's rows collated while this step runs (`CollateAhead`); not when the source cannot
+        show them without drawing, at the stage's end, nor before a checkpoint (it records the global RNGs)."""
+        nxt, every = self.step + 1, self.stage.save_every
+        if hasattr(self.source, "peek_global_batch") and nxt < self.total and not (every and nxt % every == 0):
+            self.ahead.ahead(rank_slice(self.source.peek_global_batch(self.stage.global_batch_size),
+                                        self.dist.dp_rank, self.dist.dp))
 
     def _supervised(self, mbs: List[Dict[str, np.ndarray]]) -> bool:
         """False when the global batch has no supervised token (never stepped: weight decay alone would
@@ -265,6 +275,8 @@ class Trainer:
         mbs = self._draw()
         if mbs is not None and not self._supervised(mbs):
             return None
+        if mbs is not None:
+            self._collate_next()
         lr = self.sched(self.step)
         n_compiled = self.engine.compiles
         res, extra = self.driver.step(self.step, lr) if self.driver is not None else (self.engine.run(mbs, lr), {})
@@ -306,6 +318,7 @@ class Trainer:
                 if self.step < self.total and self.stage.save_every and self.step % self.stage.save_every == 0:
                     self.save(self.step, False)
         finally:
+            self.ahead.close()
             bar.close()
             self.chain.metrics.close()  # report_to writers: flushed and closed at stage end, also on an error
         return self._report(self.save(self.total, True))

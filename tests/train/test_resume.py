@@ -117,3 +117,53 @@ def test_resume_rejects_incomplete_checkpoint(tmp_path):
         ts.find_latest(str(d))
     with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
         ts.find_latest(str(tmp_path))
+
+
+class _Drawn:
+    """A RowSource seen through the four methods a source must have (no `peek_global_batch`): the trainer
+    collates each batch after drawing it, on its own thread."""
+
+    def __init__(self, source):
+        self.source, self.rows_per_epoch = source, source.rows_per_epoch
+
+    def next_global_batch(self, n):
+        return self.source.next_global_batch(n)
+
+    def state_dict(self):
+        return self.source.state_dict()
+
+    def load_state_dict(self, d):
+        self.source.load_state_dict(d)
+
+
+def test_collating_ahead_on_a_thread_changes_no_value(tmp_path):
+    """With a RowSource the next step's rows are collated on a thread while a step runs (batches.CollateAhead),
+    except before a checkpoint, which records the global RNGs: here steps 1, 3 and 5 (save_every 2). A collate
+    that draws pixel noise from the global RNGs gives the same losses and checkpoints (weights, optimizer, RNG and
+    data states) as collating after each draw."""
+    import random
+    import threading
+
+    def noisy(threads):
+        def coll(rows, stage):
+            threads.append(threading.current_thread() is threading.main_thread())
+            arrays = collate(rows, stage)
+            arrays["pixel_values"] += random.uniform(0.05, 0.15) * np.random.standard_normal(
+                arrays["pixel_values"].shape).astype(np.float32)
+            return arrays
+        return coll
+
+    runs = {}
+    for name, fac in (("ahead", factory), ("after", lambda rc, st, i, d: _Drawn(RowSource(ROWS, seed=rc.seed)))):
+        threads, out = [], str(tmp_path / name)
+        run_training(run_cfg(keep_last=3), out, model=model(new=False), data_factory=fac, collate=noisy(threads),
+                     progress=False)
+        runs[name] = out, threads
+    assert runs["ahead"][1] == [True, True, False, False] * 3  # steps 0, 2, 4 here, 1, 3, 5 on the thread
+    assert all(runs["after"][1])
+    assert losses(runs["ahead"][0]) == losses(runs["after"][0])
+    for step in (2, 4, 6):
+        a, b = (ts.load_checkpoint(os.path.join(runs[n][0], "sft", f"checkpoint-{step:06d}")) for n in runs)
+        assert a[0]["data"] == b[0]["data"] and a[0]["rng"] == b[0]["rng"]
+        assert a[1].keys() == b[1].keys() and all(np.array_equal(a[1][k].data, b[1][k].data) for k in a[1])
+        assert a[2].keys() == b[2].keys() and all(np.array_equal(a[2][k], b[2][k]) for k in a[2])
