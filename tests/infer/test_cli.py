@@ -88,7 +88,9 @@ def test_model_command_freezes_the_imported_objects_once(small_ckpt, capsys):
         frozen = gc.get_freeze_count()
         assert frozen > 0
         assert main(argv) == 2
-        assert gc.get_freeze_count() == frozen
+        # nothing more frozen; the count may drop: a frozen object freed meanwhile (another thread's, such as
+        # pytest-xdist's messages to the controller) leaves the permanent generation
+        assert gc.get_freeze_count() <= frozen
     finally:
         freeze_imported_objects()  # the session's objects frozen again (a no-op when the commands froze them)
     assert "exceeds the model's context" in capsys.readouterr().err
