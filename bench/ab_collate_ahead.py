@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--data", default=None, help="a demo run's OUT/data (default: a small set)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        step, _, trainer = setup_demo(args.data, d, with_trainer=True)
+        step, _, trainer = setup_demo(args.data, d)
         ahead = trainer._collate_next
         for _ in range(5):  # compile and warm up
             step()

@@ -60,11 +60,12 @@ def part_of(full_name: str) -> str:
 DEMO_SIZES = {"vqa": [300, 8], "ocr": [150, 8], "grounding": [300, 8]}  # [train, held-out] without --data
 
 
-def setup_demo(data_dir, work, composite_attention=False, with_trainer=False):
-    """step() = one `Trainer.train_step` of the demo's multitask stage (row draw, collate, compiled step);
+def setup_demo(data_dir, work, composite_attention=False):
+    """(step, state, trainer): step() = one `Trainer.train_step` of the demo's multitask stage (row draw, collate,
+    compiled step), state its last loss and tokens, trainer the stage's Trainer (an A/B of its parts:
+    bench/ab_collate_ahead.py);
     `composite_attention`: the attention's C++ kernels dropped first (ops/attention.py: SegmentBias,
-    CoreAttention, SwapHeads run their composite ops, k/v repeated), for an A/B of the same tree;
-    `with_trainer`: the stage's Trainer as a third value (an A/B of its parts, bench/ab_collate_ahead.py)."""
+    CoreAttention, SwapHeads run their composite ops, k/v repeated), for an A/B of the same tree."""
     import mindspore as ms
 
     from mindvl_ms.models.mindvl import MindVLModel
@@ -98,7 +99,7 @@ def setup_demo(data_dir, work, composite_attention=False, with_trainer=False):
         rec = trainer.train_step()
         trainer.step += 1
         state.update(loss=rec["loss"], tokens=rec["tokens"])
-    return (step, state, trainer) if with_trainer else (step, state)
+    return step, state, trainer
 
 
 def main():
@@ -124,7 +125,7 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="mindvl_profile_")
     with tempfile.TemporaryDirectory() as d:
         if args.config == "demo":
-            step, state = setup_demo(args.data, d, args.composite_attention)
+            step, state, _ = setup_demo(args.data, d, args.composite_attention)
         else:
             build_hf(args.config, vocab=151936).save_pretrained(d)
             step, state, _ = setup_ms(d, args.rows)

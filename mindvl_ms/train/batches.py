@@ -99,12 +99,12 @@ class CollateAhead:
     def take(self, rows: List) -> List[Dict[str, np.ndarray]]:
         """The collated micro-batches of `rows` (this step's, drawn): an error of the thread's collation
         is raised here, at the step that needs the batch."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            ahead, fut = pending
+        if self._pending is not None:
+            ahead, fut = self._pending
             if len(ahead) == len(rows) and all(a is b for a, b in zip(ahead, rows)):
+                self._pending = None
                 return fut.result()
-            fut.exception()  # another batch was drawn (a subclass's draw): the thread's work is dropped
+        self.wait()  # nothing started, or another batch was drawn (a subclass's draw): the thread's work dropped
         return self.collate(rows)
 
     def wait(self) -> None:
