@@ -4,7 +4,7 @@
 # /tmp/mindvl_research). Runs are cached by the code's source hash and the resolved config
 # (research/common.py), so the bases of seeds 0 1 2 are trained once and shared, and a changed code or
 # config retrains.
-#   bash research/run_all.sh                 # all six, 3 seeds per arm: budget 90 min on 2 cores (README.md)
+#   bash research/run_all.sh                 # all seven, 3 seeds per arm: budget 90 min on 2 cores (README.md)
 #   bash research/run_all.sh packing         # only some of them
 #   SMOKE=1 bash research/run_all.sh         # every experiment's --smoke (one seed, a few steps; results
 #                                            # under $RESEARCH_OUT/smoke, nothing committed is touched)
@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
-EXPS=${*:-merge_vs_sft resolution_search balanced_loss grounding_share packing easy_vqa_reference}
+EXPS=${*:-merge_vs_sft resolution_search balanced_loss grounding_share packing easy_vqa_reference shape_views}
 FLAGS=()
 [[ -n "${SMOKE:-}" ]] && FLAGS=(--smoke)
 t0=$(date +%s)
