@@ -1,19 +1,23 @@
-"""(g) How many image views the demo's ViT needs to name easy-VQA's shape when the shape is its only task:
-a reference for the demo's shape target (docs/DEMO.md, "Shape needs many image views").
+"""(g) How many image views the demo's ViT needs to name easy-VQA's shape: trained on the shape alone, and
+through the path the demo's answer takes. A reference for the demo's shape target (docs/DEMO.md, "Shape
+needs many image views").
 
     python research/shape_views/run.py [--seeds 0 1 2] [--views 30000] [--smoke]
 
-The demo scores shape naming at 45-53% after ~19,100 shape-question views (docs/DEMO.md). This asks whether
-the vision tower's size is the limit: a torch ViT with the demo ViT's dimensions (configs/model/tiny.yaml
-`vision`: 2 pre-norm blocks, hidden 64, 4 heads, gated SiLU MLP of 128; one learned position per patch in
-place of the demo's row/column table and 2D RoPE) reads each easy-VQA image as the demo does (the
-project's `data.image.patchify` at the demo's 12,544 pixels: 64 patches of 1,176 values), averages its
-output over the patches and names the shape (circle, rectangle, triangle) through one linear layer. No LLM,
-no question: the shape's cross entropy reaches the ViT directly. AdamW (weight decay 0.1), batches of 32
-images drawn with replacement from the 3,542 train images whose questions name both colour and shape
-(`recipes/demo/vqa_data.image_attributes`, the images the demo's `vqa_describe` uses), at the demo ViT's
-LR (4e-3: multitask 2e-3 x `lr_coefficients: {vision: 2.0}`) and at 1e-3. Every 2,000 views: accuracy on
-the 880 test images with both attributes. torch on one CPU thread per process, two processes at once.
+The demo names the shape 45-53% right after ~19,100 shape-question views (docs/DEMO.md). Is the vision
+tower's size the limit, or the way its signal reaches it? Every arm reads each easy-VQA image as the demo
+does (the project's `data.image.patchify` at the demo's 12,544 pixels: 64 patches of 1,176 values) into a
+torch ViT of the demo ViT's dimensions (configs/model/tiny.yaml `vision`: 2 pre-norm blocks, hidden 64, 4
+heads, gated SiLU MLP of 128; one learned position per patch in place of the demo's row/column table and
+2D RoPE), and names the shape (circle, rectangle, triangle) with a 3-way linear layer (`ARMS`):
+- mean pool: the ViT's output averaged over the patches; the shape's cross entropy reaches the ViT
+  directly. At the demo ViT's LR (4e-3: multitask 2e-3 x `lr_coefficients: {vision: 2.0}`) and at 1e-3.
+- merger + decoder: the demo's path without the words. The 2x2 patch merger to the LLM width (16
+  tokens), one learned question token after them, 4 causal blocks of the demo LLM's size (width 128, 4
+  heads, MLP 384), the layer at the last position. The ViT at 4e-3, the rest at 2e-3, as the demo.
+AdamW (weight decay 0.1), batches of 32 images drawn with replacement from the 3,542 train images whose
+questions name both colour and shape (`recipes/demo/vqa_data.image_attributes`). Every 2,000 views:
+accuracy on the 880 test images with both attributes. torch, one CPU thread per process, two at once.
 Writes results.json and results.md here.
 """
 import os
@@ -32,7 +36,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EVERY = 2000
 VIEWS = 30000
 SMOKE_VIEWS = 2000
-LRS = (4e-3, 1e-3)
+# arm -> the answer's path and the LR (the ViT's; the rest at half of it, as the demo's multitask stage:
+# 2e-3 with `lr_coefficients: {vision: 2.0}`)
+ARMS = {
+    "ViT, mean pool, LR 4e-3": {"llm": False, "lr": 4e-3},
+    "ViT, mean pool, LR 1e-3": {"llm": False, "lr": 1e-3},
+    "ViT, merger, 4-layer decoder, LR 4e-3": {"llm": True, "lr": 4e-3},
+}
 DEMO_PIXELS = 12544  # configs/demo/full.yaml data.image: every image at 112x112
 
 
@@ -50,9 +60,8 @@ def load(split):
     return x, np.array([VQA_SHAPES.index(attrs[k][1]) for k in keys], np.int64)
 
 
-def vit(n_patches, patch_dim, hidden=64, heads=4, ffn=128, depth=2):
-    """The probe's model: patch embedding + learned positions, `depth` pre-norm blocks, mean pool, 3 logits."""
-    import torch
+def block(hidden, heads, ffn, causal):
+    """A pre-norm transformer block (RMSNorm, attention, gated SiLU MLP), as the demo's ViT and LLM blocks."""
     from torch import nn
     from torch.nn import functional as F
 
@@ -66,28 +75,56 @@ def vit(n_patches, patch_dim, hidden=64, heads=4, ffn=128, depth=2):
         def forward(self, x):  # [B, N, E]
             b, n, e = x.shape
             q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, heads, e // heads).permute(2, 0, 3, 1, 4)
-            x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, e))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            x = x + self.proj(out.transpose(1, 2).reshape(b, n, e))
             y = self.norm2(x)
             return x + self.down(F.silu(self.gate(y)) * self.up(y))
 
-    class ViT(nn.Module):
+    return Block()
+
+
+def model(arm, n_patches, patch_dim):
+    """The probe's model for `arm` (ARMS): the demo ViT's dimensions (patch embedding + learned positions,
+    2 blocks of hidden 64, 4 heads, MLP 128), then either the mean over patches and a 3-way linear layer, or
+    the path the demo's answer takes: the 2x2 patch merger to width 128 (RMSNorm, Linear-GELU-Linear), one
+    learned question token after the image's tokens, 4 causal blocks of the demo LLM's width (128, 4 heads,
+    MLP 384; configs/demo/full.yaml), a 3-way linear layer at the last position."""
+    import torch
+    from torch import nn
+
+    class Probe(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Linear(patch_dim, hidden)
-            self.pos = nn.Parameter(torch.randn(n_patches, hidden) * 0.02)
-            self.blocks = nn.ModuleList(Block() for _ in range(depth))
-            self.head = nn.Linear(hidden, len(VQA_SHAPES))
+            self.embed = nn.Linear(patch_dim, 64)
+            self.pos = nn.Parameter(torch.randn(n_patches, 64) * 0.02)
+            self.blocks = nn.ModuleList(block(64, 4, 128, causal=False) for _ in range(2))
+            self.llm = ARMS[arm]["llm"]
+            width = 128 if self.llm else 64
+            if self.llm:
+                self.merge_norm = nn.RMSNorm(64, eps=1e-6)
+                self.merger = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128))
+                self.question = nn.Parameter(torch.randn(1, 1, 128) * 0.02)
+                self.text_pos = nn.Parameter(torch.randn(n_patches // 4 + 1, 128) * 0.02)
+                self.layers = nn.ModuleList(block(128, 4, 384, causal=True) for _ in range(4))
+                self.norm = nn.RMSNorm(128, eps=1e-6)
+            self.head = nn.Linear(width, len(VQA_SHAPES))
 
         def forward(self, x):  # [B, N, 1176] -> [B, 3]
             h = self.embed(x) + self.pos
-            for block in self.blocks:
-                h = block(h)
-            return self.head(h.mean(1))
+            for b in self.blocks:
+                h = b(h)
+            if not self.llm:
+                return self.head(h.mean(1))
+            img = self.merger(self.merge_norm(h).reshape(h.shape[0], -1, 256))  # [B, N/4, 128]: 2x2 units in order
+            t = torch.cat([img, self.question.expand(h.shape[0], 1, 128)], 1) + self.text_pos
+            for layer in self.layers:
+                t = layer(t)
+            return self.head(self.norm(t[:, -1]))
 
-    return ViT()
+    return Probe()
 
 
-def train(seed, lr, views, data):
+def train(arm, seed, views, data):
     """Test accuracy every EVERY image views: [{"views", "acc"}]."""
     import torch
     from torch.nn import functional as F
@@ -96,21 +133,26 @@ def train(seed, lr, views, data):
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     (x_tr, y_tr), (x_te, y_te) = [(torch.tensor(x), torch.tensor(y)) for x, y in data]
-    model = vit(x_tr.shape[1], x_tr.shape[2])
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    net = model(arm, x_tr.shape[1], x_tr.shape[2])
+    lr = ARMS[arm]["lr"]
+    vision = [p for n, p in net.named_parameters() if n.split(".")[0] in ("embed", "pos", "blocks")]
+    rest = [p for n, p in net.named_parameters() if n.split(".")[0] not in ("embed", "pos", "blocks")]
+    groups = [{"params": vision, "lr": lr}] + ([{"params": rest, "lr": lr / 2}] if ARMS[arm]["llm"] else
+                                               [{"params": rest, "lr": lr}])
+    opt = torch.optim.AdamW(groups, weight_decay=0.1)
     curve, seen, t0 = [], 0, time.time()
     while seen < views:
         idx = torch.tensor(rng.integers(0, len(y_tr), 32))
-        loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
+        loss = F.cross_entropy(net(x_tr[idx]), y_tr[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
         seen += 32
         if seen // EVERY != (seen - 32) // EVERY:
             with torch.no_grad():
-                acc = float((model(x_te).argmax(-1) == y_te).float().mean())
+                acc = float((net(x_te).argmax(-1) == y_te).float().mean())
             curve.append({"views": seen, "acc": acc})
-            print(f"lr {lr:g} seed {seed} views {seen:6d} shape {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"{arm} seed {seed} views {seen:6d} shape {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
     return curve
 
 
@@ -124,16 +166,16 @@ def at(curve, views):
 
 
 def table(runs, seeds, views, prior):
-    """Per LR: accuracy at 6,000 / 10,000 / 20,000 views and at the end, views to 75% and 90% (mean ± sd)."""
+    """Per arm: accuracy at 6,000 / 10,000 / 20,000 views and at the end, views to 75% and 90% (mean ± sd)."""
     marks = [m for m in (6000, 10000, 20000) if m < views]
     rows = []
-    for lr in LRS:
-        curves = [runs[(lr, s)] for s in seeds]
+    for arm in ARMS:
+        curves = [runs[(arm, s)] for s in seeds]
         reach = [[first(c, level) for c in curves] for level in (0.75, 0.9)]
-        rows.append([f"{lr:g}", *(common.fmt([at(c, m) for c in curves]) for m in marks),
+        rows.append([arm, *(common.fmt([at(c, m) for c in curves]) for m in marks),
                      common.fmt([c[-1]["acc"] for c in curves]),
                      *(common.fmt(r, 1, 0) if all(r) else f"{sum(map(bool, r))} of {len(r)} seeds" for r in reach)])
-    head = ["ViT LR", *(f"at {m:,} views" for m in marks), f"at {views:,}", "views to 75%", "views to 90%"]
+    head = ["arm", *(f"at {m:,} views" for m in marks), f"at {views:,}", "views to 75%", "views to 90%"]
     return (common.md_table(head, rows)
             + f"\n\nshape accuracy (%) on easy-VQA's 880 test images with both attributes named (most frequent "
               f"shape: {100 * prior:.1f}%), mean ± sd over seeds {list(seeds)}; 'views to' = the first evaluation "
@@ -150,13 +192,13 @@ def main():
     views = args.views or (SMOKE_VIEWS if args.smoke else VIEWS)
     data = (load("train"), load("test"))
     prior = float(np.bincount(data[1][1]).max() / len(data[1][1]))
-    jobs = [(lr, s) for lr in LRS for s in args.seeds]
+    jobs = [(arm, s) for arm in ARMS for s in args.seeds]
     with ProcessPoolExecutor(min(len(jobs), 2), mp_context=get_context("spawn")) as pool:
-        curves = list(pool.map(train, [s for _, s in jobs], [lr for lr, _ in jobs], [views] * len(jobs),
+        curves = list(pool.map(train, [a for a, _ in jobs], [s for _, s in jobs], [views] * len(jobs),
                                [data] * len(jobs)))
     runs = dict(zip(jobs, curves))
-    common.save(HERE, {"views": views, "seeds": args.seeds, "every": EVERY, "prior": prior,
-                       "curves": {f"lr {lr:g} seed {s}": c for (lr, s), c in runs.items()}},
+    common.save(HERE, {"views": views, "seeds": args.seeds, "every": EVERY, "prior": prior, "arms": ARMS,
+                       "curves": {f"{arm}, seed {s}": c for (arm, s), c in runs.items()}},
                 table(runs, args.seeds, views, prior))
 
 

@@ -17,12 +17,13 @@ def test_images_are_the_demos_64_patches_and_labels_are_its_shapes():
 def test_table_reads_the_curves():
     curve = lambda accs: [{"views": 2000 * (i + 1), "acc": a} for i, a in enumerate(accs)]  # noqa: E731
     runs = {}
-    for lr in shape_views.LRS:
-        runs[(lr, 0)] = curve([0.4, 0.5, 0.8, 0.92, 0.95])   # 75% at 6,000 views, 90% at 8,000
-        runs[(lr, 1)] = curve([0.4, 0.6, 0.7, 0.78, 0.85])   # 75% at 8,000, never 90%
+    for arm in shape_views.ARMS:
+        runs[(arm, 0)] = curve([0.4, 0.5, 0.8, 0.92, 0.95])   # 75% at 6,000 views, 90% at 8,000
+        runs[(arm, 1)] = curve([0.4, 0.6, 0.7, 0.78, 0.85])   # 75% at 8,000, never 90%
     text = shape_views.table(runs, (0, 1), 10000, 0.352)
     lines = text.splitlines()
-    assert lines[0] == "| ViT LR | at 6,000 views | at 10,000 | views to 75% | views to 90% |"
+    assert lines[0] == "| arm | at 6,000 views | at 10,000 | views to 75% | views to 90% |"
     # at 6,000: 0.8 and 0.7 -> 75.0 ± 7.1; at 10,000: 0.95 and 0.85 -> 90.0 ± 7.1; 75% at 6,000 and 8,000
-    assert lines[2] == "| 0.004 | 75.0 ± 7.1 | 90.0 ± 7.1 | 7000 ± 1414 | 1 of 2 seeds |"
+    assert lines[2] == "| ViT, mean pool, LR 4e-3 | 75.0 ± 7.1 | 90.0 ± 7.1 | 7000 ± 1414 | 1 of 2 seeds |"
+    assert len(lines) == 2 + len(shape_views.ARMS) + 2
     assert "most frequent shape: 35.2%" in text
