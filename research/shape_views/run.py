@@ -2,19 +2,21 @@
 through the path the demo's answer takes. A reference for the demo's shape target (docs/DEMO.md, "Shape
 needs many image views").
 
-    python research/shape_views/run.py [--seeds 0 1 2] [--views 30000] [--smoke]
+    python research/shape_views/run.py [--seeds 0 1 2] [--views 24000] [--smoke]
 
 The demo names the shape 45-53% right after ~19,100 shape-question views (docs/DEMO.md). Is the vision
 tower's size the limit, or the way its signal reaches it? Every arm reads each easy-VQA image as the demo
 does (the project's `data.image.patchify` at the demo's 12,544 pixels: 64 patches of 1,176 values) into a
 torch ViT of the demo ViT's dimensions (configs/model/tiny.yaml `vision`: 2 pre-norm blocks, hidden 64, 4
 heads, gated SiLU MLP of 128; one learned position per patch in place of the demo's row/column table and
-2D RoPE), and names the shape (circle, rectangle, triangle) with a 3-way linear layer (`ARMS`):
-- mean pool: the ViT's output averaged over the patches; the shape's cross entropy reaches the ViT
-  directly. At the demo ViT's LR (4e-3: multitask 2e-3 x `lr_coefficients: {vision: 2.0}`) and at 1e-3.
-- merger + decoder: the demo's path without the words. The 2x2 patch merger to the LLM width (16
-  tokens), one learned question token after them, 4 causal blocks of the demo LLM's size (width 128, 4
-  heads, MLP 384), the layer at the last position. The ViT at 4e-3, the rest at 2e-3, as the demo.
+2D RoPE), and names the shape (circle, rectangle, triangle) with a 3-way linear layer. The arms (`ARMS`)
+differ in what sits between the two (`model`) and in the LRs:
+- mean pool: the ViT's output averaged over the patches, so the shape's loss reaches the ViT directly; at
+  the demo ViT's LR (4e-3: multitask 2e-3 x `lr_coefficients: {vision: 2.0}`) and at 1e-3;
+- merger: the demo's 2x2 patch merger to the LLM width (16 tokens), averaged;
+- decoder: the demo's path without the words: the merger's 16 tokens, one learned question token after
+  them, 1 or 4 causal blocks of the demo LLM's size (width 128, 4 heads, MLP 384), the last position.
+  Beyond the ViT, 2e-3 (the demo's) or 4e-3.
 AdamW (weight decay 0.1), batches of 32 images drawn with replacement from the 3,542 train images whose
 questions name both colour and shape (`recipes/demo/vqa_data.image_attributes`). Every 2,000 views:
 accuracy on the 880 test images with both attributes. torch, one CPU thread per process, two at once.
@@ -34,14 +36,17 @@ from mindvl_ms.recipes.demo.vqa_data import VQA_SHAPES, image_attributes  # noqa
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EVERY = 2000
-VIEWS = 30000
+VIEWS = 24000
 SMOKE_VIEWS = 2000
 # arm -> the answer's path and the LR (the ViT's; the rest at half of it, as the demo's multitask stage:
 # 2e-3 with `lr_coefficients: {vision: 2.0}`)
 ARMS = {
-    "ViT, mean pool, LR 4e-3": {"llm": False, "lr": 4e-3},
-    "ViT, mean pool, LR 1e-3": {"llm": False, "lr": 1e-3},
-    "ViT, merger, 4-layer decoder, LR 4e-3": {"llm": True, "lr": 4e-3},
+    "mean pool, LR 4e-3": {"path": "mean", "lr": 4e-3, "rest_lr": 4e-3},
+    "mean pool, LR 1e-3": {"path": "mean", "lr": 1e-3, "rest_lr": 1e-3},
+    "merger, mean": {"path": "merger", "lr": 4e-3, "rest_lr": 2e-3},
+    "merger, 1-layer decoder": {"path": "decoder", "layers": 1, "lr": 4e-3, "rest_lr": 2e-3},
+    "merger, 4-layer decoder": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 2e-3},
+    "merger, 4-layer decoder, rest at 4e-3": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 4e-3},
 }
 DEMO_PIXELS = 12544  # configs/demo/full.yaml data.image: every image at 112x112
 
@@ -85,12 +90,15 @@ def block(hidden, heads, ffn, causal):
 
 def model(arm, n_patches, patch_dim):
     """The probe's model for `arm` (ARMS): the demo ViT's dimensions (patch embedding + learned positions,
-    2 blocks of hidden 64, 4 heads, MLP 128), then either the mean over patches and a 3-way linear layer, or
-    the path the demo's answer takes: the 2x2 patch merger to width 128 (RMSNorm, Linear-GELU-Linear), one
-    learned question token after the image's tokens, 4 causal blocks of the demo LLM's width (128, 4 heads,
-    MLP 384; configs/demo/full.yaml), a 3-way linear layer at the last position."""
+    2 blocks of hidden 64, 4 heads, MLP 128), then the arm's path to a 3-way linear layer:
+    - "mean": the mean over patches;
+    - "merger": the 2x2 patch merger to width 128 (RMSNorm, Linear-GELU-Linear: 16 tokens), their mean;
+    - "decoder": the merger's 16 tokens, one learned question token after them, `layers` causal blocks of
+      the demo LLM's size (width 128, 4 heads, MLP 384; configs/demo/full.yaml), the last position."""
     import torch
     from torch import nn
+
+    spec = ARMS[arm]
 
     class Probe(nn.Module):
         def __init__(self):
@@ -98,24 +106,26 @@ def model(arm, n_patches, patch_dim):
             self.embed = nn.Linear(patch_dim, 64)
             self.pos = nn.Parameter(torch.randn(n_patches, 64) * 0.02)
             self.blocks = nn.ModuleList(block(64, 4, 128, causal=False) for _ in range(2))
-            self.llm = ARMS[arm]["llm"]
-            width = 128 if self.llm else 64
-            if self.llm:
+            self.path = spec["path"]
+            if self.path != "mean":
                 self.merge_norm = nn.RMSNorm(64, eps=1e-6)
                 self.merger = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 128))
+            if self.path == "decoder":
                 self.question = nn.Parameter(torch.randn(1, 1, 128) * 0.02)
                 self.text_pos = nn.Parameter(torch.randn(n_patches // 4 + 1, 128) * 0.02)
-                self.layers = nn.ModuleList(block(128, 4, 384, causal=True) for _ in range(4))
+                self.layers = nn.ModuleList(block(128, 4, 384, causal=True) for _ in range(spec["layers"]))
                 self.norm = nn.RMSNorm(128, eps=1e-6)
-            self.head = nn.Linear(width, len(VQA_SHAPES))
+            self.head = nn.Linear(64 if self.path == "mean" else 128, len(VQA_SHAPES))
 
         def forward(self, x):  # [B, N, 1176] -> [B, 3]
             h = self.embed(x) + self.pos
             for b in self.blocks:
                 h = b(h)
-            if not self.llm:
+            if self.path == "mean":
                 return self.head(h.mean(1))
             img = self.merger(self.merge_norm(h).reshape(h.shape[0], -1, 256))  # [B, N/4, 128]: 2x2 units in order
+            if self.path == "merger":
+                return self.head(img.mean(1))
             t = torch.cat([img, self.question.expand(h.shape[0], 1, 128)], 1) + self.text_pos
             for layer in self.layers:
                 t = layer(t)
@@ -134,12 +144,10 @@ def train(arm, seed, views, data):
     rng = np.random.default_rng(seed)
     (x_tr, y_tr), (x_te, y_te) = [(torch.tensor(x), torch.tensor(y)) for x, y in data]
     net = model(arm, x_tr.shape[1], x_tr.shape[2])
-    lr = ARMS[arm]["lr"]
     vision = [p for n, p in net.named_parameters() if n.split(".")[0] in ("embed", "pos", "blocks")]
     rest = [p for n, p in net.named_parameters() if n.split(".")[0] not in ("embed", "pos", "blocks")]
-    groups = [{"params": vision, "lr": lr}] + ([{"params": rest, "lr": lr / 2}] if ARMS[arm]["llm"] else
-                                               [{"params": rest, "lr": lr}])
-    opt = torch.optim.AdamW(groups, weight_decay=0.1)
+    opt = torch.optim.AdamW([{"params": vision, "lr": ARMS[arm]["lr"]}, {"params": rest, "lr": ARMS[arm]["rest_lr"]}],
+                            weight_decay=0.1)
     curve, seen, t0 = [], 0, time.time()
     while seen < views:
         idx = torch.tensor(rng.integers(0, len(y_tr), 32))

@@ -24,6 +24,21 @@ def test_table_reads_the_curves():
     lines = text.splitlines()
     assert lines[0] == "| arm | at 6,000 views | at 10,000 | views to 75% | views to 90% |"
     # at 6,000: 0.8 and 0.7 -> 75.0 ± 7.1; at 10,000: 0.95 and 0.85 -> 90.0 ± 7.1; 75% at 6,000 and 8,000
-    assert lines[2] == "| ViT, mean pool, LR 4e-3 | 75.0 ± 7.1 | 90.0 ± 7.1 | 7000 ± 1414 | 1 of 2 seeds |"
+    assert lines[2] == "| mean pool, LR 4e-3 | 75.0 ± 7.1 | 90.0 ± 7.1 | 7000 ± 1414 | 1 of 2 seeds |"
     assert len(lines) == 2 + len(shape_views.ARMS) + 2
     assert "most frequent shape: 35.2%" in text
+
+
+def test_every_arm_maps_64_patches_to_three_logits_through_its_path():
+    import torch
+
+    sizes = {}
+    for arm, spec in shape_views.ARMS.items():
+        net = shape_views.model(arm, 64, 1176)
+        assert net(torch.zeros(2, 64, 1176)).shape == (2, 3)
+        sizes[arm] = sum(p.numel() for p in net.parameters())
+        assert hasattr(net, "merger") == (spec["path"] != "mean")
+        assert len(getattr(net, "layers", [])) == spec.get("layers", 0)
+    # the ViT with its head: embed 1176x64+64, positions 64x64, 2 blocks (2 norms, qkv, proj, 3 MLP linears)
+    block = 2 * 64 + (64 * 192 + 192) + (64 * 64 + 64) + 2 * (64 * 128 + 128) + (128 * 64 + 64)
+    assert sizes["mean pool, LR 4e-3"] == 1176 * 64 + 64 + 64 * 64 + 2 * block + 64 * 3 + 3
