@@ -17,6 +17,8 @@ differ in what sits between the two (`model`) and in the LRs:
 - decoder: the demo's path without the words: the merger's 16 tokens, one learned question token after
   them, 1 or 4 causal blocks of the demo LLM's size (width 128, 4 heads, MLP 384), the last position.
   Beyond the ViT, 2e-3 (the demo's) or 4e-3.
+Linear layers start from torch's default init, or (last arm) from the project's: N(0, 0.02) weights
+(`initializer_range`), zero biases.
 AdamW (weight decay 0.1), batches of 32 images drawn with replacement from the 3,542 train images whose
 questions name both colour and shape (`recipes/demo/vqa_data.image_attributes`). Every 2,000 views:
 accuracy on the 880 test images with both attributes. torch, one CPU thread per process, two at once.
@@ -47,6 +49,8 @@ ARMS = {
     "merger, 1-layer decoder": {"path": "decoder", "layers": 1, "lr": 4e-3, "rest_lr": 2e-3},
     "merger, 4-layer decoder": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 2e-3},
     "merger, 4-layer decoder, rest at 4e-3": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 4e-3},
+    "merger, 4-layer decoder, normal(0.02) init": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 2e-3,
+                                                   "init": 0.02},
 }
 DEMO_PIXELS = 12544  # configs/demo/full.yaml data.image: every image at 112x112
 
@@ -131,7 +135,13 @@ def model(arm, n_patches, patch_dim):
                 t = layer(t)
             return self.head(self.norm(t[:, -1]))
 
-    return Probe()
+    net = Probe()
+    if spec.get("init"):  # the project's init (`initializer_range`): every linear weight N(0, std), biases 0
+        for m in net.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=spec["init"])
+                nn.init.zeros_(m.bias)
+    return net
 
 
 def train(arm, seed, views, data):
