@@ -227,6 +227,25 @@ def branch(name: str, seed: int, sets: Sequence[str] = ()) -> Dict[str, Any]:
                 base_commit=rep["commit"])
 
 
+# ---- the torch reference runs ((f), (g)) ----------------------------------------------------------------
+
+def train_views(step, evaluate, views: int, every: int, batch: int = 32) -> List[Dict[str, Any]]:
+    """Run `step()` (one optimizer step on `batch` samples) until `views` samples are seen; after the step
+    that crosses each multiple of `every`, append {"views": seen, **evaluate(seen)} to the returned curve."""
+    curve, seen = [], 0
+    while seen < views:
+        step()
+        seen += batch
+        if seen // every != (seen - batch) // every:
+            curve.append({"views": seen, **evaluate(seen)})
+    return curve
+
+
+def first_at(curve: Sequence[Dict[str, Any]], key: str, level: float) -> Optional[int]:
+    """The views of the first point of `curve` whose `key` is at or above `level`, or None."""
+    return next((p["views"] for p in curve if p[key] >= level), None)
+
+
 # ---- statistics and tables ----------------------------------------------------------------------------
 
 def mean_sd(values: Sequence[float]) -> tuple:

@@ -75,28 +75,26 @@ def train(seed, views, data):
     def logits(im, b):
         return head(cnn(im) * bow(b))
 
-    curve, seen, t0 = [], 0, time.time()
-    while seen < views:
+    t0 = time.time()
+
+    def step():
         idx = rng.integers(0, len(y_tr), 32)
         loss = nn.functional.cross_entropy(logits(im_tr[i_tr[idx]], torch.tensor(b_tr[idx])), torch.tensor(y_tr[idx]))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        seen += 32
-        if seen // EVERY != (seen - 32) // EVERY:
-            with torch.no_grad():
-                pred = torch.cat([logits(im_te[i_te[i:i + 1000]], torch.tensor(b_te[i:i + 1000])).argmax(-1)
-                                  for i in range(0, len(y_te), 1000)]).numpy()
-            ok = pred == y_te
-            point = {"views": seen, "all": float(ok.mean()), **{k: float(ok[kinds == k].mean()) for k in TYPES}}
-            curve.append(point)
-            print(f"seed {seed} views {seen:7d} " + " ".join(f"{k} {v:.3f}" for k, v in point.items() if k != "views")
-                  + f" ({time.time() - t0:.0f}s)", flush=True)
-    return curve
 
+    def evaluate(seen):
+        with torch.no_grad():
+            pred = torch.cat([logits(im_te[i_te[i:i + 1000]], torch.tensor(b_te[i:i + 1000])).argmax(-1)
+                              for i in range(0, len(y_te), 1000)]).numpy()
+        ok = pred == y_te
+        point = {"all": float(ok.mean()), **{k: float(ok[kinds == k].mean()) for k in TYPES}}
+        print(f"seed {seed} views {seen:7d} " + " ".join(f"{k} {v:.3f}" for k, v in point.items())
+              + f" ({time.time() - t0:.0f}s)", flush=True)
+        return point
 
-def first(curve, key, level):
-    return next((p["views"] for p in curve if p[key] >= level), None)
+    return common.train_views(step, evaluate, views, EVERY)
 
 
 def plot(curves):
@@ -142,9 +140,9 @@ def main():
         last = c[-1]
         rows.append([s, f"{last['views']:,}", common.pct(last["all"]), common.pct(last["yes/no"]),
                      common.pct(last["colour"]), common.pct(last["shape"]),
-                     *(f"{v:,}" if v else "never" for v in (first(c, k, 0.9) for k, _ in keys))])
+                     *(f"{v:,}" if v else "never" for v in (common.first_at(c, k, 0.9) for k, _ in keys))])
     final = {k: [c[-1][k] for c in curves.values()] for k in ("all", "yes/no", "colour", "shape")}
-    reached = {k: [first(c, k, 0.9) for c in curves.values()] for k, _ in keys}
+    reached = {k: [common.first_at(c, k, 0.9) for c in curves.values()] for k, _ in keys}
     rows.append(["mean ± sd", "", *(common.fmt(final[k]) for k in ("all", "yes/no", "colour", "shape")),
                  *(common.fmt(v, 1, 0) if all(v) else f"{sum(map(bool, v))}/{n} seeds reach 90%"
                    for v in reached.values())])

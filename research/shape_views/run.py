@@ -158,24 +158,22 @@ def train(arm, seed, views, data):
     rest = [p for n, p in net.named_parameters() if n.split(".")[0] not in ("embed", "pos", "blocks")]
     opt = torch.optim.AdamW([{"params": vision, "lr": ARMS[arm]["lr"]}, {"params": rest, "lr": ARMS[arm]["rest_lr"]}],
                             weight_decay=0.1)
-    curve, seen, t0 = [], 0, time.time()
-    while seen < views:
+    t0 = time.time()
+
+    def step():
         idx = torch.tensor(rng.integers(0, len(y_tr), 32))
         loss = F.cross_entropy(net(x_tr[idx]), y_tr[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
-        seen += 32
-        if seen // EVERY != (seen - 32) // EVERY:
-            with torch.no_grad():
-                acc = float((net(x_te).argmax(-1) == y_te).float().mean())
-            curve.append({"views": seen, "acc": acc})
-            print(f"{arm} seed {seed} views {seen:6d} shape {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
-    return curve
 
+    def evaluate(seen):
+        with torch.no_grad():
+            acc = float((net(x_te).argmax(-1) == y_te).float().mean())
+        print(f"{arm} seed {seed} views {seen:6d} shape {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
+        return {"acc": acc}
 
-def first(curve, level):
-    return next((p["views"] for p in curve if p["acc"] >= level), None)
+    return common.train_views(step, evaluate, views, EVERY)
 
 
 def at(curve, views):
@@ -189,7 +187,7 @@ def table(runs, seeds, views, prior):
     rows = []
     for arm in ARMS:
         curves = [runs[(arm, s)] for s in seeds]
-        reach = [[first(c, level) for c in curves] for level in (0.75, 0.9)]
+        reach = [[common.first_at(c, "acc", level) for c in curves] for level in (0.75, 0.9)]
         rows.append([arm, *(common.fmt([at(c, m) for c in curves]) for m in marks),
                      common.fmt([c[-1]["acc"] for c in curves]),
                      *(common.fmt(r, 1, 0) if all(r) else f"{sum(map(bool, r))} of {len(r)} seeds" for r in reach)])

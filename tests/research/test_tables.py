@@ -47,3 +47,13 @@ def test_results_md_starts_with_the_commit(tmp_path, monkeypatch):
     text = (tmp_path / "results.md").read_text()
     assert text.startswith("Made at commit abc1234 (source hash ffffffffffff), seeds [0, 1, 2]")
     assert '"commit": "abc1234"' in (tmp_path / "results.json").read_text()
+
+
+def test_train_views_evaluates_after_each_step_that_crosses_a_multiple_of_every():
+    steps = []
+    curve = common.train_views(lambda: steps.append(1), lambda seen: {"acc": seen / 1000}, views=100, every=40)
+    # seen after each step of 32: 32, 64 (crosses 40), 96 (crosses 80), 128 (crosses 120; >= 100 ends)
+    assert len(steps) == 4
+    assert curve == [{"views": 64, "acc": 0.064}, {"views": 96, "acc": 0.096}, {"views": 128, "acc": 0.128}]
+    assert common.first_at(curve, "acc", 0.09) == 96
+    assert common.first_at(curve, "acc", 0.5) is None
