@@ -40,8 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EVERY = 2000
 VIEWS = 24000
 SMOKE_VIEWS = 2000
-# arm -> the answer's path and the LR (the ViT's; the rest at half of it, as the demo's multitask stage:
-# 2e-3 with `lr_coefficients: {vision: 2.0}`)
+# arm -> the answer's path (`model`), the ViT's LR and the rest's (the demo's multitask stage: 2e-3, the ViT at
+# 4e-3 through `lr_coefficients: {vision: 2.0}`), and the std of the project's init where it replaces torch's
 ARMS = {
     "mean pool, LR 4e-3": {"path": "mean", "lr": 4e-3, "rest_lr": 4e-3},
     "mean pool, LR 1e-3": {"path": "mean", "lr": 1e-3, "rest_lr": 1e-3},
