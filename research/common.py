@@ -241,6 +241,14 @@ def train_views(step, evaluate, views: int, every: int, batch: int = 32) -> List
     return curve
 
 
+def check_views(views: int, every: int) -> int:
+    """`views` when it holds at least one evaluation (`every` views); else exit naming --views and the minimum
+    (a shorter run would give an empty curve and no table)."""
+    if views < every:
+        raise SystemExit(f"--views {views}: need at least {every:,} (one evaluation every {every:,} views)")
+    return views
+
+
 def first_at(curve: Sequence[Dict[str, Any]], key: str, level: float) -> Optional[int]:
     """The views of the first point of `curve` whose `key` is at or above `level`, or None."""
     return next((p["views"] for p in curve if p[key] >= level), None)

@@ -122,7 +122,7 @@ def main():
     args = common.parse_args(__doc__, add=lambda ap: ap.add_argument(
         "--views", type=int, default=None, help=f"question views per seed (batches of 32; default {VIEWS}, "
                                                 f"--smoke {SMOKE_VIEWS})"))
-    views = args.views or (SMOKE_VIEWS if args.smoke else VIEWS)
+    views = common.check_views(args.views or (SMOKE_VIEWS if args.smoke else VIEWS), EVERY)
     answers = easy_vqa.get_answers()
     q_tr, y_tr, i_tr, im_tr = load("train", answers)
     q_te, y_te, i_te, im_te = load("test", answers)

@@ -205,7 +205,7 @@ def main():
     args = common.parse_args(__doc__, add=lambda ap: ap.add_argument(
         "--views", type=int, default=None, help=f"image views per run (batches of 32; default {VIEWS}, "
                                                 f"--smoke {SMOKE_VIEWS})"))
-    views = args.views or (SMOKE_VIEWS if args.smoke else VIEWS)
+    views = common.check_views(args.views or (SMOKE_VIEWS if args.smoke else VIEWS), EVERY)
     data = (load("train"), load("test"))
     prior = float(np.bincount(data[1][1]).max() / len(data[1][1]))
     jobs = [(arm, s) for arm in ARMS for s in args.seeds]

@@ -1,6 +1,8 @@
 """research/common.py's table writer: mean ± sample sd over seeds and the seed-spread verdict."""
 import math
 
+import pytest
+
 from tests.research.helpers import load
 
 common = load("common.py", "research_common")
@@ -57,3 +59,9 @@ def test_train_views_evaluates_after_each_step_that_crosses_a_multiple_of_every(
     assert curve == [{"views": 64, "acc": 0.064}, {"views": 96, "acc": 0.096}, {"views": 128, "acc": 0.128}]
     assert common.first_at(curve, "acc", 0.09) == 96
     assert common.first_at(curve, "acc", 0.5) is None
+
+
+def test_a_views_count_below_one_evaluation_is_refused_by_name():
+    assert common.check_views(2000, 2000) == 2000
+    with pytest.raises(SystemExit, match=r"--views 100: need at least 2,000"):
+        common.check_views(100, 2000)
