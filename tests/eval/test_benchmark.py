@@ -265,7 +265,8 @@ def test_cli_eval_and_search(bench, monkeypatch, capsys):
     assert "ocr_demo: best 100.0 at min 16, max 1280" in out
     assert not os.path.exists(root / "s" / "resolution_grid.png")
     _jsonl(root / "broken.jsonl", ["{"])
-    assert cli.main(["eval", "--ckpt", str(root / "ck"), "--data", str(root / "broken.jsonl")]) == 2
+    assert cli.main(["eval", "--ckpt", str(root / "ck"), "--data", str(root / "broken.jsonl"),
+                     "--out", str(root / "ev_broken")]) == 2
     assert "broken.jsonl:1:" in capsys.readouterr().err
 
 
