@@ -17,8 +17,8 @@ differ in what sits between the two (`model`) and in the LRs:
 - decoder: the demo's path without the words: the merger's 16 tokens, one learned question token after
   them, 1 or 4 causal blocks of the demo LLM's size (width 128, 4 heads, MLP 384), the last position.
   Beyond the ViT, 2e-3 (the demo's) or 4e-3.
-Linear layers start from torch's default init, or (last arm) from the project's: N(0, 0.02) weights
-(`initializer_range`), zero biases.
+Linear layers start from torch's default init, or (last three arms) from the project's: N(0, std) weights
+with std = `initializer_range` (0.02, the Hugging Face default; 0.1; 0.2), zero biases.
 AdamW (weight decay 0.1), batches of 32 images drawn with replacement from the 3,542 train images whose
 questions name both colour and shape (`recipes/demo/vqa_data.image_attributes`). Every 2,000 views:
 accuracy on the 880 test images with both attributes. torch, one CPU thread per process, two at once.
@@ -51,6 +51,10 @@ ARMS = {
     "merger, 4-layer decoder, rest at 4e-3": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 4e-3},
     "merger, 4-layer decoder, normal(0.02) init": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 2e-3,
                                                    "init": 0.02},
+    "merger, 4-layer decoder, normal(0.1) init": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 2e-3,
+                                                  "init": 0.1},
+    "merger, 4-layer decoder, normal(0.2) init": {"path": "decoder", "layers": 4, "lr": 4e-3, "rest_lr": 2e-3,
+                                                  "init": 0.2},
 }
 DEMO_PIXELS = 12544  # configs/demo/full.yaml data.image: every image at 112x112
 
