@@ -1,6 +1,10 @@
 """The init follows each tower's `initializer_range`: in the tiny MindVL built with different stds for the
-ViT (0.2) and the LLM (0.05), every projection and embedding matrix is drawn N(0, its tower's std), biases
-start at zero and norm weights at one (configs/demo/full.yaml sets 0.2 for both towers; docs/DEMO.md)."""
+ViT (0.2) and the LLM (0.05), every projection and embedding matrix is drawn N(0, its tower's std) (the
+ViT's row/column position tables excepted: their std is scaled by the patch size), biases start at zero and
+norm weights at one (configs/demo/full.yaml sets 0.2 for both towers; docs/DEMO.md)."""
+import os
+
+import mindspore as ms
 import numpy as np
 
 from mindvl_ms.config import load_model_config
@@ -10,10 +14,6 @@ from tests.support.paths import ROOT
 
 
 def test_weights_are_drawn_with_each_towers_initializer_range():
-    import os
-
-    import mindspore as ms
-
     cfg = load_model_config(os.path.join(ROOT, "configs", "model", "tiny.yaml"))
     cfg.vision.initializer_range, cfg.text.initializer_range = 0.2, 0.05
     cfg.text.vocab_size = 512  # the embedding's rows do not change its std; a small table builds faster
