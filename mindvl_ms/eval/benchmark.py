@@ -23,7 +23,8 @@ question counts when every pass is right.
 
 Design:
 - Generation is a backend object: `backend.generate(samples) -> list[str]` (batched greedy decoding),
-  optionally `backend.encode_image(path, height, width) -> features`. Each sample dict carries the
+  optionally `backend.encode_images([(path, height, width), ...]) -> [features, ...]` (a generation
+  batch's new images in one call). Each sample dict carries the
   prompt `messages`, absolute `images`, their resized `image_hw` [(h, w)] and, when the backend
   encodes images, `image_features` from a VisionCache keyed on (image, resized h, w), so repeated
   images and resolution-search settings that resize an image identically encode it once. The default
@@ -228,19 +229,29 @@ class VisionCache:
         self.max_bytes, self.nbytes = max_bytes, 0
         self.hits = self.misses = 0
 
-    def get(self, path: str, hw: Tuple[int, int], encode: Callable):
-        key = (path, int(hw[0]), int(hw[1]))
-        if key in self.store:
-            self.hits += 1
+    def get_many(self, requests: Sequence[Tuple[str, Tuple[int, int]]], encode: Callable) -> list:
+        """Features of each (image path, (resized h, w)) in `requests`, in order. The distinct ones not
+        cached are encoded in one `encode([(path, h, w), ...]) -> [features, ...]` call (one vision graph
+        call for a generation batch's images instead of one per image); the bound is applied afterwards,
+        so the features returned are those of this batch even when it alone exceeds `max_bytes`."""
+        keys = [(path, int(hw[0]), int(hw[1])) for path, hw in requests]
+        new = [k for k in dict.fromkeys(keys) if k not in self.store]
+        got = list(encode(new)) if new else []
+        if len(got) != len(new):
+            raise RuntimeError(f"encode returned {len(got)} features for {len(new)} images")
+        for key, feat in zip(new, got):
+            self.store[key] = feat
+            self.nbytes += getattr(feat, "nbytes", 0)
+        self.misses += len(new)
+        self.hits += len(keys) - len(new)
+        out = []
+        for key in keys:
             self.store.move_to_end(key)
-            return self.store[key]
-        self.misses += 1
-        feat = self.store[key] = encode(path, key[1], key[2])
-        self.nbytes += getattr(feat, "nbytes", 0)
+            out.append(self.store[key])
         while self.nbytes > self.max_bytes and len(self.store) > 1:
             _, old = self.store.popitem(last=False)
             self.nbytes -= getattr(old, "nbytes", 0)
-        return feat
+        return out
 
 
 class Sizes:
@@ -288,17 +299,16 @@ def predict(items: Sequence[EvalItem], backend, min_pixels: int, max_pixels: int
             preds[i] = pred_cache[key]
         else:
             todo.append(i)
-    encode = getattr(backend, "encode_image", None)
+    encode = getattr(backend, "encode_images", None)
     for s in tqdm(range(0, len(todo), batch_size), desc=desc, unit="batch", disable=not (todo and progress)):
         idx = todo[s:s + batch_size]
-        batch = []
-        for i in idx:
-            it = items[i]
-            sample = {"id": it.uid, "messages": it.messages, "images": it.images, "image_hw": hws[i],
-                      "max_new_tokens": max_new_tokens}
-            if encode is not None:
-                sample["image_features"] = [vision_cache.get(p, hw, encode) for p, hw in zip(it.images, hws[i])]
-            batch.append(sample)
+        batch = [{"id": items[i].uid, "messages": items[i].messages, "images": items[i].images, "image_hw": hws[i],
+                  "max_new_tokens": max_new_tokens} for i in idx]
+        if encode is not None:  # the batch's images in one call; each sample takes its own back in order
+            feats = iter(vision_cache.get_many([(p, hw) for i in idx for p, hw in zip(items[i].images, hws[i])],
+                                               encode))
+            for sample in batch:
+                sample["image_features"] = [next(feats) for _ in sample["images"]]
         out = backend.generate(batch)
         if len(out) != len(batch):
             raise RuntimeError(f"backend returned {len(out)} answers for a batch of {len(batch)}")

@@ -20,7 +20,7 @@ back to full-sequence forwards of the model per new token (same outputs, slower)
 import logging
 import os
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -42,6 +42,8 @@ from mindvl_ms.ops.dispatch import is_ascend
 from mindvl_ms.parallel.moe import bind_mindformers_moe
 
 log = logging.getLogger(__name__)
+# patches per vision call of EvalBackend.encode_images (16 images of 448x448)
+VISION_CALL_PATCHES = 16384
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -263,19 +265,34 @@ def decode_answer(processor, ids: Sequence[int], show_special: bool = False) -> 
 
 
 class EvalBackend:
-    """`mindvl eval`'s backend: generate(samples) -> answers, encode_image(path, h, w) -> features."""
+    """`mindvl eval`'s backend: generate(samples) -> answers, encode_images([(path, h, w), ...]) -> features."""
 
     def __init__(self, model, processor, max_new_tokens: int = 128):
         self.model, self.processor, self.max_new_tokens = model, processor, max_new_tokens
         self.engine = get_engine(model)
 
-    def encode_image(self, path: str, height: int, width: int) -> np.ndarray:
-        frames, grid = uint8_patches(open_image(path), self.processor.image_config, (height, width))
-        return self.engine.image_features([{"pixel_frames": frames, "image_grid_thw": grid[None]}])[0][0]
+    def encode_images(self, requests: Sequence[Tuple[str, int, int]]) -> List[np.ndarray]:
+        """Merged visual tokens of each (path, resized height, width): consecutive images share one vision
+        call up to VISION_CALL_PATCHES patches (a call's fixed cost is most of a small image's; the bound
+        keeps a batch of large images from holding all their activations at once)."""
+        parts = []
+        for path, height, width in requests:
+            frames, grid = uint8_patches(open_image(path), self.processor.image_config, (height, width))
+            parts.append({"pixel_frames": frames, "image_grid_thw": grid[None]})
+        out, group, size = [], [], 0
+        for part in parts + [None]:
+            n = 0 if part is None else int(np.prod(part["image_grid_thw"]))
+            if group and (part is None or size + n > VISION_CALL_PATCHES):
+                out += [f[0] for f in self.engine.image_features(group)]
+                group, size = [], 0
+            if part is not None:
+                group.append(part)
+                size += n
+        return out
 
     def generate(self, samples: Sequence[Dict]) -> List[str]:
         """Greedy answers; samples carry messages, image paths, resized image_hw and optionally the
-        features from encode_image (then the images are not decoded again)."""
+        features from encode_images (then the images are not decoded again)."""
         if not samples:
             return []
         p = self.processor.image_config.patch_size

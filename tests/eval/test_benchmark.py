@@ -29,17 +29,21 @@ READ_WINDOW = {"small.png": (16 * UNIT, None), "medium.png": (None, None), "larg
 
 
 class FakeBackend:
-    """generate(samples) -> answers; encode_image(path, h, w) -> features. Records every call."""
+    """generate(samples) -> answers; encode_images([(path, h, w), ...]) -> features. Records every call."""
 
     def __init__(self, window=None, mc_answers=None):
         self.window = dict(READ_WINDOW, **(window or {}))
         self.mc_answers = mc_answers or {}
-        self.encoded, self.generated, self.batches = [], [], []
+        self.encoded, self.generated, self.batches, self.calls = [], [], [], []
 
-    def encode_image(self, path, h, w):
-        self.encoded.append((os.path.basename(path), h, w))
-        arr = np.asarray(Image.open(path).convert("RGB").resize((w, h), Image.BICUBIC), dtype=np.float32)
-        return {"path": path, "hw": (h, w), "mean": float(arr.mean())}
+    def encode_images(self, requests):
+        self.calls.append(len(requests))
+        out = []
+        for path, h, w in requests:
+            self.encoded.append((os.path.basename(path), h, w))
+            arr = np.asarray(Image.open(path).convert("RGB").resize((w, h), Image.BICUBIC), dtype=np.float32)
+            out.append({"path": path, "hw": (h, w), "mean": float(arr.mean())})
+        return out
 
     def readable(self, name, hw):
         lo, hi = self.window[name]
@@ -93,6 +97,7 @@ def test_evaluate_scores_predictions_and_vision_cache(bench):
     assert [p["prediction"] for p in preds] == ["STOP", "EXIT 12"]
     assert preds[0]["image_hw"] == [list(hw_small)] and preds[0]["line"] == 1
     assert json.load(open(root / "o1" / "scores.json"))["average"] == 1.0
+    assert fake.calls == [2]                                            # the batch's two images: one call
 
     fake = FakeBackend()
     res = evaluate(None, doc, str(root / "o2"), backend=fake, min_pixels=lo, max_pixels=hi, batch_size=1)
@@ -107,13 +112,36 @@ def test_evaluate_scores_predictions_and_vision_cache(bench):
 
 def test_vision_cache_keys_and_memory_bound():
     calls = []
+
+    def enc(reqs):  # 4000 bytes each
+        calls.append(list(reqs))
+        return [np.zeros(1000, np.float32) for _ in reqs]
+
     cache = benchmark.VisionCache(max_bytes=2 * 4000)
-    enc = lambda p, h, w: calls.append((p, h, w)) or np.zeros(1000, np.float32)  # noqa: E731  4000 bytes each
     for p, hw in [("a", (28, 56)), ("a", (28, 56)), ("a", (56, 56)), ("b", (28, 56)), ("a", (28, 56))]:
-        assert cache.get(p, hw, enc).nbytes == 4000
+        assert cache.get_many([(p, hw)], enc)[0].nbytes == 4000
     # ("a",28,56) was evicted when ("b",28,56) arrived (least recently used, bound of two entries)
-    assert calls == [("a", 28, 56), ("a", 56, 56), ("b", 28, 56), ("a", 28, 56)]
+    assert calls == [[("a", 28, 56)], [("a", 56, 56)], [("b", 28, 56)], [("a", 28, 56)]]
     assert (cache.hits, cache.misses, cache.nbytes) == (1, 4, 8000)
+
+
+def test_vision_cache_encodes_a_batchs_new_images_in_one_call():
+    calls = []
+
+    def enc(reqs):
+        calls.append(list(reqs))
+        return [np.full(2, 10 * h + w, np.float32) for _, h, w in reqs]
+
+    cache = benchmark.VisionCache(max_bytes=3 * 8)
+    cache.get_many([("a", (1, 1))], enc)
+    out = cache.get_many([("b", (2, 2)), ("a", (1, 1)), ("b", (2, 2)), ("c", (3, 1)), ("d", (1, 2))], enc)
+    assert calls == [[("a", 1, 1)], [("b", 2, 2), ("c", 3, 1), ("d", 1, 2)]]  # each distinct miss once
+    assert [float(f[0]) for f in out] == [22.0, 11.0, 22.0, 31.0, 12.0]      # in the order asked
+    assert (cache.hits, cache.misses) == (2, 4)
+    # bound applied after the batch: four entries of 8 bytes over a 24-byte bound drop the oldest, "a"
+    assert list(cache.store) == [("b", 2, 2), ("c", 3, 1), ("d", 1, 2)] and cache.nbytes == 24
+    with pytest.raises(RuntimeError, match="2 features for 1 images"):
+        cache.get_many([("e", (1, 1))], lambda reqs: [np.zeros(2)] * 2)
 
 
 def test_pixel_limits_precedence(tmp_path):

@@ -107,7 +107,7 @@ def test_chat_reports_errors_and_keeps_going(small_ckpt, tmp_path, monkeypatch, 
 
 
 def test_eval_backend_and_text_generation(small_ckpt, tmp_path):
-    """`mindvl eval`'s backend: encode_image features + prompt give the same answer as generate_text from
+    """`mindvl eval`'s backend: encode_images features + prompt give the same answer as generate_text from
     the image file, and an image is encoded once however often it is asked about."""
     import numpy as np
     from PIL import Image
@@ -119,7 +119,7 @@ def test_eval_backend_and_text_generation(small_ckpt, tmp_path):
     backend = load_eval_backend(small_ckpt, max_new_tokens=4)
     msgs = [{"role": "user", "content": "<image>\nWhat is shown?"}]
     hw = [(56, 84)]
-    feats = backend.encode_image(path, *hw[0])
+    feats = backend.encode_images([(path, *hw[0])])[0]
     assert feats.shape == (56 * 84 // 28 ** 2, 32)
     with_feats = backend.generate([{"messages": msgs, "images": [path], "image_hw": hw, "image_features": [feats]},
                                    {"messages": [{"role": "user", "content": "Hello"}], "images": []}])
@@ -135,6 +135,38 @@ def test_eval_backend_and_text_generation(small_ckpt, tmp_path):
     a = generate(backend.model, [enc], 6, do_sample=True, temperature=2.0, seed=1)
     assert a == generate(backend.model, [feat_sample], 6, do_sample=True, temperature=2.0, seed=1)
     assert backend.engine.stats["images_encoded"] == 1
+
+
+def test_eval_backend_encodes_a_batchs_images_together(small_ckpt, tmp_path, monkeypatch):
+    """encode_images: images of different sizes in one vision call give each image's features as encoding
+    it alone does; VISION_CALL_PATCHES splits the calls."""
+    import numpy as np
+    from PIL import Image
+
+    from mindvl_ms.infer import generate as G
+
+    rng = np.random.default_rng(1)
+    reqs = []
+    for i, (h, w) in enumerate([(56, 84), (28, 56), (84, 84)]):
+        path = str(tmp_path / f"img{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h + 9, w + 5, 3), dtype=np.uint8)).save(path)
+        reqs.append((path, h, w))
+    backend = G.load_eval_backend(small_ckpt, max_new_tokens=4)
+    stats = backend.engine.stats
+    alone = []
+    for r in reqs:
+        alone += backend.encode_images([r])
+    calls = stats["vision_calls"]
+    backend.engine.image_cache.clear()
+    together = backend.encode_images(reqs)
+    assert stats["vision_calls"] == calls + 1
+    assert [f.shape for f in together] == [(6, 32), (2, 32), (9, 32)]
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    backend.engine.image_cache.clear()
+    monkeypatch.setattr(G, "VISION_CALL_PATCHES", 24 + 8)  # patches 24, 8, 36: [24, 8] then [36] alone
+    backend.encode_images(reqs)
+    assert stats["vision_calls"] == calls + 3
 
 
 def test_generate_with_a_video(small_ckpt, tmp_path, capsys):
