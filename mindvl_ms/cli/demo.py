@@ -24,8 +24,8 @@ it against image-blind baselines:
                constant answer); merged vs individual SFT scores; a small test-time resolution search
                on the OCR split
 Prints per-stage loss, the accuracy table and where the artefacts are; everything is also in
-OUT/report.json. A full run takes about 20 minutes on 2 idle CPU cores, --quick about a minute (measured
-times: docs/DEMO.md and docs/PERFORMANCE.md).
+OUT/report.json. A full run takes 16 to 24 minutes on 2 idle CPU cores, depending on the CPU, --quick
+about a minute (measured times: docs/DEMO.md and docs/PERFORMANCE.md).
 
 --post-train then post-trains OUT/merged as openPangu-VL does after SFT (rollout -> DPO -> GRPO with the
 box-IoU reward on new grounding images) and scores held-out grounding before and after
