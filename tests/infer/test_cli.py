@@ -167,6 +167,13 @@ def test_eval_backend_encodes_a_batchs_images_together(small_ckpt, tmp_path, mon
     monkeypatch.setattr(G, "VISION_CALL_PATCHES", 24 + 8)  # patches 24, 8, 36: [24, 8] then [36] alone
     backend.encode_images(reqs)
     assert stats["vision_calls"] == calls + 3
+    backend.engine.image_cache.clear()
+    monkeypatch.setattr(G, "VISION_CALL_PATCHES", 16384)
+    monkeypatch.setattr(backend.engine, "max_cached_images", 2)  # a call reads its features from that cache
+    again = backend.encode_images(reqs)
+    assert stats["vision_calls"] == calls + 5
+    for a, b in zip(alone, again):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_with_a_video(small_ckpt, tmp_path, capsys):
