@@ -107,9 +107,12 @@ class Engine:
 
     # -- vision ---------------------------------------------------------------------------------
     def image_features(self, samples: Sequence[Dict]) -> List[List[np.ndarray]]:
-        """Merged visual tokens [m_i, D] for every image of every sample, encoding only unseen images."""
+        """Merged visual tokens [m_i, D] for every image of every sample, encoding only unseen images. The
+        features returned are held apart from the bounded cache, so a call with more images than the cache
+        keeps gets all of them."""
         parts = [_visual_parts(s, self.spec) for s in samples]
         todo: Dict[str, tuple] = {}
+        found: Dict[str, np.ndarray] = {}
         keys = []
         for sp in parts:
             row = []
@@ -122,6 +125,7 @@ class Engine:
                 row.append(key)
                 if key in self.image_cache:
                     self.image_cache.move_to_end(key)
+                    found[key] = self.image_cache[key]
                     self.stats["images_reused"] += 1
                 elif key not in todo:
                     todo[key] = (kind, pix, grid)
@@ -129,26 +133,28 @@ class Engine:
         for kind in ("float", "uint8"):
             batch = [(k, p, g) for k, (kd, p, g) in todo.items() if kd == kind]
             if batch:
-                self._encode(batch, kind == "uint8")
+                found.update(self._encode(batch, kind == "uint8"))
         out = []
         for sp, row in zip(parts, keys):
-            out.append([pix if key is None else self.image_cache[key] for (_, pix, _), key in zip(sp, row)])
+            out.append([pix if key is None else found[key] for (_, pix, _), key in zip(sp, row)])
         return out
 
-    def _encode(self, batch, uint8: bool) -> None:
+    def _encode(self, batch, uint8: bool) -> Dict[str, np.ndarray]:
+        """One vision call over `batch` [(key, pixels, grid)]: {key: features}, also kept in the cache."""
         s = self.spec
         grids = np.stack([g for _, _, g in batch])
         meta = vision_metadata(grids, s.window_size, s.patch_size, s.spatial_merge_size)
         feats = self.backend.vision(np.concatenate([p for _, p, _ in batch]), meta, uint8)  # [M, D]
         self.stats["vision_calls"] += 1
         self.stats["images_encoded"] += len(batch)
-        start = 0
+        start, new = 0, {}
         for key, _, g in batch:
             n = int(np.prod(g)) // s.spatial_merge_size ** 2
-            self.image_cache[key] = feats[start:start + n]
+            new[key] = self.image_cache[key] = feats[start:start + n]
             start += n
         while len(self.image_cache) > self.max_cached_images:
             self.image_cache.popitem(last=False)
+        return new
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, samples: Sequence[Dict], cfg: SamplingConfig, padding_side: str = "left",

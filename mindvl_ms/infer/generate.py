@@ -274,23 +274,17 @@ class EvalBackend:
     def encode_images(self, requests: Sequence[Tuple[str, int, int]]) -> List[np.ndarray]:
         """Merged visual tokens of each (path, resized height, width): consecutive images share one vision
         call up to VISION_CALL_PATCHES patches (a call's fixed cost is most of a small image's; the bound
-        keeps a batch of large images from holding all their activations at once) and up to the engine's
-        image cache size (a call's features are read back from that cache)."""
-        parts = []
+        keeps a batch of large images from holding all their activations at once)."""
+        groups, size = [[]], 0
         for path, height, width in requests:
             frames, grid = uint8_patches(open_image(path), self.processor.image_config, (height, width))
-            parts.append({"pixel_frames": frames, "image_grid_thw": grid[None]})
-        out, group, size = [], [], 0
-        for part in parts + [None]:
-            n = 0 if part is None else int(np.prod(part["image_grid_thw"]))
-            if group and (part is None or size + n > VISION_CALL_PATCHES
-                          or len(group) == self.engine.max_cached_images):
-                out += [f[0] for f in self.engine.image_features(group)]
-                group, size = [], 0
-            if part is not None:
-                group.append(part)
-                size += n
-        return out
+            n = int(np.prod(grid))
+            if groups[-1] and size + n > VISION_CALL_PATCHES:
+                groups.append([])
+                size = 0
+            groups[-1].append({"pixel_frames": frames, "image_grid_thw": grid[None]})
+            size += n
+        return [f[0] for g in groups if g for f in self.engine.image_features(g)]
 
     def generate(self, samples: Sequence[Dict]) -> List[str]:
         """Greedy answers; samples carry messages, image paths, resized image_hw and optionally the
