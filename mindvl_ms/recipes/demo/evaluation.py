@@ -10,10 +10,12 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from mindvl_ms.checkpoint.hf import Sources, open_checkpoint
+from mindvl_ms.checkpoint.pretrained import stream_into
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.eval.benchmark import evaluate
 from mindvl_ms.eval.resolution_search import search
-from mindvl_ms.infer.generate import EvalBackend, load_model
+from mindvl_ms.infer.generate import EvalBackend, get_engine, load_model
 from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.recipes.demo.vqa_data import VQA_TYPES, vqa_type
 
@@ -21,12 +23,37 @@ from mindvl_ms.recipes.demo.vqa_data import VQA_TYPES, vqa_type
 _BACKENDS: Dict[str, Any] = {}
 
 
+def stream_checkpoint(model, ckpt: str) -> bool:
+    """ckpt's weights into `model`, tensor by tensor, when ckpt's model config is the model's; else False
+    (nothing loaded). The graphs compiled on the model (vision, prefill, decode) then run the new weights."""
+    cfg, sources = open_checkpoint(ckpt)
+    try:
+        if cfg != model.config:
+            return False
+        stream_into(model, sources)
+        get_engine(model).image_cache.clear()  # image features computed with the previous weights
+        return True
+    finally:
+        if isinstance(sources, Sources):
+            sources.close()
+
+
 def eval_backend(ckpt: str, data_cfg, max_new_tokens: int):
-    """The generation backend of `mindvl eval`, with the processor the demo trained with (no system
-    turn); one per checkpoint (its compiled graphs serve the evaluation and the resolution search)."""
+    """The generation backend of `mindvl eval` for ckpt, with the processor the demo trained with (no system
+    turn), kept per checkpoint in this process (its compiled graphs serve the evaluation, the resolution
+    search and the rollout). A checkpoint not kept yet takes over the model of a kept one with the same model
+    config (the SFT variants and their merge all have one): its weights are streamed in, so the graphs
+    compiled on that model serve it too (three graph compiles fewer per checkpoint), and the other
+    checkpoint is no longer kept (the model no longer holds its weights)."""
     key = os.path.abspath(ckpt)
     if key not in _BACKENDS:
-        _BACKENDS[key] = EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), max_new_tokens)
+        model = None
+        for kept, backend in list(_BACKENDS.items()):
+            if stream_checkpoint(backend.model, ckpt):
+                model = _BACKENDS.pop(kept).model
+                break
+        _BACKENDS[key] = EvalBackend(model if model is not None else load_model(ckpt),
+                                     MindVLProcessor(config=data_cfg), max_new_tokens)
     return _BACKENDS[key]
 
 

@@ -12,16 +12,14 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from mindvl_ms.checkpoint.hf import Sources, open_checkpoint
-from mindvl_ms.checkpoint.pretrained import stream_into
 from mindvl_ms.data.grounding import box_iou
 from mindvl_ms.data.preference import read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.eval.benchmark import evaluate
 from mindvl_ms.eval.metrics import parse_box
-from mindvl_ms.infer.generate import EvalBackend, get_engine, load_model
+from mindvl_ms.infer.generate import EvalBackend, load_model
 from mindvl_ms.infer.rollout import EngineSampler, rollout_pairs, write_pairs
-from mindvl_ms.recipes.demo.evaluation import cached_backend, eval_backend
+from mindvl_ms.recipes.demo.evaluation import cached_backend, eval_backend, stream_checkpoint
 from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.train import run_training
 from mindvl_ms.train.post.rewards import Verifier
@@ -82,27 +80,12 @@ def reusable_eval(d: str, ckpt: str, heldout: str, data_cfg) -> bool:
         (s.get("min_pixels"), s.get("max_pixels")) == (data_cfg.image.min_pixels, data_cfg.image.max_pixels)
 
 
-def _stream_checkpoint(model, ckpt: str) -> bool:
-    """ckpt's weights into `model`, tensor by tensor, when ckpt's model config is the model's; else False
-    (nothing loaded)."""
-    cfg, sources = open_checkpoint(ckpt)
-    try:
-        if cfg != model.config:
-            return False
-        stream_into(model, sources)
-        return True
-    finally:
-        if isinstance(sources, Sources):
-            sources.close()
-
-
 def checkpoint_backend(prev: Optional[EvalBackend], ckpt: str, data_cfg, tokens: int) -> EvalBackend:
     """The evaluation backend of ckpt (the processor the demo trained with). When ckpt's model config is
     that of `prev`'s model (the post-training chain's checkpoints all are), ckpt's weights are streamed
     into that model instead of a new one: the graphs compiled on it (vision, prefill, decode) serve every
     checkpoint, three graph compiles fewer per checkpoint after the first."""
-    if prev is not None and _stream_checkpoint(prev.model, ckpt):
-        prev.engine.image_cache.clear()  # image features computed with the previous weights
+    if prev is not None and stream_checkpoint(prev.model, ckpt):
         return prev
     # not evaluation.eval_backend: its backends are cached by checkpoint path, and the one returned here
     # takes the next checkpoint's weights, so a cached one would later answer with the wrong weights
@@ -124,8 +107,7 @@ def borrowed_backend(ckpts: Dict[str, str], data_cfg, tokens: int) -> Iterator[O
     try:
         yield EvalBackend(model, MindVLProcessor(config=data_cfg), tokens)
     finally:
-        _stream_checkpoint(model, owner)
-        get_engine(model).image_cache.clear()  # image features computed with the borrowed weights
+        stream_checkpoint(model, owner)  # and the image features computed with the borrowed weights dropped
 
 
 def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, Any], out_dir: str,
