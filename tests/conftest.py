@@ -59,7 +59,6 @@ FIRST = (
     "tests/parallel/test_moe_msrun.py",
     "tests/infer/",
     "tests/parallel/test_shard_consistency.py",
-    "tests/recipes/test_demo_post.py",
     POST_SHARED,
     "tests/train/test_variants.py",
     "tests/models/test_moe_parity.py",
