@@ -45,7 +45,7 @@ def test_post_yaml_reads_its_files_and_refuses_a_pair_longer_than_a_row(tmp_path
         f"stages.0.data.sources=[{{path: {tmp_path / 'pairs.jsonl'}}}]",
         f"stages.0.dpo.ntp_sources=[{tmp_path / 'ground.jsonl'}]",
         f"stages.1.data.sources=[{{path: {tmp_path / 'ground.jsonl'}}}]",
-        "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2", "stages.1.grpo.max_new_tokens=4",
+        "stages.1.grpo.group_size=2", "stages.1.grpo.mini_batch_size=2",  # the file validates with the narrowed batch
         "stages.0.seq_length=80"]
     cfg = load_run_config(os.path.join(ROOT, "configs", "demo", "post.yaml"), sets)
     assert [(s.name, s.type, s.seq_length) for s in cfg.stages] == [("dpo", "dpo", 80), ("grpo", "grpo", 128)]

@@ -292,7 +292,9 @@ def test_post_train_on_the_quick_model(run, capsys):
     recs = _records(os.path.join(post, "train", "metrics.jsonl"))
     assert [r["stage"] for r in recs] == ["dpo", "dpo", "grpo", "grpo"] and all(r["applied"] for r in recs)
     assert abs(recs[0]["margin"]) < 1e-4 and np.isfinite(recs[0]["loss"])  # the policy starts as the reference
-    assert all(r["updates"] == 2 and 1 <= r["response_length"] <= 24 for r in recs[2:])  # 4 samples, 2 per update
+    assert all(r["updates"] == 2 and 1 <= r["response_length"] <= 24 and 0.0 <= r["reward_mean"] <= 1.0
+               for r in recs[2:])  # 4 samples, 2 per update; the IoU reward is in [0, 1]
+    assert list(rep["stages"]) == ["dpo", "grpo"]
     assert rep["stages"]["grpo"]["reward_mean"][0] == pytest.approx(np.mean([r["reward_mean"] for r in recs[2:]]))
     ck = {n: rt(p) for n, p in rep["checkpoints"].items()}
     assert rep["checkpoints"]["merged"] == os.path.join(out, "merged")
