@@ -76,54 +76,18 @@ def test_post_train_demo_config_paths_and_overrides(tmp_path):
         run_post_train(out, progress=False)
 
 
-def test_eval_phase_backend_takes_the_next_checkpoints_weights(tmp_path):
-    """The post-training evaluation streams each next checkpoint of the same model config into the model it
-    already compiled (`post_phases.checkpoint_backend`): every parameter then holds that checkpoint's
-    values, the image features of the previous weights are dropped; another config gets a model of its own."""
-    import mindspore as ms
-    from mindspore import Tensor
-
-    from mindvl_ms.checkpoint.pretrained import save_pretrained
-    from mindvl_ms.models.mindvl import MindVLModel
-    from mindvl_ms.recipes.demo.post_phases import checkpoint_backend
-    from tests.support import post as H
-
-    cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
-    ms.set_seed(0)
-    model = MindVLModel(cfg.model)
-    save_pretrained(model, str(tmp_path / "a"))
-    rng = np.random.default_rng(0)
-    want = {}
-    for p in model.get_parameters():
-        want[p.name] = (p.asnumpy() + rng.standard_normal(p.shape)).astype(p.asnumpy().dtype)
-        p.set_data(Tensor(want[p.name]))
-    save_pretrained(model, str(tmp_path / "b"))
-    first = checkpoint_backend(None, str(tmp_path / "a"), cfg.data, 4)
-    first.engine.image_cache["x"] = np.zeros(1)
-    second = checkpoint_backend(first, str(tmp_path / "b"), cfg.data, 4)
-    assert second is first and not second.engine.image_cache
-    for p in second.model.get_parameters():
-        np.testing.assert_array_equal(p.asnumpy(), want[p.name], err_msg=p.name)
-    other = load_run_config(data={"seed": 0, "model": dict(H.MODEL, text=dict(H.MODEL["text"], num_hidden_layers=2)),
-                                  "stages": [{"name": "x", "max_steps": 1}]})
-    ms.set_seed(0)
-    save_pretrained(MindVLModel(other.model), str(tmp_path / "c"))
-    third = checkpoint_backend(second, str(tmp_path / "c"), cfg.data, 4)
-    assert third is not second and third.model.config.text.num_hidden_layers == 2
-
-
-def test_eval_phase_borrows_the_cached_backends_model_and_gives_its_weights_back(tmp_path):
+def test_eval_phase_takes_over_the_kept_model_and_gives_its_checkpoint_back(tmp_path):
     """With the phases in one process, the post-training evaluation streams the next checkpoints into the
-    model `evaluation.eval_backend` keeps for one of them (`post_phases.borrowed_backend`: its graphs are
-    compiled already) and, on exit, gives that model its own checkpoint's weights back; without a cached
-    backend there is nothing to borrow."""
+    model `evaluation.eval_backend` keeps for one of them (its graphs are compiled already) and, on exit
+    (`post_phases.kept_checkpoint_restored`), loads that checkpoint back, so it is kept again with its own
+    weights; without a kept checkpoint there is nothing to restore."""
     import mindspore as ms
     from mindspore import Tensor
 
     from mindvl_ms.checkpoint.pretrained import save_pretrained
     from mindvl_ms.models.mindvl import MindVLModel
     from mindvl_ms.recipes.demo import evaluation
-    from mindvl_ms.recipes.demo.post_phases import borrowed_backend, checkpoint_backend
+    from mindvl_ms.recipes.demo.post_phases import kept_checkpoint_restored
     from tests.support import post as H
 
     cfg = load_run_config(data={"seed": 0, "model": H.MODEL, "stages": [{"name": "x", "max_steps": 1}]})
@@ -137,19 +101,22 @@ def test_eval_phase_borrows_the_cached_backends_model_and_gives_its_weights_back
     save_pretrained(model, str(tmp_path / "dpo"))
     dpo = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
     ckpts = {"merged": str(tmp_path / "merged"), "dpo": str(tmp_path / "dpo")}
-    with borrowed_backend(ckpts, cfg.data, 4) as none:
-        assert none is None
+    with kept_checkpoint_restored(ckpts, cfg.data, 4):
+        pass
+    assert evaluation.cached_backend(ckpts["merged"]) is None  # nothing kept, nothing restored
     cached = evaluation.eval_backend(ckpts["merged"], cfg.data, 4)
     try:
-        with borrowed_backend(ckpts, cfg.data, 4) as lent:
-            assert lent.model is cached.model and lent.engine is cached.engine
-            got = checkpoint_backend(lent, ckpts["dpo"], cfg.data, 4)
-            assert got is lent
+        with kept_checkpoint_restored(ckpts, cfg.data, 4):
+            got = evaluation.eval_backend(ckpts["dpo"], cfg.data, 4)
+            assert got.model is cached.model and got.engine is cached.engine
             for p in got.model.get_parameters():
                 np.testing.assert_array_equal(p.asnumpy(), dpo[p.name], err_msg=p.name)
             got.engine.image_cache["x"] = np.zeros(1)
-        assert evaluation.cached_backend(ckpts["merged"]) is cached and not cached.engine.image_cache
+        back = evaluation.cached_backend(ckpts["merged"])
+        assert back.model is cached.model and not cached.engine.image_cache
+        assert evaluation.cached_backend(ckpts["dpo"]) is None
         for p in cached.model.get_parameters():
             np.testing.assert_array_equal(p.asnumpy(), own[p.name], err_msg=p.name)
     finally:
+        evaluation._BACKENDS.pop(os.path.abspath(ckpts["dpo"]), None)
         evaluation._BACKENDS.pop(os.path.abspath(ckpts["merged"]), None)

@@ -17,9 +17,8 @@ from mindvl_ms.data.preference import read_post_file
 from mindvl_ms.data.processor import MindVLProcessor
 from mindvl_ms.eval.benchmark import evaluate
 from mindvl_ms.eval.metrics import parse_box
-from mindvl_ms.infer.generate import EvalBackend, load_model
 from mindvl_ms.infer.rollout import EngineSampler, rollout_pairs, write_pairs
-from mindvl_ms.recipes.demo.evaluation import cached_backend, eval_backend, stream_checkpoint
+from mindvl_ms.recipes.demo.evaluation import cached_backend, eval_backend
 from mindvl_ms.recipes.demo.processes import child_setup
 from mindvl_ms.train import run_training
 from mindvl_ms.train.post.rewards import Verifier
@@ -80,54 +79,38 @@ def reusable_eval(d: str, ckpt: str, heldout: str, data_cfg) -> bool:
         (s.get("min_pixels"), s.get("max_pixels")) == (data_cfg.image.min_pixels, data_cfg.image.max_pixels)
 
 
-def checkpoint_backend(prev: Optional[EvalBackend], ckpt: str, data_cfg, tokens: int) -> EvalBackend:
-    """The evaluation backend of ckpt (the processor the demo trained with). When ckpt's model config is
-    that of `prev`'s model (the post-training chain's checkpoints all are), ckpt's weights are streamed
-    into that model instead of a new one: the graphs compiled on it (vision, prefill, decode) serve every
-    checkpoint, three graph compiles fewer per checkpoint after the first."""
-    if prev is not None and stream_checkpoint(prev.model, ckpt):
-        return prev
-    # not evaluation.eval_backend: its backends are cached by checkpoint path, and the one returned here
-    # takes the next checkpoint's weights, so a cached one would later answer with the wrong weights
-    return EvalBackend(load_model(ckpt), MindVLProcessor(config=data_cfg), tokens)
-
-
 @contextlib.contextmanager
-def borrowed_backend(ckpts: Dict[str, str], data_cfg, tokens: int) -> Iterator[Optional[EvalBackend]]:
-    """A backend on the model that `evaluation.eval_backend` keeps for one of `ckpts` in this process (the
-    demo's evaluation and the rollout of the merged checkpoint, when the phases run in one process), or None:
-    `checkpoint_backend` streams the next checkpoints into that model, so its compiled graphs (vision,
-    prefill, decode) serve them too, three graph compiles fewer. On exit the model gets its own
-    checkpoint's weights back, so the cached backend answers for its checkpoint again."""
+def kept_checkpoint_restored(ckpts: Dict[str, str], data_cfg, tokens: int) -> Iterator[None]:
+    """While the block evaluates `ckpts` through `evaluation.eval_backend` (each next checkpoint takes over
+    the model kept in this process, so its compiled graphs serve them all): the one of `ckpts` kept on entry
+    (the merged checkpoint of the demo's evaluation and rollout, when the phases run in one process) is
+    loaded back into that model on exit, so it is kept again and answers with its own weights."""
     owner = next((c for c in ckpts.values() if cached_backend(c) is not None), None)
-    if owner is None:
-        yield None
-        return
-    model = cached_backend(owner).model
     try:
-        yield EvalBackend(model, MindVLProcessor(config=data_cfg), tokens)
+        yield
     finally:
-        stream_checkpoint(model, owner)  # and the image features computed with the borrowed weights dropped
+        if owner is not None:
+            eval_backend(owner, data_cfg, tokens)
 
 
 def eval_phase(ckpts: Dict[str, str], heldout: str, data_cfg, demo: Dict[str, Any], out_dir: str,
                progress: bool, reuse: Optional[Dict[str, str]] = None) -> Dict[str, Dict[str, float]]:
     """{checkpoint name: {acc_iou50, acc_iou75, mean_iou, n, source}} on the held-out grounding split;
     `reuse` maps a name to an existing evaluation directory of that checkpoint (read, not rerun). The
-    checkpoints share one model (`checkpoint_backend`), the cached one of the process when there is one
-    (`borrowed_backend`)."""
+    checkpoints share one model (`evaluation.eval_backend`), the one kept in the process when there is one,
+    which gets its own checkpoint back afterwards (`kept_checkpoint_restored`)."""
     child_setup()
     reuse = reuse or {}
     out = {}
     tokens = int(demo.get("max_new_tokens", 24))
-    with borrowed_backend(ckpts, data_cfg, tokens) as backend:
+    with kept_checkpoint_restored(ckpts, data_cfg, tokens):
         for name, ckpt in ckpts.items():
             d = reuse.get(name) or os.path.join(out_dir, name)
             if name in reuse:
                 with open(os.path.join(d, "scores.json"), encoding="utf-8") as f:
                     res = json.load(f)
             else:
-                backend = checkpoint_backend(backend, ckpt, data_cfg, tokens)
+                backend = eval_backend(ckpt, data_cfg, tokens)
                 res = evaluate(ckpt, heldout, d, backend=backend,
                                min_pixels=data_cfg.image.min_pixels, max_pixels=data_cfg.image.max_pixels,
                                batch_size=int(demo.get("eval_batch_size", 8)), max_new_tokens=tokens,
