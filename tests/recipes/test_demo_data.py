@@ -260,6 +260,15 @@ def test_vqa_mix_sets_the_train_question_types(tmp_path):
     assert info["vqa_mix"] == {"yes/no": 1, "colour": 1, "shape": 1}
 
 
+def test_vqa_mix_draws_the_same_questions_in_any_key_order(tmp_path):
+    """A mix's key order does not change the draw: the same weights written yes/no-colour-shape and sorted
+    (as a YAML dumped with sorted keys has them) write the same train split."""
+    mixes = [{"yes/no": 1, "colour": 2, "shape": 3}, {"colour": 2, "shape": 3, "yes/no": 1}]
+    lines = [_lines(write_demo_data(str(tmp_path / str(i)), seed=0, sizes={"vqa": (12, 1)}, progress=False,
+                                    vqa_mix=m)["files"]["train"]["vqa"]) for i, m in enumerate(mixes)]
+    assert lines[0] == lines[1]
+
+
 def test_demo_yamls_vqa_mix_reaches_the_writer(tmp_path):
     """full.yaml's `demo.vqa_mix` (1:2:3) draws its question types through `run.write_data` (largest remainders);
     quick.yaml resets it to null (easy-VQA's own mix, mostly yes/no). Sizes shrunk to 30 train questions."""
@@ -408,3 +417,34 @@ def test_vqa_describe(tmp_path):
         [(o["messages"], o["images"]) for o in heldout]
     assert all("." not in _answer(o) and "short_answer" not in o["meta"]
                for o in _lines(plain["files"]["train"]["vqa"]))
+
+
+class _DataWritten(Exception):
+    """Raised by the stand-in writer below: run_demo stops once it has chosen the data's seed."""
+
+
+@pytest.mark.parametrize("data_seed, seed, expected", [(None, 2, 2), (0, 2, 0), (5, 0, 5)])
+def test_demo_data_seed_draws_the_data_whatever_the_run_seed(tmp_path, monkeypatch, data_seed, seed, expected):
+    """`demo.data_seed` is the seed run_demo hands the data writer (absent: the run's `seed`), so a run with
+    another `seed` and the same data_seed trains on the same files; a bad value is refused by name."""
+    from mindvl_ms.config.base import ConfigError
+    from mindvl_ms.recipes.demo import run as run_mod
+    from mindvl_ms.recipes.demo.config import config_path, load_demo_config
+
+    yaml_path = tmp_path / "demo.yaml"
+    extra = "" if data_seed is None else f"demo: {{data_seed: {data_seed}}}\n"
+    yaml_path.write_text(f"_include_: {config_path(True)}\n{extra}")
+    seen = []
+
+    def writer(demo, data_dir, s, progress=True):
+        seen.append(s)
+        raise _DataWritten
+
+    monkeypatch.setattr(run_mod, "write_data", writer)
+    with pytest.raises(_DataWritten):
+        run_mod.run_demo(str(tmp_path / "out"), config=str(yaml_path), overrides=[f"seed={seed}"], progress=False)
+    assert seen == [expected]   # the writer is deterministic in its seed (test_deterministic_from_seed)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"_include_: {config_path(True)}\ndemo: {{data_seed: -1}}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: demo.data_seed must be an integer >= 0"):
+        load_demo_config(str(bad), str(tmp_path / "data"))

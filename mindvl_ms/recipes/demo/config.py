@@ -24,11 +24,19 @@ def config_path(quick: bool) -> str:
     return packaged_path("demo/quick.yaml" if quick else "demo/full.yaml")
 
 
-DEMO_KEYS = ("model", "vocab", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first", "vqa_describe",
+DEMO_KEYS = ("model", "vocab", "data_seed", "data_sizes", "vqa_mix", "vqa_balance_yes_no", "vqa_question_first", "vqa_describe",
              "eval_batch_size", "eval_variants", "max_new_tokens", "resolution_grid",
              "phase_processes")  # the `demo:` section's settings
 DEMO_BOOL_KEYS = ("vqa_balance_yes_no", "vqa_question_first", "vqa_describe", "eval_variants",
                   "phase_processes")  # YAML true/false
+
+
+def data_seed(demo: Dict[str, Any], run_seed: int) -> int:
+    """The seed the demo's data is drawn from: `demo.data_seed`, else the run's `seed`. Setting it apart
+    keeps the data (and with `vocab: data`, the model's vocabulary) fixed while `seed` varies the rest: a
+    research arm trains its SFT stage on its base's data with several seeds."""
+    seed = demo.get("data_seed")
+    return int(run_seed if seed is None else seed)
 
 
 def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = None, vocab_subset: bool = True):
@@ -44,6 +52,9 @@ def load_demo_config(path: str, data_dir: str, overrides: Optional[List[str]] = 
     for key in DEMO_BOOL_KEYS:
         if key in demo and not isinstance(demo[key], bool):
             raise ConfigError(f"{path}: demo.{key} must be true or false, got {demo[key]!r}")
+    seed = demo.get("data_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ConfigError(f"{path}: demo.data_seed must be an integer >= 0 (or absent: the run's seed), got {seed!r}")
     model_yaml = demo.get("model")
     if model_yaml:  # a `model:` section in the demo YAML overrides fields of demo.model
         # relative to the given YAML, else to configs/demo/ (a YAML that `_include_`s full.yaml from elsewhere)

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 import mindspore as ms
 
 from mindvl_ms.config.packaged import resolve_config
-from mindvl_ms.recipes.demo.config import config_path, load_demo_config
+from mindvl_ms.recipes.demo.config import config_path, data_seed, load_demo_config
 from mindvl_ms.recipes.demo.evaluation import evaluate_phase, vqa_scores_by_type
 from mindvl_ms.recipes.demo.prepare import restrict_vocab, write_data
 from mindvl_ms.recipes.demo.processes import in_child
@@ -48,7 +48,8 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
     path = resolve_config(config)[0] if config else config_path(quick)
     data_dir = os.path.join(out_dir, "data")
     run_cfg, demo = load_demo_config(path, data_dir, overrides, vocab_subset=False)  # restrict_vocab redoes it
-    info = write_data(demo, data_dir, run_cfg.seed, progress)
+    seed = data_seed(demo, run_cfg.seed)
+    info = write_data(demo, data_dir, seed, progress)
     info["vocab"] = restrict_vocab(run_cfg, demo, data_dir, list(info["files"]["heldout"].values()))
     t_data = time.perf_counter()
     spawn = demo.get("phase_processes", True)
@@ -64,6 +65,7 @@ def run_demo(out_dir: str = "runs/demo", quick: bool = False, config: Optional[s
                       for n in ckpts} if "vqa" in scores.get("merged", {}) else {}
     t_end = time.perf_counter()
     report = {"config": os.path.abspath(path), "out_dir": os.path.abspath(out_dir), "quick": quick,
+              "seed": run_cfg.seed, "data_seed": seed,
               "stages": trained["stages"], "packing": trained["packing"], "baselines": info["baselines"],
               "vocab": info["vocab"], "scores": scores, "vqa_by_type": scores_by_type,
               "merge": {"checkpoint": merged, "inputs": record["inputs"]}, "resolution_search": search,

@@ -2,8 +2,8 @@
 merged checkpoint's held-out scores against the demo's targets, with their mean, sd and minimum over seeds.
 
 The seed (`seed` of the run config) draws the data as well as the initial weights and the row order
-(`datasets.write_demo_data` seeds every task's stream with it), so each seed writes its own OUT/seed_<s>/data:
-no part of the data is independent of the seed to share.
+(`datasets.write_demo_data` seeds every task's stream with it, unless the YAML's `demo.data_seed` fixes the
+data), so each seed writes its own OUT/seed_<s>/data.
 
 easy-VQA's target is relative to its image-blind prior: each held-out question answered with the most
 frequent train answer of its question template (`vqa_data.question_prior`), computed per question type

@@ -43,13 +43,15 @@ def vqa_type(line: dict) -> str:
 
 
 def type_quotas(n: int, mix: Dict[str, float]) -> Dict[str, int]:
-    """n split over question types in proportion to mix (largest remainders; sums to n)."""
+    """n split over question types in proportion to mix (largest remainders; sums to n), in VQA_TYPES order
+    whatever the mapping's key order, so the same mix draws the same questions however it was written
+    (a YAML dumped with sorted keys included)."""
     weights = list(mix.values()) if isinstance(mix, dict) else []
     if not weights or set(mix) - set(VQA_TYPES) or \
             any(isinstance(w, bool) or not isinstance(w, (int, float)) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"vqa_mix {mix}: expected non-negative weights over {', '.join(VQA_TYPES)} "
                          "with a positive sum")
-    return largest_remainders(n, mix)
+    return largest_remainders(n, {t: mix[t] for t in VQA_TYPES if t in mix})
 
 
 def largest_remainders(n: int, weights: Dict[str, float]) -> Dict[str, int]:
