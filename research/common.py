@@ -13,13 +13,14 @@ Design choices:
   sources of mindvl_ms/, configs/ and scripts/. A changed code or config therefore never reuses an old
   result; the run lands in OUT/runs/<key>, so a run two experiments share (the base of seed S, an arm
   that is the same config in two experiments) is trained once.
-- The base: `base(seed)` is `mindvl demo --config research/scale.yaml --set seed=S` (warm-up, multitask,
-  the SFT variants and their merge). Arms that need a trained model start from its multitask checkpoint
-  (`branch`: the scale's SFT stage alone, `init_from` = that checkpoint), so they differ from each
-  other only in what the arm changes.
-- Seeds: every arm runs `--seeds` (default 0 1 2); tables give mean ± sample sd over seeds, and
-  `verdict` says whether a difference between two arms exceeds the seed spread.
-- `--smoke`: one seed, research/smoke.yaml (the same recipe with a handful of steps and samples), results
+- The base: `base()` is the demo as shipped, `mindvl demo --set seed=0` (configs/demo/full.yaml: warm-up,
+  2,000 multitask steps, the SFT variants, their merge and evaluation), trained once per code and config.
+  Every arm starts from its multitask checkpoint (`branch`: the recipe's SFT stage alone, `init_from` that
+  checkpoint, on the base's data: `demo.data_seed` 0), so arms differ only in what the arm changes and in
+  the seed of the SFT stage (its row order).
+- Seeds: every arm runs `--seeds` (default 0 1 2) as the `seed` of its branch; tables give mean ± sample sd
+  over seeds, and `verdict` says whether a difference between two arms exceeds the seed spread.
+- `--smoke`: one seed, research/smoke.yaml (the demo recipe with a handful of steps and samples), results
   under OUT/smoke/: the same code paths in a few minutes, no committed file touched.
 - Runs go one at a time (subprocess, waited for): the machine is small and timings must not overlap.
 """
@@ -39,13 +40,21 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's mindvl_ms
-from mindvl_ms.config.base import read_yaml  # noqa: E402
+from mindvl_ms.config.base import deep_merge, read_yaml  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 OUT = os.environ.get("RESEARCH_OUT", "/tmp/mindvl_research")
-SCALE = os.path.join(HERE, "scale.yaml")   # the demo-sized recipe every demo-based experiment starts from
+RECIPE = os.path.join(REPO, "configs", "demo", "full.yaml")  # the demo's recipe: the base and every branch
 SMOKE = os.path.join(HERE, "smoke.yaml")   # the same recipe, a few steps: `--smoke`
+BASE_SEED = 0                              # the base's seed, hence the data every branch trains and scores on
+# How a branch's SFT variants differ (MindVL section 5.3: longer rows with larger images): sft_256 sees every
+# image at 3,136 px (56x56, 4 visual tokens), sft_512 keeps the recipe's 12,544 (16 tokens, the base's and
+# the evaluation's size); tests/research/test_scale.py checks with the processor that the sizes differ.
+VARIANT_IMAGES = {"sft_256": {"min_pixels": 3136, "max_pixels": 3136}}
+# The branch's own evaluation: one resolution setting (the base's; experiment (b) runs the grid) and its
+# phases in one process
+BRANCH_DEMO = {"resolution_grid": {"min": [16], "max": [16]}, "phase_processes": False}
 SEEDS = (0, 1, 2)
 SOURCE_DIRS = ("mindvl_ms", "configs", "scripts")          # the code and packaged configs a run depends on
 SOURCE_EXTS = (".py", ".yaml", ".yml", ".json", ".sh", ".txt", ".cpp", ".h")
@@ -56,7 +65,7 @@ class Settings:
     """What `parse_args` chose: the seeds, smoke mode, the recipe and where results go."""
     seeds: Sequence[int] = SEEDS
     smoke = False
-    scale = SCALE
+    recipe = RECIPE
 
 
 S = Settings()
@@ -72,7 +81,7 @@ def parse_args(doc: str, argv: Optional[Sequence[str]] = None, add=None) -> argp
         add(ap)
     args = ap.parse_args(argv)
     S.smoke = args.smoke
-    S.scale = SMOKE if args.smoke else SCALE
+    S.recipe = SMOKE if args.smoke else RECIPE
     S.seeds = tuple(args.seeds) if args.seeds else ((0,) if args.smoke else SEEDS)
     args.seeds = list(S.seeds)
     return args
@@ -174,7 +183,7 @@ def demo(name: str, sets: Sequence[str] = (), config: Optional[str] = None) -> D
     """`mindvl demo --config CONFIG --out OUT/runs/<key> --set ...`, cached by `run_key` (command with the
     out dir left out, the resolved CONFIG and the source hash); returns report.json with `wall_s` (this
     run's time, or the cached run's), `cached`, `commit` (the commit it was made at) and `key` added."""
-    config = config or S.scale
+    config = config or S.recipe
     args = ["demo", "--config", config, "--no-progress", *[a for s in sets for a in ("--set", s)]]
     key = run_key(args, [config])
     out = os.path.join(OUT, "runs", key[:16])
@@ -192,10 +201,10 @@ def demo(name: str, sets: Sequence[str] = (), config: Optional[str] = None) -> D
     return dict(load(os.path.join(out, "report.json")), wall_s=dt, cached=False, commit=commit(), key=key)
 
 
-def base(seed: int) -> Dict[str, Any]:
-    """The trained base of a seed: the scale recipe's whole demo run (its multitask checkpoint is what
-    `branch` starts from; its SFT variants and merge are experiment (a)'s checkpoints)."""
-    return demo(f"base_seed{seed}", [f"seed={seed}"])
+def base() -> Dict[str, Any]:
+    """The trained base: the demo recipe's whole run at BASE_SEED (its multitask checkpoint is what every
+    `branch` starts from; its report is the demo's own seed-0 result)."""
+    return demo("base", [f"seed={BASE_SEED}"])
 
 
 def base_checkpoint(report: Dict[str, Any]) -> str:
@@ -204,13 +213,15 @@ def base_checkpoint(report: Dict[str, Any]) -> str:
 
 def branch_config(init_from: str, recipe: Optional[str] = None, eval_variants: bool = False) -> str:
     """A demo YAML (written under OUT/configs, named by its content) that is the recipe's last stage (the SFT
-    variants and their merge) alone, started from `init_from`; the merged checkpoint is evaluated."""
-
-
-    raw = read_yaml(recipe or S.scale)
-    raw["stages"] = raw["stages"][-1:]
+    variants, VARIANT_IMAGES applied, and their merge) alone, started from `init_from`, on the base's data
+    (`demo.data_seed` BASE_SEED); the merged checkpoint is evaluated, the variants too with eval_variants."""
+    raw = read_yaml(recipe or S.recipe)
+    sft = dict(raw["stages"][-1])
+    sft["variants"] = {name: deep_merge(v, {"data": {"image": VARIANT_IMAGES.get(name, {})}})
+                       for name, v in sft["variants"].items()}
+    raw["stages"] = [sft]
     raw["init_from"] = os.path.abspath(init_from)   # the run config's own: variants of a first stage start there
-    raw["demo"] = dict(raw["demo"], eval_variants=eval_variants)
+    raw["demo"] = dict(raw["demo"], eval_variants=eval_variants, data_seed=BASE_SEED, **BRANCH_DEMO)
     text = yaml.safe_dump(raw, sort_keys=True)
     path = os.path.join(OUT, "configs", hashlib.sha256(text.encode()).hexdigest()[:16] + ".yaml")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -219,12 +230,18 @@ def branch_config(init_from: str, recipe: Optional[str] = None, eval_variants: b
     return path
 
 
-def branch(name: str, seed: int, sets: Sequence[str] = ()) -> Dict[str, Any]:
-    """An arm: the SFT stage from the base of `seed` with `sets` (stage index 0 = that stage), cached like
-    any demo run (the base checkpoint's path, hence the base's key, is in the config)."""
-    rep = base(seed)
-    return dict(demo(f"{name}_seed{seed}", [f"seed={seed}", *sets], branch_config(base_checkpoint(rep))),
-                base_commit=rep["commit"])
+def branch(name: str, seed: int, sets: Sequence[str] = (), eval_variants: bool = False) -> Dict[str, Any]:
+    """An arm: the SFT stage from the base's multitask checkpoint with `seed` and `sets` (stage index 0 = that
+    stage), cached like any demo run (the base checkpoint's path, hence the base's key, is in the config)."""
+    rep = base()
+    return dict(demo(f"{name}_seed{seed}", [f"seed={seed}", *sets],
+                     branch_config(base_checkpoint(rep), eval_variants=eval_variants)), base_commit=rep["commit"])
+
+
+def recipe_branch(seed: int) -> Dict[str, Any]:
+    """The recipe's SFT stage as it is, variants scored too: experiment (a)'s run of a seed, whose merged
+    checkpoint (b) searches and whose merged scores are the recipe's arm of (c) and (e) (one run, shared)."""
+    return branch("sft", seed, eval_variants=True)
 
 
 # ---- the torch reference runs ((f), (g)) ----------------------------------------------------------------

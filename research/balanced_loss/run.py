@@ -3,12 +3,12 @@ equation 1; Figure 4(c), section 5.2.2 Observation 2).
 
     python research/balanced_loss/run.py [--seeds 0 1 2] [--smoke]
 
-Every arm is the SFT stage (its two variants and their merge) trained from the base of its seed
-(`common.branch`: the multitask checkpoint of `mindvl demo --config research/scale.yaml --set seed=S`),
-with the loss set on that stage (the variants inherit it):
-  token_mean                 stage.loss.type: token_mean (the recipe as is)
+Every arm is the SFT stage (its two variants and their merge) trained from the base's multitask checkpoint
+(`common.branch`: the base is `mindvl demo --set seed=0`, trained once) with each seed, the loss set on
+that stage (the variants inherit it):
+  token_mean                 stage.loss.type: token_mean
   balanced (1,1)             eq. 1 with both terms, tau1 0.1, tau2 2 (the defaults)
-  balanced (0,1)             the per-sample term only (the full demo recipe's choice)
+  balanced (0,1)             the per-sample term only (the demo recipe as is: experiment (a)'s run)
   balanced (1,1), tau=0      both terms with tau1 = tau2 = 0: every token weight is the same constant, so the
                              loss is the token mean + the mean of per-sample means (no order or magnitude
                              re-weighting; tests/research/test_balanced_arm.py checks this against numpy)
@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from mindvl_ms.data.tokenizer import load_tokenizer  # noqa: E402
+from mindvl_ms.recipes.demo.config import load_demo_config  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = ("vqa", "ocr", "grounding")
@@ -35,9 +36,9 @@ def loss_sets(**loss):
     return [f"stages.0.loss.{k}={v}" for k, v in loss.items()]
 
 
-ARMS = {"token_mean": [],
+ARMS = {"token_mean": loss_sets(type="token_mean"),
         "balanced (1,1)": loss_sets(type="balanced", lambda1=1.0, lambda2=1.0),
-        "balanced (0,1)": loss_sets(type="balanced", lambda1=0.0, lambda2=1.0),
+        "balanced (0,1)": None,   # the recipe's own loss: common.recipe_branch
         "balanced (1,1), tau=0": loss_sets(type="balanced", lambda1=1.0, lambda2=1.0, tau1=0.0, tau2=0.0)}
 SLUGS = {"token_mean": "loss_token_mean", "balanced (1,1)": "loss_balanced_11", "balanced (0,1)": "loss_balanced_01",
          "balanced (1,1), tau=0": "loss_balanced_11_tau0"}
@@ -54,6 +55,12 @@ def answer_lengths(data_dir):
     return out
 
 
+def arm_run(arm, seed):
+    """An arm's run of a seed: the recipe's shared branch for the recipe's loss, else its own branch."""
+    sets = ARMS[arm]
+    return common.recipe_branch(seed) if sets is None else common.branch(SLUGS[arm], seed, sets)
+
+
 def scores(runs):
     """{task and average: [per seed]} of the merged checkpoint."""
     out = {t: [r["scores"]["merged"][t] for r in runs] for t in TASKS}
@@ -63,21 +70,24 @@ def scores(runs):
 
 def main():
     args = common.parse_args(__doc__)
-    runs = {a: [common.branch(SLUGS[a], s, sets) for s in args.seeds] for a, sets in ARMS.items()}
+    runs = {a: [arm_run(a, s) for s in args.seeds] for a in ARMS}
     arms = {a: scores(rs) for a, rs in runs.items()}
-    bases = [common.base(s) for s in args.seeds]
-    lens = answer_lengths(os.path.join(bases[0]["out_dir"], "data"))
-    tot = sum(lens[t]["mean"] * lens[t]["n"] for t in TASKS)
-    share = {t: lens[t]["mean"] * lens[t]["n"] / tot for t in TASKS}
-    blind = {t: [b["baselines"][t]["score"] for b in bases] for t in TASKS}
+    base = common.base()
+    lens = answer_lengths(os.path.join(base["out_dir"], "data"))
+    cfg, _ = load_demo_config(common.S.recipe, "/")
+    weight = {t: s.weight for t, s in zip(TASKS, cfg.data.sources)}   # the recipe's mix weights
+    tot = sum(lens[t]["mean"] * lens[t]["n"] * weight[t] for t in TASKS)
+    share = {t: lens[t]["mean"] * lens[t]["n"] * weight[t] / tot for t in TASKS}
+    blind = {t: [base["baselines"][t]["score"]] for t in TASKS}   # one base, one data draw
     table = common.arms_table(arms, TASKS + ("average",), ["VQA EM", "OCR EM", "grounding Acc@0.5", "average"],
                               reference="token_mean")
     table += "\n| blind baseline | " + " | ".join(common.fmt(blind[t]) for t in TASKS) + " |  |  |\n"
-    table += (f"\nmerged checkpoint after the SFT stage from each seed's base, held-out %, mean ± sample sd over "
-              f"seeds {args.seeds}. " + common.effect_sentence(arms, "token_mean")
+    table += (f"\nmerged checkpoint after the SFT stage from the base's multitask checkpoint, held-out %, mean ± "
+              f"sample sd over seeds {args.seeds}. " + common.effect_sentence(arms, "token_mean")
               + " Supervised answer tokens per sample (incl. <|im_end|>): "
               + ", ".join(f"{t} {lens[t]['mean']:.1f} ({lens[t]['min']}-{lens[t]['max']})" for t in TASKS)
-              + "; share of the supervised tokens in the train mix (weights equal): "
+              + "; share of the supervised tokens in the train mix (source weights "
+              + ", ".join(f"{t} {weight[t]:g}" for t in TASKS) + "): "
               + ", ".join(f"{t} {100 * share[t]:.0f}%" for t in TASKS) + ".\n")
     common.bar_plot(arms, TASKS, {t: float(np.mean(v)) for t, v in blind.items()},
                     os.path.join(common.results_dir(HERE), "balanced_loss.png"),

@@ -3,12 +3,12 @@ Figure 4(a): grounding data 7% -> 14% gave > 3 points on RefCOCO, no loss on gen
 
     python research/grounding_share/run.py [--seeds 0 1 2] [--smoke]
 
-Arms are the SFT stage (its two variants and their merge) trained from the base of each seed
-(`common.branch`), differing only in the mix weight of the grounding source (data.sources.2.weight; VQA
-and OCR stay at 2.0), with the same number of optimizer steps, so more grounding means fewer VQA/OCR
-samples seen (a share, as in the paper):
+Arms are the SFT stage (its two variants and their merge) trained from the base's multitask checkpoint
+(`common.branch`) with each seed, differing only in the mix weight of the grounding source
+(data.sources.2.weight; VQA stays at 1.0 and OCR at 2.0), with the same number of optimizer steps, so more
+grounding means fewer VQA/OCR samples seen (a share, as in the paper):
   1x  grounding weight 1.0
-  2x  grounding weight 2.0 (the recipe as is: the same run as the token_mean arm of experiment (c))
+  2x  grounding weight 2.0 (the demo recipe as is: experiment (a)'s run, `common.recipe_branch`)
 Writes results.json, results.md and grounding_share.png (mean ± sd over seeds).
 """
 import os
@@ -23,11 +23,16 @@ from mindvl_ms.recipes.demo.config import load_demo_config  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 TASKS = ("vqa", "ocr", "grounding")
 ARMS = {"1x": 1.0, "2x": 2.0}
-SLUGS = {"1x": "grounding_1x", "2x": "loss_token_mean"}   # 2x is the recipe as is: one run shared with (c)
 
 
 def arm_sets(w):
     return [] if w == 2.0 else [f"data.sources.2.weight={w}"]
+
+
+def arm_run(arm, seed):
+    """2x is the recipe as is (the run experiments (a) and (c) share); 1x its own branch."""
+    w = ARMS[arm]
+    return common.recipe_branch(seed) if w == 2.0 else common.branch(f"grounding_{arm}", seed, arm_sets(w))
 
 
 def sample_shares():
@@ -35,7 +40,7 @@ def sample_shares():
 
     out = {}
     for a, w in ARMS.items():
-        cfg, demo = load_demo_config(common.S.scale, "/", ["seed=0", *arm_sets(w)])
+        cfg, demo = load_demo_config(common.S.recipe, "/", ["seed=0", *arm_sets(w)])
         n = {t: demo["data_sizes"][t][0] * s.weight for t, s in zip(TASKS, cfg.data.sources)}
         out[a] = {t: n[t] / sum(n.values()) for t in TASKS}
     return out
@@ -43,19 +48,19 @@ def sample_shares():
 
 def main():
     args = common.parse_args(__doc__)
-    runs = {a: [common.branch(SLUGS[a], s, arm_sets(w)) for s in args.seeds] for a, w in ARMS.items()}
+    runs = {a: [arm_run(a, s) for s in args.seeds] for a in ARMS}
     arms = {}
     for a, rs in runs.items():
         arms[a] = {t: [r["scores"]["merged"][t] for r in rs] for t in TASKS}
         arms[a]["average"] = [float(np.mean([r["scores"]["merged"][t] for t in TASKS])) for r in rs]
     shares = sample_shares()
-    bases = [common.base(s) for s in args.seeds]
-    blind = {t: [b["baselines"][t]["score"] for b in bases] for t in TASKS}
+    base = common.base()
+    blind = {t: [base["baselines"][t]["score"]] for t in TASKS}   # one base, one data draw
     table = common.arms_table(arms, TASKS + ("average",), ["VQA EM", "OCR EM", "grounding Acc@0.5", "average"],
                               reference="2x")
     table += "\n| blind baseline | " + " | ".join(common.fmt(blind[t]) for t in TASKS) + " |  |  |\n"
-    table += (f"\nmerged checkpoint after the SFT stage from each seed's base, held-out %, mean ± sample sd over "
-              f"seeds {args.seeds}, same number of optimizer steps per arm; grounding share of the samples: "
+    table += (f"\nmerged checkpoint after the SFT stage from the base's multitask checkpoint, held-out %, mean ± "
+              f"sample sd over seeds {args.seeds}, same number of optimizer steps per arm; grounding share of the samples: "
               + ", ".join(f"{a} {100 * shares[a]['grounding']:.0f}%" for a in ARMS) + ". "
               + common.effect_sentence(arms, "2x") + " On grounding: "
               + common.verdict(arms["1x"]["grounding"], arms["2x"]["grounding"]) + ".\n")

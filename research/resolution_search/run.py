@@ -2,10 +2,11 @@
 
     python research/resolution_search/run.py [--seeds 0 1 2] [--smoke]
 
-For each seed, the merged checkpoint of that seed's base (`common.base`: `mindvl demo --config
-research/scale.yaml --set seed=S`) goes through the project's search (`mindvl_ms.eval.resolution_search.search`,
-what `mindvl search-resolution` runs) over a min_pixels x max_pixels grid on the seed's three held-out
-splits. The grid (GRID x GRID, min <= max, in units of 28x28 px) is wide enough that the demo's images
+For each seed, the merged checkpoint of experiment (a)'s run of that seed (`common.recipe_branch`: the SFT
+variants from the base's multitask checkpoint, merged) goes through the project's search
+(`mindvl_ms.eval.resolution_search.search`, what `mindvl search-resolution` runs) over a min_pixels x
+max_pixels grid on the first SEARCH_SAMPLES of each held-out split (the base's data: the same samples for
+every seed). The grid (GRID x GRID, min <= max, in units of 28x28 px) is wide enough that the demo's images
 (easy-VQA 64x64, OCR 224x56, grounding 112x112) are resized differently: its five min = max settings give
 five different sizes for every image (`check_grid` asserts it on the held-out images before the search;
 tests/research/test_scale.py on the demo's sizes). The generation backend is the demo's
@@ -32,6 +33,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GRID = (4, 9, 16, 36, 64)      # units of 28x28 px, for min_pixels and max_pixels; training used 16 (12,544 px)
 TRAIN = (16, 16)
 TASKS = ("vqa", "ocr", "grounding")
+SEARCH_SAMPLES = {"vqa": 150, "ocr": 75, "grounding": 75}   # the held-out splits' first lines the search scores
+
+
+def heldout_subset(data_dir, task, n):
+    """The first n lines of data_dir/heldout_<task>.jsonl as heldout_<task>.first<n>.jsonl beside it (its
+    relative image paths stay valid); returns its path."""
+    src = os.path.join(data_dir, f"heldout_{task}.jsonl")
+    dst = os.path.join(data_dir, f"heldout_{task}.first{n}.jsonl")
+    with open(src, encoding="utf-8") as f:
+        lines = f.readlines()[:n]
+    with open(dst, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    return dst
 
 
 def resized_sizes(settings, image_sizes):
@@ -63,15 +77,15 @@ def heldout_image_sizes(data_files):
     return sorted(out)
 
 
-def search_seed(rep, run_cfg, demo, out):
-    """The search over the grid for one base's merged checkpoint: {(min, max): {task: score, average}}."""
-    data = [os.path.join(rep["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]
+def search_seed(rep, run_cfg, demo, data, out):
+    """The search over the grid for one run's merged checkpoint on `data` (a file per task):
+    {(min, max): {task: score, average}}."""
     mnt = int(demo["max_new_tokens"])
     res = search([rep["merge"]["checkpoint"]], data, out,
                  backend_factory=lambda c: eval_backend(c, run_cfg.data, mnt), min_grid=GRID, max_grid=GRID,
                  batch_size=int(demo["eval_batch_size"]), max_new_tokens=mnt, progress=False)
     return ({(r["min_pixels"] // UNIT, r["max_pixels"] // UNIT): dict(r["scores"], average=r["average"])
-             for r in res["rows"]}, res["caching"], data)
+             for r in res["rows"]}, res["caching"])
 
 
 def main():
@@ -81,12 +95,13 @@ def main():
     settings = [(lo // UNIT, hi // UNIT) for lo, hi in grid(GRID, GRID)]
     per_seed, caching, t0 = [], {}, time.perf_counter()
     for s in args.seeds:
-        rep = common.base(s)
-        run_cfg, demo = load_demo_config(common.S.scale, os.path.join(rep["out_dir"], "data"), [f"seed={s}"])
-        data = [os.path.join(rep["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]
+        rep = common.recipe_branch(s)
+        data_dir = os.path.join(rep["out_dir"], "data")
+        run_cfg, demo = load_demo_config(rep["config"], data_dir, [f"seed={s}"])
+        data = [heldout_subset(data_dir, t, SEARCH_SAMPLES[t]) for t in TASKS]
         image_sizes = heldout_image_sizes(data)
         sizes = check_grid(settings, image_sizes)
-        scores, cache, _ = search_seed(rep, run_cfg, demo, os.path.join(common.OUT, "resolution_search", f"seed{s}"))
+        scores, cache = search_seed(rep, run_cfg, demo, data, os.path.join(common.OUT, "resolution_search", f"seed{s}"))
         per_seed.append(scores)
         caching[s] = list(cache.values())[0]
     wall = time.perf_counter() - t0
@@ -99,7 +114,9 @@ def main():
     table = common.md_table(["(min, max) units of 28x28 px", "resized " + " / ".join(f"{w}x{h}" for w, h in image_sizes),
                              "VQA EM", "OCR EM", "grounding Acc@0.5", "average", "average: vs (16, 16)"], rows)
     named = {f"({k[0]}, {k[1]})": v for k, v in arms.items()}
-    table += (f"\n\nmerged checkpoint of each seed's base, held-out %, mean ± sample sd over seeds {args.seeds}. "
+    table += (f"\n\nmerged checkpoint of experiment (a)'s run of each seed, held-out % on the first "
+              + ", ".join(f"{n} {t}" for t, n in SEARCH_SAMPLES.items())
+              + f" samples, mean ± sample sd over seeds {args.seeds}. "
               + common.effect_sentence(named, f"({TRAIN[0]}, {TRAIN[1]})") + " Caching per seed: "
               + "; ".join(f"seed {s}: {c['generated']} answers generated, {c['reused']} reused"
                           for s, c in caching.items()) + f". Search wall time {wall:.0f}s.\n")
@@ -119,7 +136,7 @@ def main():
     common.save(HERE, {"seeds": args.seeds, "grid": list(GRID), "image_sizes": image_sizes,
                        "resized": {f"{k[0]},{k[1]}": v for k, v in sizes.items()},
                        "scores": {f"{k[0]},{k[1]}": v for k, v in arms.items()}, "caching": caching,
-                       "search_wall_s": wall}, table)
+                       "search_wall_s": wall, "samples": SEARCH_SAMPLES}, table)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ import mindspore as ms
 
 from mindvl_ms.recipes.demo.config import load_demo_config
 from mindvl_ms.train.loss import TrainLoss
-from tests.research.helpers import RESEARCH, load
+from tests.research.helpers import load
+from tests.support.paths import ROOT
 
 balanced = load("balanced_loss/run.py", "research_balanced")
 
@@ -15,7 +16,8 @@ def test_the_arm_sets_both_terms_and_zero_taus_on_the_sft_variants():
     assert sets == ["stages.0.loss.type=balanced", "stages.0.loss.lambda1=1.0", "stages.0.loss.lambda2=1.0",
                     "stages.0.loss.tau1=0.0", "stages.0.loss.tau2=0.0"]
     # a branch trains the recipe's last stage alone (index 0 there; index 2 in the whole recipe)
-    cfg, _ = load_demo_config(f"{RESEARCH}/scale.yaml", "/tmp/data", [s.replace("stages.0.", "stages.2.") for s in sets])
+    cfg, _ = load_demo_config(f"{ROOT}/configs/demo/full.yaml", "/tmp/data",
+                              [s.replace("stages.0.", "stages.2.") for s in sets])
     variants = [v for v, parent in cfg.schedule() if parent is not None]
     assert [v.name for v in variants] == ["sft_256", "sft_512"]
     for v in variants:

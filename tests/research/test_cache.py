@@ -86,16 +86,47 @@ def test_demo_reruns_when_the_code_changes(tmp_path, fake_runs, monkeypatch):
     assert len(fake_runs) == 2 and not rerun["cached"]
 
 
-def test_branch_config_is_the_sft_stage_from_the_base_checkpoint(tmp_path, monkeypatch):
-    from mindvl_ms.recipes.demo.config import load_demo_config
+def test_branch_config_is_the_sft_stage_from_the_base_checkpoint_on_the_base_data(tmp_path, monkeypatch):
+    from mindvl_ms.recipes.demo.config import data_seed, load_demo_config
 
     monkeypatch.setattr(common, "OUT", str(tmp_path / "out"))
-    path = common.branch_config(str(tmp_path / "base" / "multitask" / "checkpoint-000060"), common.SCALE)
-    assert path == common.branch_config(str(tmp_path / "base" / "multitask" / "checkpoint-000060"), common.SCALE)
-    cfg, demo = load_demo_config(path, str(tmp_path / "data"), ["seed=1", "stages.0.loss.type=balanced"])
-    assert cfg.init_from == str(tmp_path / "base" / "multitask" / "checkpoint-000060")
-    assert [s.name for s in cfg.stages] == ["sft"] and cfg.stages[0].loss.type == "balanced"
+    ckpt = str(tmp_path / "base" / "multitask" / "checkpoint-002000")
+    path = common.branch_config(ckpt, common.RECIPE)
+    assert path == common.branch_config(ckpt, common.RECIPE)          # named by content: the same file
+    cfg, demo = load_demo_config(path, str(tmp_path / "data"), ["seed=1", "stages.0.loss.type=token_mean"])
+    assert cfg.init_from == ckpt
+    assert [s.name for s in cfg.stages] == ["sft"] and cfg.stages[0].loss.type == "token_mean"
     assert [v.name for v, _ in cfg.schedule()] == ["sft_256", "sft_512"]
     assert demo["eval_variants"] is False and cfg.seed == 1
-    other = common.branch_config(str(tmp_path / "other"), common.SCALE)
+    # the branch draws the base's data (seed 0) whatever its own seed, and evaluates at one resolution
+    assert data_seed(demo, cfg.seed) == common.BASE_SEED == 0
+    assert demo["resolution_grid"] == {"min": [16], "max": [16]} and demo["phase_processes"] is False
+    _, with_variants = load_demo_config(common.branch_config(ckpt, common.RECIPE, eval_variants=True), "/tmp/d")
+    assert with_variants["eval_variants"] is True
+    other = common.branch_config(str(tmp_path / "other"), common.RECIPE)
     assert other != path                       # another base: another config, so another cache key
+
+
+def test_one_base_for_every_branch(tmp_path, fake_runs, monkeypatch):
+    """Branches of three seeds train the base once (the demo recipe at seed 0) and start from its multitask
+    checkpoint; the recipe's branch is one run shared by its callers."""
+    monkeypatch.setattr(common, "RECIPE", common.SMOKE)
+    monkeypatch.setattr(common.S, "recipe", common.SMOKE)
+    base_report = {"stages": {"multitask": {"checkpoint": str(tmp_path / "mt" / "checkpoint-2")}}}
+    real_demo = common.demo
+
+    def demo(name, sets=(), config=None):
+        rep = real_demo(name, sets, config)
+        return dict(rep, **base_report) if name == "base" else rep
+
+    monkeypatch.setattr(common, "demo", demo)
+    runs = [common.branch("arm", s, ["stages.0.max_steps=2"]) for s in (0, 1, 2)]
+    again = common.recipe_branch(1), common.recipe_branch(1)
+    cmds = [" ".join(c) for c in fake_runs]
+    assert sum("--set seed=0" in c and "smoke.yaml" in c for c in cmds) == 1     # the base, once
+    assert len(fake_runs) == 1 + 3 + 1 and again[1]["cached"]
+    branch_cfgs = {c[c.index("--config") + 1] for c in fake_runs[1:4]}
+    assert len(branch_cfgs) == 1                                   # one config: the seeds differ in --set only
+    assert [c[c.index("--set") + 1] for c in fake_runs[1:4]] == ["seed=0", "seed=1", "seed=2"]
+    assert str(tmp_path / "mt" / "checkpoint-2") in open(branch_cfgs.pop()).read()
+    assert all(r["base_commit"] == runs[0]["base_commit"] for r in runs)

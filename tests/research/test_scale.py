@@ -1,20 +1,22 @@
-"""research/scale.yaml and the resolution grid resize the demo's images differently, as the experiments need:
-the SFT variants (MindVL section 5.3: longer rows, larger images) and the search's settings."""
+"""A research branch's SFT variants and the resolution grid resize the demo's images differently, as the
+experiments need: the variants (MindVL section 5.3: longer rows, larger images) and the search's settings."""
 import pytest
 
 from mindvl_ms.data.image import image_tokens, smart_resize
 from mindvl_ms.recipes.demo.config import load_demo_config
 from mindvl_ms.recipes.demo.grounding_data import GROUND_SIZE
 from mindvl_ms.recipes.demo.ocr_data import OCR_SIZE
-from tests.research.helpers import RESEARCH, load
+from tests.research.helpers import load
 
 resolution = load("resolution_search/run.py", "research_resolution")
+common = load("common.py", "research_common")
 DEMO_SIZES = [(64, 64), OCR_SIZE, GROUND_SIZE]   # (width, height): easy-VQA, OCR, grounding
 
 
-@pytest.mark.parametrize("recipe", ["scale.yaml", "smoke.yaml"])
-def test_sft_variants_differ_in_row_length_and_resized_images(recipe):
-    cfg, _ = load_demo_config(f"{RESEARCH}/{recipe}", "/tmp/data")
+@pytest.mark.parametrize("recipe", ["RECIPE", "SMOKE"])
+def test_sft_variants_differ_in_row_length_and_resized_images(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "OUT", str(tmp_path))
+    cfg, _ = load_demo_config(common.branch_config(str(tmp_path / "ckpt"), getattr(common, recipe)), "/tmp/data")
     variants = {v.name: cfg.stage_data(v) for v, parent in cfg.schedule() if parent is not None}
     assert sorted(variants) == ["sft_256", "sft_512"]
     assert variants["sft_256"].seq_length == 256 and variants["sft_512"].seq_length == 512
