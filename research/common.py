@@ -320,6 +320,19 @@ def effect_sentence(arms: Dict[str, Dict[str, Sequence[float]]], reference: str,
     return f"Effect vs {reference} on {on}: no arm differs beyond the seed spread ({n} seeds, mean ± sd)."
 
 
+def blind_rows(base_report: Dict[str, Any], tasks: Sequence[str], trailing: int = 2) -> str:
+    """Table rows of the base's image-blind references under an arms table (one base, one data draw): each
+    task's baseline (majority answer, chance, mean box) and easy-VQA's question prior (the most frequent
+    train answer of each question template), the stronger blind reference for VQA; `trailing` empty cells."""
+    b = base_report["baselines"]
+    tail = " |" * trailing
+    rows = ["| blind baseline | " + " | ".join(pct(b[t]["score"]) for t in tasks) + " |" + tail]
+    if "question_prior" in b.get("vqa", {}):
+        rows.append("| VQA question prior (image-blind) | " + " | ".join(
+            pct(b["vqa"]["question_prior"]) if t == "vqa" else "" for t in tasks) + " |" + tail)
+    return "\n".join(rows) + "\n"
+
+
 def header(seeds: Sequence[int]) -> str:
     """The line every results.md starts with: the commit, source hash and seeds the table was made at."""
     return (f"Made at commit {commit()} (source hash {source_hash()[:12]}), seeds {list(seeds)}"

@@ -2,7 +2,7 @@
 # Regenerate every research/ table, one experiment at a time, on CPU: results.json, results.md (headed by the
 # commit it was made at) and the PNG next to each run.py. Bulky outputs go to $RESEARCH_OUT (default
 # /tmp/mindvl_research). Runs are cached by the code's source hash and the resolved config
-# (research/common.py), so the bases of seeds 0 1 2 are trained once and shared, and a changed code or
+# (research/common.py), so the base (the demo at seed 0) is trained once and shared, and a changed code or
 # config retrains.
 #   bash research/run_all.sh                 # all seven, 3 seeds per arm: budget 90 min on 2 cores (README.md)
 #   bash research/run_all.sh packing         # only some of them

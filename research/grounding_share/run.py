@@ -58,7 +58,7 @@ def main():
     blind = {t: [base["baselines"][t]["score"]] for t in TASKS}   # one base, one data draw
     table = common.arms_table(arms, TASKS + ("average",), ["VQA EM", "OCR EM", "grounding Acc@0.5", "average"],
                               reference="2x")
-    table += "\n| blind baseline | " + " | ".join(common.fmt(blind[t]) for t in TASKS) + " |  |  |\n"
+    table += "\n" + common.blind_rows(base, TASKS)
     table += (f"\nmerged checkpoint after the SFT stage from the base's multitask checkpoint, held-out %, mean ± "
               f"sample sd over seeds {args.seeds}, same number of optimizer steps per arm; grounding share of the samples: "
               + ", ".join(f"{a} {100 * shares[a]['grounding']:.0f}%" for a in ARMS) + ". "

@@ -36,7 +36,7 @@ def main():
                for i in range(len(runs)))
     table = common.arms_table(arms, TASKS + ("average",), ["VQA EM", "OCR EM", "grounding Acc@0.5", "average"],
                               reference="merged")
-    table += "\n| blind baseline | " + " | ".join(common.fmt(blind[t]) for t in TASKS) + " |  |  |\n"
+    table += "\n" + common.blind_rows(base, TASKS)
     table += (f"\nheld-out %, mean ± sample sd over seeds {args.seeds}; average per seed: "
               + "; ".join(f"{m} " + " / ".join(common.pct(x) for x in arms[m]["average"]) for m in MODELS)
               + f". merged >= both variants on the average in {wins}/{len(runs)} seeds. "

@@ -65,3 +65,13 @@ def test_a_views_count_below_one_evaluation_is_refused_by_name():
     assert common.check_views(2000, 2000) == 2000
     with pytest.raises(SystemExit, match=r"--views 100: need at least 2,000"):
         common.check_views(100, 2000)
+
+
+def test_blind_rows_give_each_task_and_the_vqa_question_prior():
+    base = {"baselines": {"vqa": {"score": 0.036, "question_prior": 0.666}, "ocr": {"score": 0.02},
+                          "grounding": {"score": 0.11}}}
+    rows = common.blind_rows(base, ("vqa", "ocr", "grounding")).splitlines()
+    assert rows == ["| blind baseline | 3.6 | 2.0 | 11.0 | | |",
+                    "| VQA question prior (image-blind) | 66.6 |  |  | | |"]
+    no_prior = {"baselines": {"ocr": {"score": 0.5}}}
+    assert common.blind_rows(no_prior, ("ocr",), trailing=1) == "| blind baseline | 50.0 | |\n"
