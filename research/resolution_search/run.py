@@ -5,8 +5,8 @@
 For each seed, the merged checkpoint of experiment (a)'s run of that seed (`common.recipe_branch`: the SFT
 variants from the base's multitask checkpoint, merged) goes through the project's search
 (`mindvl_ms.eval.resolution_search.search`, what `mindvl search-resolution` runs) over a min_pixels x
-max_pixels grid on the first SEARCH_SAMPLES of each held-out split (the base's data: the same samples for
-every seed). The grid (GRID x GRID, min <= max, in units of 28x28 px) is wide enough that the demo's images
+max_pixels grid on the first SEARCH_LIMIT samples of each held-out split (the search's own `limit`; the base's
+data: the same samples for every seed). The grid (GRID x GRID, min <= max, in units of 28x28 px) is wide enough that the demo's images
 (easy-VQA 64x64, OCR 224x56, grounding 112x112) are resized differently: its five min = max settings give
 five different sizes for every image (`check_grid` asserts it on the held-out images before the search;
 tests/research/test_scale.py on the demo's sizes). The generation backend is the demo's
@@ -33,19 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GRID = (4, 9, 16, 36, 64)      # units of 28x28 px, for min_pixels and max_pixels; training used 16 (12,544 px)
 TRAIN = (16, 16)
 TASKS = ("vqa", "ocr", "grounding")
-SEARCH_SAMPLES = {"vqa": 150, "ocr": 75, "grounding": 75}   # the held-out splits' first lines the search scores
-
-
-def heldout_subset(data_dir, task, n):
-    """The first n lines of data_dir/heldout_<task>.jsonl as heldout_<task>.first<n>.jsonl beside it (its
-    relative image paths stay valid); returns its path."""
-    src = os.path.join(data_dir, f"heldout_{task}.jsonl")
-    dst = os.path.join(data_dir, f"heldout_{task}.first{n}.jsonl")
-    with open(src, encoding="utf-8") as f:
-        lines = f.readlines()[:n]
-    with open(dst, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-    return dst
+SEARCH_LIMIT = 100   # held-out samples per task the search scores (`search(limit=...)`: the first lines)
 
 
 def resized_sizes(settings, image_sizes):
@@ -83,7 +71,7 @@ def search_seed(rep, run_cfg, demo, data, out):
     mnt = int(demo["max_new_tokens"])
     res = search([rep["merge"]["checkpoint"]], data, out,
                  backend_factory=lambda c: eval_backend(c, run_cfg.data, mnt), min_grid=GRID, max_grid=GRID,
-                 batch_size=int(demo["eval_batch_size"]), max_new_tokens=mnt, progress=False)
+                 batch_size=int(demo["eval_batch_size"]), max_new_tokens=mnt, limit=SEARCH_LIMIT, progress=False)
     return ({(r["min_pixels"] // UNIT, r["max_pixels"] // UNIT): dict(r["scores"], average=r["average"])
              for r in res["rows"]}, res["caching"])
 
@@ -98,7 +86,7 @@ def main():
         rep = common.recipe_branch(s)
         data_dir = os.path.join(rep["out_dir"], "data")
         run_cfg, demo = load_demo_config(rep["config"], data_dir, [f"seed={s}"])
-        data = [heldout_subset(data_dir, t, SEARCH_SAMPLES[t]) for t in TASKS]
+        data = [os.path.join(data_dir, f"heldout_{t}.jsonl") for t in TASKS]
         image_sizes = heldout_image_sizes(data)
         sizes = check_grid(settings, image_sizes)
         scores, cache = search_seed(rep, run_cfg, demo, data, os.path.join(common.OUT, "resolution_search", f"seed{s}"))
@@ -115,8 +103,8 @@ def main():
                              "VQA EM", "OCR EM", "grounding Acc@0.5", "average", "average: vs (16, 16)"], rows)
     named = {f"({k[0]}, {k[1]})": v for k, v in arms.items()}
     table += (f"\n\nmerged checkpoint of experiment (a)'s run of each seed, held-out % on the first "
-              + ", ".join(f"{n} {t}" for t, n in SEARCH_SAMPLES.items())
-              + f" samples, mean ± sample sd over seeds {args.seeds}. "
+              + f"{SEARCH_LIMIT} samples of each task"
+              + f", mean ± sample sd over seeds {args.seeds}. "
               + common.effect_sentence(named, f"({TRAIN[0]}, {TRAIN[1]})") + " Caching per seed: "
               + "; ".join(f"seed {s}: {c['generated']} answers generated, {c['reused']} reused"
                           for s, c in caching.items()) + f". Search wall time {wall:.0f}s.\n")
@@ -136,7 +124,7 @@ def main():
     common.save(HERE, {"seeds": args.seeds, "grid": list(GRID), "image_sizes": image_sizes,
                        "resized": {f"{k[0]},{k[1]}": v for k, v in sizes.items()},
                        "scores": {f"{k[0]},{k[1]}": v for k, v in arms.items()}, "caching": caching,
-                       "search_wall_s": wall, "samples": SEARCH_SAMPLES}, table)
+                       "search_wall_s": wall, "samples_per_task": SEARCH_LIMIT}, table)
 
 
 if __name__ == "__main__":
