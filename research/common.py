@@ -22,7 +22,9 @@ Design choices:
   over seeds, and `verdict` says whether a difference between two arms exceeds the seed spread.
 - `--smoke`: one seed, research/smoke.yaml (the demo recipe with a handful of steps and samples), results
   under OUT/smoke/: the same code paths in a few minutes, no committed file touched.
-- Runs go one at a time (subprocess, waited for): the machine is small and timings must not overlap.
+- Demo runs whose wall time is not a result (the base, the branches) go `JOBS` at a time (`in_parallel`):
+  one such run keeps ~1.1 of the 2 cores busy, two keep both. The base is trained first, alone, since every
+  branch starts from it. Timed runs (experiment (d)'s throughput) go alone (research/run_all.sh).
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -56,6 +60,7 @@ VARIANT_IMAGES = {"sft_256": {"min_pixels": 3136, "max_pixels": 3136}}
 # phases in one process
 BRANCH_DEMO = {"resolution_grid": {"min": [16], "max": [16]}, "phase_processes": False}
 SEEDS = (0, 1, 2)
+JOBS = int(os.environ.get("RESEARCH_JOBS", "2"))   # demo runs at once in `in_parallel` (2 cores)
 SOURCE_DIRS = ("mindvl_ms", "configs", "scripts")          # the code and packaged configs a run depends on
 SOURCE_EXTS = (".py", ".yaml", ".yml", ".json", ".sh", ".txt", ".cpp", ".h")
 RESULT_FILES = ("results.json", "results.md", ".png", "resolution_table.md")
@@ -186,12 +191,30 @@ def demo(name: str, sets: Sequence[str] = (), config: Optional[str] = None) -> D
     config = config or S.recipe
     args = ["demo", "--config", config, "--no-progress", *[a for s in sets for a in ("--set", s)]]
     key = run_key(args, [config])
+    with _lock_of(key):   # one training per key, whichever thread asks first
+        return _demo(name, args, key)
+
+
+_LOCKS: Dict[str, threading.Lock] = {}
+_REUSED: set = set()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock_of(key: str) -> threading.Lock:
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(key, threading.Lock())
+
+
+def _demo(name: str, args: List[str], key: str) -> Dict[str, Any]:
+    """`demo`'s run of `args` under its cache key: the cached report, or a fresh run."""
     out = os.path.join(OUT, "runs", key[:16])
     stamp = os.path.join(out, "research_key.json")
     if os.path.isfile(os.path.join(out, "report.json")) and os.path.isfile(stamp):
         old = load(stamp)
         if old["key"] == key:
-            print(f"reusing {out} for {name} (same code and config, made at {old['commit']})", flush=True)
+            if key not in _REUSED:   # said once per process (every branch asks for the base)
+                print(f"reusing {out} for {name} (same code and config, made at {old['commit']})", flush=True)
+                _REUSED.add(key)
             return dict(load(os.path.join(out, "report.json")), wall_s=old["wall_s"], cached=True,
                         commit=old["commit"], key=key)
     shutil.rmtree(out, ignore_errors=True)  # what a failed or interrupted run left: start afresh
@@ -224,9 +247,12 @@ def branch_config(init_from: str, recipe: Optional[str] = None, eval_variants: b
     raw["demo"] = dict(raw["demo"], eval_variants=eval_variants, data_seed=BASE_SEED, **BRANCH_DEMO)
     text = yaml.safe_dump(raw, sort_keys=True)
     path = os.path.join(OUT, "configs", hashlib.sha256(text.encode()).hexdigest()[:16] + ".yaml")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    if not os.path.isfile(path):   # named by its content: an existing file is this one (a running branch reads it)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
     return path
 
 
@@ -236,6 +262,14 @@ def branch(name: str, seed: int, sets: Sequence[str] = (), eval_variants: bool =
     rep = base()
     return dict(demo(f"{name}_seed{seed}", [f"seed={seed}", *sets],
                      branch_config(base_checkpoint(rep), eval_variants=eval_variants)), base_commit=rep["commit"])
+
+
+def in_parallel(calls: Sequence[Callable[[], Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """[call() for call in calls], up to JOBS at a time (threads waiting on their `mindvl demo` subprocesses),
+    in order. The base is trained first, alone: every branch starts from its checkpoint."""
+    base()
+    with ThreadPoolExecutor(max(1, JOBS)) as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 def recipe_branch(seed: int) -> Dict[str, Any]:

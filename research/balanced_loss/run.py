@@ -61,6 +61,12 @@ def arm_run(arm, seed):
     return common.recipe_branch(seed) if sets is None else common.branch(SLUGS[arm], seed, sets)
 
 
+def demo_runs(seeds):
+    """{label: the call that trains (or reads the cached) demo run}, arm by arm, seed by seed."""
+    return {f"{'sft' if ARMS[a] is None else SLUGS[a]}_seed{s}": (lambda a=a, s=s: arm_run(a, s))
+            for a in ARMS for s in seeds}
+
+
 def scores(runs):
     """{task and average: [per seed]} of the merged checkpoint."""
     out = {t: [r["scores"]["merged"][t] for r in runs] for t in TASKS}
@@ -70,7 +76,8 @@ def scores(runs):
 
 def main():
     args = common.parse_args(__doc__)
-    runs = {a: [arm_run(a, s) for s in args.seeds] for a in ARMS}
+    flat = common.in_parallel(list(demo_runs(args.seeds).values()))
+    runs = {a: flat[i * len(args.seeds):(i + 1) * len(args.seeds)] for i, a in enumerate(ARMS)}
     arms = {a: scores(rs) for a, rs in runs.items()}
     base = common.base()
     lens = answer_lengths(os.path.join(base["out_dir"], "data"))

@@ -35,6 +35,12 @@ def arm_run(arm, seed):
     return common.recipe_branch(seed) if w == 2.0 else common.branch(f"grounding_{arm}", seed, arm_sets(w))
 
 
+def demo_runs(seeds):
+    """{label: the call that trains (or reads the cached) demo run}, arm by arm, seed by seed."""
+    return {f"{'sft' if ARMS[a] == 2.0 else 'grounding_' + a}_seed{s}": (lambda a=a, s=s: arm_run(a, s))
+            for a in ARMS for s in seeds}
+
+
 def sample_shares():
     """Each arm's share of samples per task (train sizes x weights)."""
 
@@ -48,7 +54,8 @@ def sample_shares():
 
 def main():
     args = common.parse_args(__doc__)
-    runs = {a: [arm_run(a, s) for s in args.seeds] for a in ARMS}
+    flat = common.in_parallel(list(demo_runs(args.seeds).values()))
+    runs = {a: flat[i * len(args.seeds):(i + 1) * len(args.seeds)] for i, a in enumerate(ARMS)}
     arms = {}
     for a, rs in runs.items():
         arms[a] = {t: [r["scores"]["merged"][t] for r in rs] for t in TASKS}

@@ -23,9 +23,14 @@ MODELS = ("sft_256", "sft_512", "merged")
 TASKS = ("vqa", "ocr", "grounding")
 
 
+def demo_runs(seeds):
+    """{label: the call that trains (or reads the cached) demo run}: one recipe branch per seed."""
+    return {f"sft_seed{s}": (lambda s=s: common.recipe_branch(s)) for s in seeds}
+
+
 def main():
     args = common.parse_args(__doc__)
-    runs = [common.recipe_branch(s) for s in args.seeds]
+    runs = common.in_parallel(list(demo_runs(args.seeds).values()))
     base = common.base()
     arms = {}
     for m in MODELS:

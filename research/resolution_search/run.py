@@ -10,7 +10,8 @@ data: the same samples for every seed). The grid (GRID x GRID, min <= max, in un
 (easy-VQA 64x64, OCR 224x56, grounding 112x112) are resized differently: its five min = max settings give
 five different sizes for every image (`check_grid` asserts it on the held-out images before the search;
 tests/research/test_scale.py on the demo's sizes). The generation backend is the demo's
-(`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with, no system turn).
+(`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with, no system turn); one
+process per seed, `common.JOBS` at a time.
 Writes results.json, results.md (per setting: the resized sizes, the scores as mean ± sd over seeds, the
 verdict against the training resolution (16, 16)) and resolution.png.
 """
@@ -18,6 +19,8 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import numpy as np
 
@@ -76,22 +79,37 @@ def search_seed(rep, run_cfg, demo, data, out):
              for r in res["rows"]}, res["caching"])
 
 
-def main():
-    args = common.parse_args(__doc__)
+def search_one(rep, seed, out):
+    """search_seed on the held-out splits of `rep` (a recipe branch's report) in a process of its own (graph
+    mode on CPU): (scores, caching) of the seed."""
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
+    data_dir = os.path.join(rep["out_dir"], "data")
+    run_cfg, demo = load_demo_config(rep["config"], data_dir, [f"seed={seed}"])
+    data = [os.path.join(data_dir, f"heldout_{t}.jsonl") for t in TASKS]
+    return search_seed(rep, run_cfg, demo, data, out)
+
+
+def demo_runs(seeds):
+    """{label: the call that trains (or reads the cached) demo run}: the recipe branch of each seed."""
+    return {f"sft_seed{s}": (lambda s=s: common.recipe_branch(s)) for s in seeds}
+
+
+def main():
+    args = common.parse_args(__doc__)
+    common.in_parallel(list(demo_runs(args.seeds).values()))
     settings = [(lo // UNIT, hi // UNIT) for lo, hi in grid(GRID, GRID)]
-    per_seed, caching, t0 = [], {}, time.perf_counter()
-    for s in args.seeds:
-        rep = common.recipe_branch(s)
-        data_dir = os.path.join(rep["out_dir"], "data")
-        run_cfg, demo = load_demo_config(rep["config"], data_dir, [f"seed={s}"])
-        data = [os.path.join(data_dir, f"heldout_{t}.jsonl") for t in TASKS]
-        image_sizes = heldout_image_sizes(data)
-        sizes = check_grid(settings, image_sizes)
-        scores, cache = search_seed(rep, run_cfg, demo, data, os.path.join(common.OUT, "resolution_search", f"seed{s}"))
-        per_seed.append(scores)
-        caching[s] = list(cache.values())[0]
+    reps = [common.recipe_branch(s) for s in args.seeds]
+    data = [os.path.join(reps[0]["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]  # every seed's: the base's
+    image_sizes = heldout_image_sizes(data)
+    sizes = check_grid(settings, image_sizes)
+    t0 = time.perf_counter()
+    # one process per seed, common.JOBS at a time (a search keeps about one core busy)
+    with ProcessPoolExecutor(max(1, min(common.JOBS, len(reps))), mp_context=get_context("spawn")) as pool:
+        found = list(pool.map(search_one, reps, args.seeds,
+                              [os.path.join(common.OUT, "resolution_search", f"seed{s}") for s in args.seeds]))
+    per_seed = [scores for scores, _ in found]
+    caching = {s: list(cache.values())[0] for s, (_, cache) in zip(args.seeds, found)}
     wall = time.perf_counter() - t0
     arms = {k: {t: [sc[k][t] for sc in per_seed] for t in TASKS + ("average",)} for k in settings}
     rows = []
