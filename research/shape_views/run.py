@@ -21,8 +21,18 @@ Linear layers start from torch's default init, or (last three arms) from the pro
 with std = `initializer_range` (0.02, the Hugging Face default; 0.1; 0.2), zero biases.
 AdamW (weight decay 0.1), batches of 32 images drawn with replacement from the 3,542 train images whose
 questions name both colour and shape (`recipes/demo/vqa_data.image_attributes`). Every 2,000 views:
-accuracy on the 880 test images with both attributes. torch, one CPU thread per process, two at once.
-Writes results.json and results.md here.
+accuracy on the 880 test images with both attributes. Writes results.json and results.md here.
+
+It runs as one torch process on one CPU thread, so that it can run beside other work: the arms one after
+another, each arm's seeds trained together as a stacked ensemble (`train`). Seed i's parameters are slice i
+of stacked tensors (`stack`), each linear layer one batched matmul over the seeds (`forward`), the step
+minimises the sum of the seeds' mean losses (`seed_losses`) and AdamW updates each element alone, so every
+seed keeps the init, the batches (its own np.random.default_rng(seed)), the gradient and the optimizer state
+of its model trained alone: the same runs up to float32 rounding (tests/research/test_shape_views.py checks
+this against `model` trained alone). Two things cut the work without changing the function: `patchify`
+repeats the still image as 2 frames, so the patch embedding reads one frame against the sum of the two
+frames' weights (`one_frame`), and the last decoder block computes only the last position, the one the head
+reads.
 """
 import os
 import sys
@@ -57,6 +67,8 @@ ARMS = {
                                                   "init": 0.2},
 }
 DEMO_PIXELS = 12544  # configs/demo/full.yaml data.image: every image at 112x112
+CHANNELS, FRAMES = 3, ImageConfig().temporal_patch_size  # a patch: RGB x the still image's T frames x 14 x 14
+EVAL_BATCH = 64  # test images per forward
 
 
 def load(split):
@@ -102,7 +114,8 @@ def model(arm, n_patches, patch_dim):
     - "mean": the mean over patches;
     - "merger": the 2x2 patch merger to width 128 (RMSNorm, Linear-GELU-Linear: 16 tokens), their mean;
     - "decoder": the merger's 16 tokens, one learned question token after them, `layers` causal blocks of
-      the demo LLM's size (width 128, 4 heads, MLP 384; configs/demo/full.yaml), the last position."""
+      the demo LLM's size (width 128, 4 heads, MLP 384; configs/demo/full.yaml), the last position.
+    One seed's model: `stack` builds the run's seeds from it, and `forward` computes it for all of them."""
     import torch
     from torch import nn
 
@@ -148,36 +161,134 @@ def model(arm, n_patches, patch_dim):
     return net
 
 
-def train(arm, seed, views, data):
-    """Test accuracy every EVERY image views: [{"views", "acc"}]."""
+def one_frame(x):
+    """Patches float32[n, N, C*T*P*P] (`load`) -> float32[n, N, C*P*P]: their first frame. `patchify` repeats a
+    still image as T = temporal_patch_size equal frames, so a patch's product with the embedding's weight is
+    its first frame's with the sum of the T frames' weights (`forward`): the same function on 1/T of the data.
+    Raises ValueError if the frames differ."""
+    v = x.reshape(*x.shape[:2], CHANNELS, FRAMES, -1)  # cut_patches: each patch's values in [C, T, P, P] order
+    for i in range(0, len(x), 256):
+        if any(not np.array_equal(v[i:i + 256, :, :, 0], v[i:i + 256, :, :, t]) for t in range(1, FRAMES)):
+            raise ValueError("the patches' frames differ: not still images")
+    return np.ascontiguousarray(v[:, :, :, 0]).reshape(*x.shape[:2], -1)
+
+
+def stack(arm, seeds, n_patches, patch_dim):
+    """{parameter name: the seeds' `model(arm, n_patches, patch_dim)` parameters stacked on a new first axis}:
+    each seed's built after torch.manual_seed(seed), as a model of its own, so slice i is seed i's model."""
+    import torch
+
+    nets = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        nets.append(dict(model(arm, n_patches, patch_dim).named_parameters()))
+    return {n: torch.stack([net[n].detach() for net in nets]).requires_grad_() for n in nets[0]}
+
+
+def forward(arm, p, x):
+    """`model(arm, ...)`'s forward for S seeds at once on their stacked parameters `p` (`stack`), on patches of
+    one frame (`one_frame`): x float32[S, B, N, C*P*P] (seed i's batch in x[i]) or [B, N, C*P*P] (one batch
+    for every seed) -> logits [S, B, 3]. Each linear layer is one batched matmul over the seeds (torch.baddbmm)
+    and attention batches seeds x images, so S seeds take the kernel launches of one model. The last decoder
+    block computes its last position alone: the head reads nothing else."""
     import torch
     from torch.nn import functional as F
 
+    spec = ARMS[arm]
+    s = p["pos"].shape[0]
+
+    def linear(name, h):  # [S, ..., in] -> [S, ..., out]
+        out = torch.baddbmm(p[name + ".bias"].unsqueeze(1), h.reshape(s, -1, h.shape[-1]),
+                            p[name + ".weight"].transpose(1, 2))
+        return out.view(*h.shape[:-1], -1)
+
+    def norm(name, h):  # RMSNorm, each seed's weight
+        return F.rms_norm(h, (h.shape[-1],), eps=1e-6) * p[name + ".weight"].view(s, *[1] * (h.dim() - 2), -1)
+
+    def block(name, h, heads, causal, last=False):  # block(): h [S, B, N, E]; `last`: the last position's output only
+        _, b, n, e = h.shape
+        qkv = linear(name + ".qkv", norm(name + ".norm1", h)).view(s * b, n, 3, heads, e // heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        if last:  # the last query sees every key, causal or not
+            q, h, n, causal = q[:, :, -1:], h[:, :, -1:], 1, False
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        h = h + linear(name + ".proj", out.transpose(1, 2).reshape(s, b, n, e))
+        y = norm(name + ".norm2", h)
+        return h + linear(name + ".down", F.silu(linear(name + ".gate", y)) * linear(name + ".up", y))
+
+    w = p["embed.weight"]  # [S, 64, C*T*P*P] -> [S, 64, C*P*P]: the T frames' weights summed
+    w = w.view(s, w.shape[1], CHANNELS, FRAMES, -1).sum(3).view(s, w.shape[1], -1)
+    if x.dim() == 3:  # one batch for every seed: one matmul against the seeds' weights side by side
+        b, n, d = x.shape
+        h = F.linear(x.reshape(b * n, d), w.reshape(-1, d), p["embed.bias"].reshape(-1))
+        h = h.view(b, n, s, -1).permute(2, 0, 1, 3)
+    else:  # W @ x^T: the weight's gradient is then grad^T @ x, the faster layout for these wide inputs
+        h = torch.baddbmm(p["embed.bias"].unsqueeze(2), w, x.reshape(s, -1, x.shape[-1]).transpose(1, 2))
+        h = h.transpose(1, 2).reshape(*x.shape[:-1], -1)
+    h = h + p["pos"].unsqueeze(1)
+    for i in range(2):
+        h = block(f"blocks.{i}", h, 4, False)
+    if spec["path"] == "mean":
+        return linear("head", h.mean(2))
+    h = norm("merge_norm", h)
+    img = linear("merger.2", F.gelu(linear("merger.0", h.reshape(s, h.shape[1], -1, 256))))  # [S, B, N/4, 128]
+    if spec["path"] == "merger":
+        return linear("head", img.mean(2))
+    t = torch.cat([img, p["question"].expand(s, img.shape[1], 1, 128)], 2) + p["text_pos"].unsqueeze(1)
+    for i in range(spec["layers"]):
+        t = block(f"layers.{i}", t, 4, True, last=i == spec["layers"] - 1)
+    return linear("head", norm("norm", t[:, :, -1]))
+
+
+def seed_losses(arm, p, x, y):
+    """Each seed's mean cross-entropy on its own batch (x [S, B, N, C*P*P], y [S, B]): float[S]. A seed's
+    parameters reach its loss alone, so the gradient of their sum is, seed by seed, the seed's own."""
+    from torch.nn import functional as F
+
+    return F.cross_entropy(forward(arm, p, x).flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1)
+
+
+def train(arm, seeds, views, data, every=EVERY, on_step=None):
+    """Train `arm` for every seed of `seeds` at once, on one thread, as a stacked ensemble (`stack`,
+    `forward`) that is seed by seed the model trained alone: each seed's init (`stack`), its own batches
+    (32 images with replacement per step from np.random.default_rng(seed)), its mean loss (the step minimises
+    the sum of the seeds' mean losses, so each seed's gradient is its own) and its AdamW state (AdamW is
+    elementwise). data: ((x, y) train, (x, y) test), x the patches of one frame (`one_frame`).
+    `on_step(losses)`, if given, gets the seeds' losses (float[S]) after every step.
+    Returns {seed: test accuracy every `every` image views, [{"views", "acc"}]}."""
+    import torch
+
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    (x_tr, y_tr), (x_te, y_te) = [(torch.tensor(x), torch.tensor(y)) for x, y in data]
-    net = model(arm, x_tr.shape[1], x_tr.shape[2])
-    vision = [p for n, p in net.named_parameters() if n.split(".")[0] in ("embed", "pos", "blocks")]
-    rest = [p for n, p in net.named_parameters() if n.split(".")[0] not in ("embed", "pos", "blocks")]
+    rngs = [np.random.default_rng(seed) for seed in seeds]
+    (x_tr, y_tr), (x_te, y_te) = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in data]
+    p = stack(arm, seeds, x_tr.shape[1], x_tr.shape[2] * FRAMES)
+    vision = [t for n, t in p.items() if n.split(".")[0] in ("embed", "pos", "blocks")]
+    rest = [t for n, t in p.items() if n.split(".")[0] not in ("embed", "pos", "blocks")]
     opt = torch.optim.AdamW([{"params": vision, "lr": ARMS[arm]["lr"]}, {"params": rest, "lr": ARMS[arm]["rest_lr"]}],
-                            weight_decay=0.1)
+                            weight_decay=0.1, fused=True)  # one kernel per tensor: the same update, fewer passes
     t0 = time.time()
 
     def step():
-        idx = torch.tensor(rng.integers(0, len(y_tr), 32))
-        loss = F.cross_entropy(net(x_tr[idx]), y_tr[idx])
+        idx = torch.from_numpy(np.concatenate([rng.integers(0, len(y_tr), 32) for rng in rngs]))  # seed by seed
+        x = torch.index_select(x_tr, 0, idx).view(len(seeds), 32, *x_tr.shape[1:])
+        losses = seed_losses(arm, p, x, y_tr[idx].view(len(seeds), 32))
         opt.zero_grad()
-        loss.backward()
+        losses.sum().backward()
         opt.step()
+        if on_step is not None:
+            on_step(losses.detach().numpy())
 
     def evaluate(seen):
         with torch.no_grad():
-            acc = float((net(x_te).argmax(-1) == y_te).float().mean())
-        print(f"{arm} seed {seed} views {seen:6d} shape {acc:.3f} ({time.time() - t0:.0f}s)", flush=True)
-        return {"acc": acc}
+            right = torch.cat([forward(arm, p, x_te[i:i + EVAL_BATCH]).argmax(-1) == y_te[i:i + EVAL_BATCH]
+                               for i in range(0, len(y_te), EVAL_BATCH)], 1)
+        accs = [float(a) for a in right.float().mean(1)]
+        print(f"{arm} views {seen:6d} shape " + " ".join(f"{a:.3f}" for a in accs)
+              + f" (seeds {list(seeds)}, {time.time() - t0:.0f}s)", flush=True)
+        return {"acc": accs}
 
-    return common.train_views(step, evaluate, views, EVERY)
+    curve = common.train_views(step, evaluate, views, every)
+    return {seed: [{"views": c["views"], "acc": c["acc"][i]} for c in curve] for i, seed in enumerate(seeds)}
 
 
 def at(curve, views):
@@ -203,20 +314,19 @@ def table(runs, seeds, views, prior):
 
 
 def main():
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
+    import torch
 
+    torch.set_num_threads(1)
     args = common.parse_args(__doc__, add=lambda ap: ap.add_argument(
         "--views", type=int, default=None, help=f"image views per run (batches of 32; default {VIEWS}, "
                                                 f"--smoke {SMOKE_VIEWS})"))
     views = common.check_views(args.views or (SMOKE_VIEWS if args.smoke else VIEWS), EVERY)
-    data = (load("train"), load("test"))
+    data = [(one_frame(x), y) for x, y in (load("train"), load("test"))]
     prior = float(np.bincount(data[1][1]).max() / len(data[1][1]))
-    jobs = [(arm, s) for arm in ARMS for s in args.seeds]
-    with ProcessPoolExecutor(min(len(jobs), 2), mp_context=get_context("spawn")) as pool:
-        curves = list(pool.map(train, [a for a, _ in jobs], [s for _, s in jobs], [views] * len(jobs),
-                               [data] * len(jobs)))
-    runs = dict(zip(jobs, curves))
+    runs = {}
+    for arm in ARMS:
+        for s, curve in train(arm, args.seeds, views, data).items():
+            runs[(arm, s)] = curve
     common.save(HERE, {"views": views, "seeds": args.seeds, "every": EVERY, "prior": prior, "arms": ARMS,
                        "curves": {f"{arm}, seed {s}": c for (arm, s), c in runs.items()}},
                 table(runs, args.seeds, views, prior))
