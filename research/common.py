@@ -272,6 +272,13 @@ def in_parallel(calls: Sequence[Callable[[], Dict[str, Any]]]) -> List[Dict[str,
         return list(pool.map(lambda call: call(), calls))
 
 
+def runs_by_arm(arms: Sequence[str], seeds: Sequence[int],
+                run: Callable[[str, int], Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
+    """{arm: [run(arm, seed) for seed in seeds]}, the runs made `in_parallel`."""
+    flat = in_parallel([lambda a=a, s=s: run(a, s) for a in arms for s in seeds])
+    return {a: flat[i * len(seeds):(i + 1) * len(seeds)] for i, a in enumerate(arms)}
+
+
 def recipe_branch(seed: int) -> Dict[str, Any]:
     """The recipe's SFT stage as it is, variants scored too: experiment (a)'s run of a seed, whose merged
     checkpoint (b) searches and whose merged scores are the recipe's arm of (c) and (e) (one run, shared)."""

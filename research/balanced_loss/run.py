@@ -76,8 +76,7 @@ def scores(runs):
 
 def main():
     args = common.parse_args(__doc__)
-    flat = common.in_parallel(list(demo_runs(args.seeds).values()))
-    runs = {a: flat[i * len(args.seeds):(i + 1) * len(args.seeds)] for i, a in enumerate(ARMS)}
+    runs = common.runs_by_arm(list(ARMS), args.seeds, arm_run)
     arms = {a: scores(rs) for a, rs in runs.items()}
     base = common.base()
     lens = answer_lengths(os.path.join(base["out_dir"], "data"))

@@ -54,8 +54,7 @@ def sample_shares():
 
 def main():
     args = common.parse_args(__doc__)
-    flat = common.in_parallel(list(demo_runs(args.seeds).values()))
-    runs = {a: flat[i * len(args.seeds):(i + 1) * len(args.seeds)] for i, a in enumerate(ARMS)}
+    runs = common.runs_by_arm(list(ARMS), args.seeds, arm_run)
     arms = {}
     for a, rs in runs.items():
         arms[a] = {t: [r["scores"]["merged"][t] for r in rs] for t in TASKS}

@@ -87,3 +87,12 @@ def test_prefetch_lists_each_shared_run_once_recipe_branches_first():
     assert {lb for lb in labels if lb.startswith("grounding_")} == {f"grounding_1x_seed{s}" for s in (0, 1, 2)}
     with pytest.raises(SystemExit, match="no demo_runs"):
         prefetch.needed(["packing"], (0,))
+
+
+def test_runs_by_arm_groups_the_parallel_runs_arm_by_arm(timed_runs):
+    def run(arm, seed):
+        return common.branch(f"arm_{arm}", seed, [f"stages.0.max_steps={arm}"])
+
+    runs = common.runs_by_arm(["2", "3"], (0, 1, 2), run)
+    assert {a: [r["sets"] for r in rs] for a, rs in runs.items()} == {
+        a: [[f"seed={s}", f"stages.0.max_steps={a}"] for s in (0, 1, 2)] for a in ("2", "3")}
