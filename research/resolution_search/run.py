@@ -10,8 +10,7 @@ data: the same samples for every seed). The grid (GRID x GRID, min <= max, in un
 (easy-VQA 64x64, OCR 224x56, grounding 112x112) are resized differently: its five min = max settings give
 five different sizes for every image (`check_grid` asserts it on the held-out images before the search;
 tests/research/test_scale.py on the demo's sizes). The generation backend is the demo's
-(`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with, no system turn); one
-process per seed, `common.JOBS` at a time.
+(`mindvl_ms.recipes.demo.evaluation.eval_backend`: the processor the demo trained with, no system turn).
 Writes results.json, results.md (per setting: the resized sizes, the scores as mean ± sd over seeds, the
 verdict against the training resolution (16, 16)) and resolution.png.
 """
@@ -19,8 +18,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 
 import numpy as np
 
@@ -80,10 +77,7 @@ def search_seed(rep, run_cfg, demo, data, out):
 
 
 def search_one(rep, seed, out):
-    """search_seed on the held-out splits of `rep` (a recipe branch's report) in a process of its own (graph
-    mode on CPU): (scores, caching) of the seed."""
-    ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device("CPU")
+    """search_seed on the held-out splits of `rep` (a recipe branch's report): (scores, caching) of the seed."""
     data_dir = os.path.join(rep["out_dir"], "data")
     run_cfg, demo = load_demo_config(rep["config"], data_dir, [f"seed={seed}"])
     data = [os.path.join(data_dir, f"heldout_{t}.jsonl") for t in TASKS]
@@ -104,10 +98,11 @@ def main():
     image_sizes = heldout_image_sizes(data)
     sizes = check_grid(settings, image_sizes)
     t0 = time.perf_counter()
-    # one process per seed, common.JOBS at a time (a search keeps about one core busy)
-    with ProcessPoolExecutor(max(1, min(common.JOBS, len(reps))), mp_context=get_context("spawn")) as pool:
-        found = list(pool.map(search_one, reps, args.seeds,
-                              [os.path.join(common.OUT, "resolution_search", f"seed{s}") for s in args.seeds]))
+    # one seed after the other, in this process: a search keeps ~1.5 cores busy, so two at once gain nothing
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU")
+    found = [search_one(rep, s, os.path.join(common.OUT, "resolution_search", f"seed{s}"))
+             for rep, s in zip(reps, args.seeds)]
     per_seed = [scores for scores, _ in found]
     caching = {s: list(cache.values())[0] for s, (_, cache) in zip(args.seeds, found)}
     wall = time.perf_counter() - t0
