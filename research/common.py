@@ -279,6 +279,11 @@ def runs_by_arm(arms: Sequence[str], seeds: Sequence[int],
     return {a: flat[i * len(seeds):(i + 1) * len(seeds)] for i, a in enumerate(arms)}
 
 
+def recipe_runs(seeds: Sequence[int]) -> Dict[str, Callable[[], Dict[str, Any]]]:
+    """`demo_runs` of an experiment that reads the recipe branch of each seed ((a), (b)): {label: call}."""
+    return {f"sft_seed{s}": (lambda s=s: recipe_branch(s)) for s in seeds}
+
+
 def recipe_branch(seed: int) -> Dict[str, Any]:
     """The recipe's SFT stage as it is, variants scored too: experiment (a)'s run of a seed, whose merged
     checkpoint (b) searches and whose merged scores are the recipe's arm of (c) and (e) (one run, shared)."""

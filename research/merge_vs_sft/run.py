@@ -24,8 +24,8 @@ TASKS = ("vqa", "ocr", "grounding")
 
 
 def demo_runs(seeds):
-    """{label: the call that trains (or reads the cached) demo run}: one recipe branch per seed."""
-    return {f"sft_seed{s}": (lambda s=s: common.recipe_branch(s)) for s in seeds}
+    """{label: the call that trains (or reads the cached) demo run}: the recipe branch of each seed."""
+    return common.recipe_runs(seeds)
 
 
 def main():

@@ -86,14 +86,13 @@ def search_one(rep, seed, out):
 
 def demo_runs(seeds):
     """{label: the call that trains (or reads the cached) demo run}: the recipe branch of each seed."""
-    return {f"sft_seed{s}": (lambda s=s: common.recipe_branch(s)) for s in seeds}
+    return common.recipe_runs(seeds)
 
 
 def main():
     args = common.parse_args(__doc__)
-    common.in_parallel(list(demo_runs(args.seeds).values()))
+    reps = common.in_parallel(list(demo_runs(args.seeds).values()))
     settings = [(lo // UNIT, hi // UNIT) for lo, hi in grid(GRID, GRID)]
-    reps = [common.recipe_branch(s) for s in args.seeds]
     data = [os.path.join(reps[0]["out_dir"], "data", f"heldout_{t}.jsonl") for t in TASKS]  # every seed's: the base's
     image_sizes = heldout_image_sizes(data)
     sizes = check_grid(settings, image_sizes)
