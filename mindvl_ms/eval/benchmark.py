@@ -286,15 +286,16 @@ def predict(items: Sequence[EvalItem], backend, min_pixels: int, max_pixels: int
             progress: bool = True) -> Tuple[List[str], List[list], dict]:
     """Predictions for `items` at one pixel setting; returns (predictions, resized sizes, stats).
 
-    `pred_cache` maps (uid, resized sizes) -> prediction: a sample whose images resize exactly as in an
-    earlier setting has identical model inputs, so its greedy answer is reused instead of regenerated."""
+    `pred_cache` maps (benchmark file, uid, resized sizes) -> prediction: a sample whose images resize exactly
+    as in an earlier setting (or an earlier call on the same file and backend: `evaluate`, then `search`) has
+    identical model inputs, so its greedy answer is reused instead of regenerated."""
     sizes = sizes or Sizes()
     vision_cache = vision_cache if vision_cache is not None else VisionCache()
     hws = [sizes.resized(it, min_pixels, max_pixels) for it in items]
     preds: List[Optional[str]] = [None] * len(items)
     todo = []
     for i, (it, hw) in enumerate(zip(items, hws)):
-        key = (it.uid, tuple(hw))
+        key = (it.source, it.uid, tuple(hw))
         if pred_cache is not None and key in pred_cache:
             preds[i] = pred_cache[key]
         else:
@@ -315,7 +316,7 @@ def predict(items: Sequence[EvalItem], backend, min_pixels: int, max_pixels: int
         for i, text in zip(idx, out):
             preds[i] = str(text)
             if pred_cache is not None:
-                pred_cache[(items[i].uid, tuple(hws[i]))] = preds[i]
+                pred_cache[(items[i].source, items[i].uid, tuple(hws[i]))] = preds[i]
     stats = {"generated": len(todo), "reused": len(items) - len(todo),
              "vision_encoded": vision_cache.misses, "vision_reused": vision_cache.hits}
     return preds, hws, stats
@@ -348,15 +349,18 @@ def load_backend(ckpt: str, max_new_tokens: int = 128):
 def evaluate(ckpt: Optional[str], data: str, out_dir: str, backend=None, min_pixels: Optional[int] = None,
              max_pixels: Optional[int] = None, batch_size: int = 8, max_new_tokens: int = 128,
              limit: Optional[int] = None, progress: bool = True, metric: Optional[str] = None,
-             image_dir: Optional[str] = None) -> dict:
+             image_dir: Optional[str] = None, pred_cache: Optional[dict] = None) -> dict:
     """Run one benchmark file (JSONL or VLMEvalKit TSV); writes out_dir/predictions.jsonl and
     out_dir/scores.json; returns the scores. A TSV's images are decoded into `image_dir` (default
-    out_dir/images)."""
+    out_dir/images). `pred_cache` (see `predict`) is filled with this run's answers, so that a later
+    `resolution_search.search` of the same backend and file reuses them at the settings that resize as
+    this one did."""
     items = load_items(data, limit, metric, image_dir or os.path.join(out_dir, "images"))
     lo, hi, src = resolve_pixels(ckpt, min_pixels, max_pixels)
     os.makedirs(out_dir, exist_ok=True)  # an unwritable output fails before any generation
     backend = backend if backend is not None else load_backend(ckpt, max_new_tokens)
-    preds, hws, stats = predict(items, backend, lo, hi, batch_size, max_new_tokens, progress=progress)
+    preds, hws, stats = predict(items, backend, lo, hi, batch_size, max_new_tokens, pred_cache=pred_cache,
+                                progress=progress)
     per, tasks = score(items, preds)
     with open(os.path.join(out_dir, "predictions.jsonl"), "w", encoding="utf-8") as f:
         for it, p, s, hw in zip(items, preds, per, hws):

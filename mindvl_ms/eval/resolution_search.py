@@ -10,7 +10,9 @@ files are evaluated (metrics.py, one primary 0..1 score per benchmark/task).
 Caching: per checkpoint, vision features are cached on (image, resized h, w) (benchmark.VisionCache), and a
 sample whose images all resize exactly as in an earlier setting reuses that setting's greedy answer, since
 its model inputs are identical. Small images are often unchanged by max_pixels, so most of the grid is
-free. The report counts generated vs reused answers and encoded vs reused images.
+free. A caller that evaluated a checkpoint already (`mindvl demo`) passes that evaluation's answers in, so the
+settings that resize as it did are free too. The report counts generated vs reused answers and encoded vs
+reused images.
 
 Outputs in --out: resolution_search.json (every setting's scores, the best setting per checkpoint and
 benchmark, and the best average), resolution_table.md, resolution_grid.png (one heatmap per checkpoint and
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -55,16 +57,20 @@ def search(ckpts: Sequence[str], data: Sequence[str], out_dir: str,
            backend_factory: Optional[Callable[[str], object]] = None, min_grid: Sequence[int] = MIN_GRID,
            max_grid: Sequence[int] = MAX_GRID, batch_size: int = 8, max_new_tokens: int = 128,
            limit: Optional[int] = None, save: bool = False, plot: bool = True, progress: bool = True,
-           metric: Optional[str] = None, image_dir: Optional[str] = None) -> dict:
+           metric: Optional[str] = None, image_dir: Optional[str] = None,
+           pred_caches: Optional[Dict[str, dict]] = None) -> dict:
     """Evaluate every checkpoint at every grid setting; write the table, plot and JSON; returns the JSON.
-    `metric`: of questions that name none; `image_dir`: where TSV images go (default out_dir/images)."""
+    `metric`: of questions that name none; `image_dir`: where TSV images go (default out_dir/images);
+    `pred_caches`: {checkpoint: the `pred_cache` an `evaluate` of it through the same backend filled}, whose
+    answers count as generated already (the setting that evaluation used costs nothing again)."""
     settings = grid(min_grid, max_grid)
     image_dir = image_dir or os.path.join(out_dir, "images")
     items = [it for path in data for it in load_items(path, limit, metric, image_dir)]
     factory = backend_factory or (lambda c: load_backend(c, max_new_tokens))
     rows, best, caching = [], {}, {}
     for ckpt in ckpts:
-        backend, vcache, pcache, sizes = factory(ckpt), VisionCache(), {}, Sizes()
+        backend, vcache, sizes = factory(ckpt), VisionCache(), Sizes()
+        pcache = dict((pred_caches or {}).get(ckpt, {}))
         stats = {"generated": 0, "reused": 0}
         bar = tqdm(settings, desc=f"search {_name(ckpt)}", unit="setting", disable=not progress)
         for lo, hi in bar:

@@ -263,6 +263,38 @@ def test_resolution_search_table_best_plot_cache_and_save(bench):
     assert res_eval["pixels_from"].endswith("inference_config.json") and res_eval["average"] == 1.0
 
 
+def test_search_reuses_an_evaluations_answers_of_the_same_file_only(bench):
+    """An `evaluate` that fills a pred_cache, then a `search` of the same backend given that cache: the settings
+    that resize the file's images as the evaluation did generate nothing (the evaluation's answers stand), the
+    table equals a search without the cache, and answers of another file with the same ids are not taken."""
+    root, ocr, _ = bench
+    mins, maxs = [4, 16], [1280, 2048]
+    cold_fake = FakeBackend()
+    cold = search([str(root)], [ocr], str(root / "cold"), backend_factory=lambda c: cold_fake, min_grid=mins,
+                  max_grid=maxs, plot=False, progress=False)
+    fake, answers = FakeBackend(), {}
+    evaluate(None, ocr, str(root / "ev"), backend=fake, min_pixels=16 * UNIT, max_pixels=1280 * UNIT,
+             pred_cache=answers)
+    assert len(answers) == 2 and len(fake.generated) == 2
+    warm = search([str(root)], [ocr], str(root / "warm"), backend_factory=lambda c: fake, min_grid=mins,
+                  max_grid=maxs, plot=False, progress=False, pred_caches={str(root): answers})
+    assert [(r["min_pixels"], r["max_pixels"], r["scores"]) for r in warm["rows"]] == \
+        [(r["min_pixels"], r["max_pixels"], r["scores"]) for r in cold["rows"]]
+    evaluated = {(u, hw) for u, hw in fake.generated[:2]}
+    assert not evaluated & set(fake.generated[2:])                     # nothing the evaluation answered again
+    assert set(fake.generated[2:]) == set(cold_fake.generated) - evaluated
+    assert warm["caching"][str(root)]["generated"] == len(cold_fake.generated) - 2
+    # the same ids in another file: that file's answers are its own
+    other = _jsonl(root / "other.jsonl", [json.loads(x) for x in open(ocr)])
+    theirs = {}
+    evaluate(None, other, str(root / "ev2"), backend=FakeBackend(), min_pixels=16 * UNIT, max_pixels=1280 * UNIT,
+             pred_cache=theirs)
+    fresh = FakeBackend()
+    res = search([str(root)], [ocr], str(root / "x"), backend_factory=lambda c: fresh, min_grid=[16],
+                 max_grid=[1280], plot=False, progress=False, pred_caches={str(root): theirs})
+    assert res["caching"][str(root)]["reused"] == 0 and len(fresh.generated) == 2
+
+
 def test_cli_eval_and_search(bench, monkeypatch, capsys):
     """Also: both commands load the model in graph mode, whatever mode the process was in (MindSpore's
     default is PyNative, op by op, far slower for `mindvl eval`: docs/PERFORMANCE.md, ## infer)."""

@@ -150,6 +150,12 @@ def test_reported_scores_recomputed_from_predictions(run):
                     said = p["prediction"].split(h["answer_after"])[-1] if "answer_after" in h else p["prediction"]
                     hits.append(" ".join(said.split()).lower() == gold.lower())
             assert score == pytest.approx(np.mean(hits))
+    # the resolution search's row at the evaluation's own setting (12,544 pixels, in the quick grid) is the
+    # merged checkpoint's OCR evaluation, whose answers it took over instead of generating them again
+    search, n_ocr = rep["resolution_search"], len(_records(os.path.join(out, "data", "heldout_ocr.jsonl")))
+    assert [s for lo, hi, s in search["scores"] if (lo, hi) == (12544, 12544)] == [rep["scores"]["merged"]["ocr"]]
+    assert search["caching"]["reused"] >= n_ocr
+    assert search["caching"]["generated"] + search["caching"]["reused"] == n_ocr * search["settings"]
 
 
 BOX = re.compile(r"<\|box_start\|>\((\d{1,3}),(\d{1,3})\),\((\d{1,3}),(\d{1,3})\)<\|box_end\|>")

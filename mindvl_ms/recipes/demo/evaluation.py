@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -63,45 +63,53 @@ def cached_backend(ckpt: str):
 
 
 def evaluate_all(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any],
-                 out_dir: str, progress: bool = True) -> Dict[str, Dict[str, float]]:
-    """{checkpoint name: {task: primary score}} on every held-out split."""
+                 out_dir: str, progress: bool = True,
+                 answers: Optional[Dict[str, dict]] = None) -> Dict[str, Dict[str, float]]:
+    """{checkpoint name: {task: primary score}} on every held-out split. `answers`, if given, receives each
+    checkpoint's generated answers ({name: `benchmark.predict`'s pred_cache}) for the resolution search."""
     scores: Dict[str, Dict[str, float]] = {}
     img = data_cfg.image
     for name, ckpt in ckpts.items():
         backend = eval_backend(ckpt, data_cfg, int(demo.get("max_new_tokens", 24)))
         scores[name] = {}
+        cache = {} if answers is None else answers.setdefault(name, {})
         for task, path in heldout.items():
             res = evaluate(ckpt, path, os.path.join(out_dir, name, task), backend=backend,
                            min_pixels=img.min_pixels, max_pixels=img.max_pixels,
                            batch_size=int(demo.get("eval_batch_size", 16)),
-                           max_new_tokens=int(demo.get("max_new_tokens", 24)), progress=progress)
+                           max_new_tokens=int(demo.get("max_new_tokens", 24)), progress=progress,
+                           pred_cache=cache)
             scores[name][task] = res["tasks"][task]["primary"]
     return scores
 
 
 def resolution_search(ckpt: str, data: str, data_cfg, demo: Dict[str, Any], out_dir: str,
-                      progress: bool = True) -> Dict[str, Any]:
+                      progress: bool = True, answers: Optional[dict] = None) -> Dict[str, Any]:
     """`eval.resolution_search.search` of ckpt on one split over `demo.resolution_grid` (units of 28x28
-    pixels), through the same backend as the evaluation: the best setting and every setting's score."""
+    pixels), through the same backend as the evaluation: the best setting and every setting's score.
+    `answers`: the evaluation's answers of ckpt (`evaluate_all`), reused where a setting resizes the split's
+    images as the evaluation did (the evaluation's own setting is in the default grid)."""
     grid = demo.get("resolution_grid") or {"min": [4, 16], "max": [8, 16, 32]}
     res = search([ckpt], [data], out_dir, backend_factory=lambda c: eval_backend(c, data_cfg, int(
         demo.get("max_new_tokens", 24))), min_grid=grid["min"], max_grid=grid["max"],
         batch_size=int(demo.get("eval_batch_size", 16)), max_new_tokens=int(demo.get("max_new_tokens", 24)),
-        progress=progress)
+        progress=progress, pred_caches={ckpt: answers or {}})
     best = res["best"][ckpt]["average"]
     return {"settings": len(res["rows"]), "best_min_pixels": best["min_pixels"],
             "best_max_pixels": best["max_pixels"], "best_score": best["score"],
             "scores": [(r["min_pixels"], r["max_pixels"], r["average"]) for r in res["rows"]],
-            "table": os.path.join(out_dir, "resolution_table.md"), "plot": res.get("plot")}
+            "table": os.path.join(out_dir, "resolution_table.md"), "plot": res.get("plot"),
+            "caching": res["caching"][ckpt]}
 
 
 def evaluate_phase(ckpts: Dict[str, str], heldout: Dict[str, str], data_cfg, demo: Dict[str, Any], out_dir: str,
                    progress: bool = True):
     """Held-out scores of every checkpoint, then the resolution search on the OCR split of `merged`."""
     child_setup()
-    scores = evaluate_all(ckpts, heldout, data_cfg, demo, os.path.join(out_dir, "eval"), progress)
+    answers: Dict[str, dict] = {}
+    scores = evaluate_all(ckpts, heldout, data_cfg, demo, os.path.join(out_dir, "eval"), progress, answers)
     found = resolution_search(ckpts["merged"], heldout["ocr"], data_cfg, demo,
-                              os.path.join(out_dir, "resolution_search"), progress)
+                              os.path.join(out_dir, "resolution_search"), progress, answers["merged"])
     return scores, found
 
 
