@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -106,12 +107,14 @@ def normalise_messages(messages: Any, where: str = "messages") -> List[Dict[str,
     return out
 
 
-def parse_sample(obj: Any, source: str, line: int) -> Sample:
-    """Validate one decoded JSON line against the schema; raises SampleError(reason='schema')."""
+def parse_sample(obj: Any, source: str, line: int, surrogates_possible: bool = True) -> Sample:
+    """Validate one decoded JSON line against the schema; raises SampleError(reason='schema').
+    `surrogates_possible` False skips the walk over every string for lone surrogates: the caller knows the
+    line's text holds none and no escape that could make one (`parse_line`)."""
     try:
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-        bad_text = _first_string(obj, _not_text)
+        bad_text = _first_string(obj, _not_text) if surrogates_possible else None
         if bad_text is not None:
             raise ValueError(_surrogate_detail(bad_text))
         unknown = sorted(set(obj) - set(FIELDS))
@@ -265,6 +268,12 @@ def load_json(text: str, source: str, line: int):
         return SampleError(source, line, "invalid json", f"a number the parser refuses: {e}")
 
 
+# json.loads makes a lone surrogate only from a \uD800-\uDFFF escape (an escaped pair becomes one character),
+# so a line of surrogate-free text without this pattern decodes to surrogate-free values; a line with it (an
+# escaped backslash before "ud8..." included) gets the full walk that names the field.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_line(text: str, source: str, line: int):
     """One raw line -> Sample, or a SampleError (returned, not raised) for blank/invalid lines."""
     if not text.strip():
@@ -273,7 +282,7 @@ def parse_line(text: str, source: str, line: int):
     if isinstance(obj, SampleError):
         return obj
     try:
-        return parse_sample(obj, source, line)
+        return parse_sample(obj, source, line, _SURROGATE_ESCAPE.search(text) is not None or _not_text(text))
     except SampleError as e:
         return e
 

@@ -294,3 +294,24 @@ def test_demo_plain_run_yaml_equals_the_demo_recipe(tmp_path):
     assert plain.model == demo.model and plain.model.text.vocab_size == len(ids)
     assert plain.model.image_token_id == ids.index(base.token_to_id(IMAGE_PAD))
     assert plain.model.vision_end_token_id == ids.index(base.token_to_id(VISION_END))
+
+
+@pytest.mark.parametrize("value, named", [
+    ('"a cat\\ud800"', True),                  # a lone escape: a surrogate in the decoded value
+    ('"a cat\\uD83D\\uDE00"', False),          # an escaped pair: one character, nothing to name
+    ('"a cat\\\\ud800"', False),               # an escaped backslash, then the letters "ud800"
+    ('"a cat \udc80"', True),                  # the text holds a surrogate already (not from an escape)
+])
+def test_surrogate_check_of_a_line_names_the_field_whatever_the_shortcut(value, named):
+    """parse_line walks the decoded value for surrogates only when its text could make one (schema
+    `_SURROGATE_ESCAPE`); the verdict is the full walk's on each kind of line."""
+    from mindvl_ms.data.schema import SampleError, parse_line
+
+    text = ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ' + value
+            + '}]}')
+    got = parse_line(text, "f.jsonl", 3)
+    full = parse_sample(json.loads(text), "f.jsonl", 3) if not named else None
+    if named:
+        assert isinstance(got, SampleError) and "messages[1].content" in str(got) and "surrogate" in str(got)
+    else:
+        assert not isinstance(got, SampleError) and got.messages == full.messages
