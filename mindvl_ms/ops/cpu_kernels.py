@@ -1,9 +1,11 @@
 """Hand-written CPU kernels (`ops/csrc/*.cc`) run as MindSpore `ops.Custom(func_type="aot")` ops.
 
 MindSpore's CPU backend runs every elementwise op as its own kernel, each one a pass over memory; where a
-chain of them costs more than the MatMul it follows, one C++ pass replaces it. Each kernel rounds every
+chain of them costs more than the MatMul it follows, one C++ pass replaces it. Most kernels round every
 float op as the unfused chain does, so results are bit-identical to the composite path (tests/
-test_cpu_kernels.py), and the composite path stays as the fallback.
+test_cpu_kernels.py); the exceptions say so in their header (sum_squares.cc sums in double, head_ce.cc
+has its own exp and summation order) and are tested against float64 references. The composite path stays
+as the fallback.
 
 The shared library is compiled on first use with the C++ compiler in `$CXX` (default `g++`), into
 `$XDG_CACHE_HOME/mindvl_ms/kernels/` (default `~/.cache/...`), named by a hash of the sources, the
@@ -27,7 +29,7 @@ from mindspore.ops import CustomRegOp, DataType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention_mask.cc", "fused_adamw.cc", "qkv_rope.cc", "rms_norm.cc", "rotary.cc", "sum_squares.cc")
+SOURCES = ("attention_mask.cc", "fused_adamw.cc", "head_ce.cc", "qkv_rope.cc", "rms_norm.cc", "rotary.cc", "sum_squares.cc")
 # -ffp-contract=off: no fused multiply-add, every product and sum is rounded as MindSpore's kernels round it
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++14")
 
@@ -106,8 +108,9 @@ def custom_op(name: str, n_inputs: int):
 def drop_kernels(model) -> int:
     """Switch every cell of `model` that holds one of these kernels (its `drop_kernel`) to its composite
     MindSpore ops; returns how many. For graphs that leave this machine: an exported MindIR must not name a
-    library built in this machine's cache. Forward values stay the same (each kernel's forward is bitwise
-    equal to its composite ops)."""
+    library built in this machine's cache. The model's forward values stay the same (its kernels' forwards are
+    bitwise equal to their composite ops; the training loss head's kernels agree with theirs to float32
+    rounding)."""
     n = 0
     for _, cell in model.cells_and_names():
         if getattr(cell, "kernel", False) and callable(getattr(cell, "drop_kernel", None)):
