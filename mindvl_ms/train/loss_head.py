@@ -28,6 +28,18 @@ exists in either direction: peak logits memory is O(C x V), whatever the sequenc
 per-position CE is what both losses consume (token_mean and the balanced loss, whose weights are
 stop-gradient functions of CE), so they are unchanged (tests/train/test_loss_head.py checks loss and
 gradients against the full [B, L, V] computation).
+
+CPU kernels (`head_kernels`, ops/csrc/head_ce.cc): with the real vocabulary and a small hidden size the
+head's [c, V] elementwise passes and its dW chain cost more than its matmuls, since MindSpore runs each op as
+its own pass over memory (docs/PERFORMANCE.md, ## bench). Where the kernel library loads (CPU, not under
+semi/auto parallel), `HeadLogSoftmax` replaces LogSoftmax in the forward, and in the row-wise head
+(`ChunkedHeadCERowGrad`, float32) `HeadGradInto` is each chunk's whole backward: it makes G = exp(logp) -
+onehot(t) a tile at a time, adds G^T @ (h * s) into the accumulator in place and returns dh = (G @ W) * s,
+with no [c, V] G and no row blocks (`train.row_grads.head_weight_grad_into` stays the composite path). These
+kernels are not bitwise equal to the composite ops: exp is a polynomial, the log-softmax's sum is taken in
+double, and both products sum in another order (tests/train/test_head_kernel.py compares them with float64
+numpy and the composite ops). `drop_kernel` (`ops.cpu_kernels.drop_kernels`, and the vocab-parallel switch)
+returns to the composite ops.
 """
 from __future__ import annotations
 
@@ -37,6 +49,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindvl_ms.ops.cpu_kernels import custom_op
+from mindvl_ms.ops.dispatch import is_ascend
 from mindvl_ms.train.row_grads import NO_GRAD, head_weight_grad_into
 
 IGNORE = -100
@@ -85,6 +99,16 @@ def _cast(x, dtype):
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def head_kernels():
+    """(HeadLogSoftmax, HeadGradInto), the head's C++ CPU ops (ops/csrc/head_ce.cc), or None: on Ascend, under
+    semi/auto parallel (the compiler shards the composite primitives) and where the kernel library cannot
+    be built or loaded."""
+    if is_ascend() or ms.get_auto_parallel_context("parallel_mode") in ("semi_auto_parallel", "auto_parallel"):
+        return None
+    ops_ = (custom_op("HeadLogSoftmax", 1), custom_op("HeadGradInto", 6))
+    return ops_ if all(op is not None for op in ops_) else None
+
+
 PRIMITIVES = ("mm_nt", "mm", "mm_tn", "max", "sub", "exp", "sum", "log", "onehot", "mul", "div", "sub_onehot")
 
 
@@ -102,13 +126,22 @@ class _HeadBlocks(nn.Cell):
     dynamic chunk count is control flow, which splits the micro-step into many kernel graphs launched one
     after another; one block is one straight graph (docs/PERFORMANCE.md, ## train)."""
 
-    def __init__(self, prims, one_block: bool = False):
+    def __init__(self, prims, one_block: bool = False, kernel: bool = True):
         super().__init__()
         self.vocab_parallel = False                         # set through ChunkedHeadCE.vocab_parallel
         self.one_block = bool(one_block)
         for name in PRIMITIVES:
             setattr(self, name, prims[name])
         self.on, self.off = ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)
+        kernels = head_kernels() if kernel else None
+        self.lsm_kernel, self.grad_kernel = kernels or (None, None)
+        self.kernel = kernels is not None                   # read by the graph; only drop_kernel changes it
+
+    def drop_kernel(self):
+        """The composite ops from now on, and no C++ op held (`ops.cpu_kernels.drop_kernels`, the vocab-parallel
+        form)."""
+        self.kernel = False
+        self.lsm_kernel = self.grad_kernel = None
 
     def _logits(self, h, w):
         """[c, D] x [V, D] -> float32 [c, V] (matmul in h's dtype, as `models.text.lm_logits`)."""
@@ -131,8 +164,15 @@ class _HeadBlocks(nn.Cell):
         if self.vocab_parallel:
             z, total, _, onehot = self._split_form(h, w, t)
             return (self.log(total) - self.sum(self.mul(z, onehot), -1))[:, 0] * valid, ops.zeros((1,), ms.float32)
-        logp = ops.log_softmax(self._logits(h, w), -1)                  # [c, V] (fused: no [c, V] broadcasts)
+        logp = self._log_softmax(self._logits(h, w))                    # [c, V]
         return -ops.gather_elements(logp, 1, ops.maximum(t, 0).reshape(-1, 1))[:, 0] * valid, logp
+
+    def _log_softmax(self, logits):
+        """float32 [c, V] -> its log-softmax: the HeadLogSoftmax kernel, or MindSpore's fused LogSoftmax (no
+        [c, V] broadcasts)."""
+        if self.kernel:
+            return self.lsm_kernel(logits)
+        return ops.log_softmax(logits, -1)
 
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]
@@ -161,9 +201,12 @@ class _HeadBlocks(nn.Cell):
         Chunk 0's P is exp(kept) (the forward's log-softmax), the other chunks' are recomputed.
         acc None: dW is that float32 [V, D] sum; the first chunk's product is the sum itself, so a
         single-chunk step holds one [V, D] product. acc (the head's accumulator): each chunk's product is
-        added into acc in row blocks (`train.row_grads`) and dW is a [1] zero that depends on those adds."""
+        added into acc in row blocks (`train.row_grads`) and dW is a [1] zero that depends on those adds; with the
+        C++ kernels and float32 hidden states, `_backward_fused` instead."""
         n = hidden.shape[0]
         w = _cast(weight, hidden.dtype)
+        if self.kernel and acc is not None and hidden.dtype == ms.float32 and not self.vocab_parallel:
+            return self._backward_fused(hidden, w, targets, dout, kept, acc)
         if self.one_block:                                            # one [n * c, V] block, kept from the forward
             g, hs = self._block_grad(hidden.reshape(-1, hidden.shape[-1]), w, targets.reshape(-1), dout.reshape(-1),
                                      kept)
@@ -179,6 +222,34 @@ class _HeadBlocks(nn.Cell):
             dw = self._dw_add(dw, g, hs[0], acc)
             i += 1
         return dh, dw
+
+    def _backward_fused(self, hidden, w, targets, dout, kept, acc):
+        """`_backward` by the HeadGradInto kernel, one call per chunk: -> (dh [n, c, D], a [1] zero that
+        depends on every call); each call adds its chunk's dW into acc in place."""
+        if self.one_block:
+            dh = self._fused_grad(hidden.reshape(-1, hidden.shape[-1]), w, targets.reshape(-1), dout.reshape(-1),
+                                  kept, acc)
+            return dh.reshape(hidden.shape), ops.depend(ops.zeros((1,), ms.float32), dh)
+        n = hidden.shape[0]
+        dh = ops.zeros(hidden.shape, hidden.dtype)                    # [n, c, D]
+        first = self._fused_grad(hidden[0], w, targets[0], dout[0], kept, acc)
+        dh[0] = first
+        done = ops.depend(ops.zeros((1,), ms.float32), first)
+        i = 1
+        while i < n:
+            di = self._fused_grad(hidden[i], w, targets[i], dout[i], None, acc)
+            dh[i] = di
+            done = ops.depend(done, di)
+            i += 1
+        return dh, done
+
+    def _fused_grad(self, h, w, t, dout, kept, acc):
+        """One chunk (h [c, D] float32): dh [c, D] = (G @ W) * s, and acc += G^T @ (h * s) in place, by the
+        kernel from the block's log-softmax (`kept`, or recomputed when None); targets go in as float32 (the
+        ids are exact below 2^24, which the kernel checks against V)."""
+        logp = self.lsm_kernel(self._logits(h, w)) if kept is None else kept
+        s = dout * (t != IGNORE).astype(ms.float32)                   # [c]
+        return self.grad_kernel(logp, ops.maximum(t, 0).astype(ms.float32), h, s, w, acc)
 
     def _dw_first(self, g, hs, acc):
         if acc is None:
@@ -236,9 +307,9 @@ class ChunkedHeadCE(nn.Cell):
     which semi-auto parallel completes with an all-reduce over the vocab shards, so no rank ever holds a
     full [c, V] block (tests/parallel/test_loss_head_parallel.py checks this split form against the full
     cross entropy shard by shard). Unsharded (CPU, stand-alone) the block is the fused log-softmax / softmax
-    path, as before."""
+    path, as before, by the C++ kernels where they load (module doc; `kernel` False: never)."""
 
-    def __init__(self, blocks=_HeadBlocks, one_block: bool = False):
+    def __init__(self, blocks=_HeadBlocks, one_block: bool = False, kernel: bool = True):
         super().__init__()
         self.mm_nt = ops.MatMul(transpose_b=True)           # [c, D] x [V, D]^T -> [c, V]
         self.mm = ops.MatMul()                              # [c, V] x [V, D] -> [c, D]
@@ -252,7 +323,7 @@ class ChunkedHeadCE(nn.Cell):
         self.mul = ops.Mul()                                # z * onehot [c, V]
         self.div = ops.RealDiv()                            # exp z / sum [c, V]
         self.sub_onehot = ops.Sub()                         # P - onehot [c, V]
-        self.blocks = blocks({name: getattr(self, name) for name in PRIMITIVES}, one_block)
+        self.blocks = blocks({name: getattr(self, name) for name in PRIMITIVES}, one_block, kernel)
 
     @property
     def vocab_parallel(self) -> bool:
@@ -261,6 +332,8 @@ class ChunkedHeadCE(nn.Cell):
 
     @vocab_parallel.setter
     def vocab_parallel(self, on: bool) -> None:
+        if on:
+            self.blocks.drop_kernel()  # the compiler shards the composite primitives, not the C++ ops
         self.blocks.vocab_parallel = bool(on)
 
     def construct(self, hidden, weight, targets):
@@ -273,8 +346,8 @@ class ChunkedHeadCERowGrad(ChunkedHeadCE):
 
     construct(hidden [n, c, D], weight [V, D], targets [n, c], acc [V, D], token [1]) -> CE [n, c]."""
 
-    def __init__(self, one_block: bool = False):
-        super().__init__(_HeadBlocksRowGrad, one_block)
+    def __init__(self, one_block: bool = False, kernel: bool = True):
+        super().__init__(_HeadBlocksRowGrad, one_block, kernel)
 
     def construct(self, hidden, weight, targets, acc, token):
         return self.blocks(hidden, weight, targets, acc, token)[0]

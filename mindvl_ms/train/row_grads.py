@@ -17,7 +17,9 @@ semi/auto parallel and pipeline stages, where the accumulators are sharded by th
   pruned nor reordered after the step returns. For the table and the accumulator themselves the bprop
   returns a scalar (`NO_GRAD`): neither is differentiated.
 - Cost: MindSpore's CPU `ScatterAdd` adds a row block slower than `AssignAdd` adds a whole tensor; with
-  `ops/broadcast.py` the step was still faster than before (docs/PERFORMANCE.md, ## train).
+  `ops/broadcast.py` the step was still faster than before (docs/PERFORMANCE.md, ## train). Where the C++
+  head kernels load, the head adds its dW with `HeadGradInto` (ops/csrc/head_ce.cc, see train/loss_head.py)
+  and `head_weight_grad_into` is its composite fallback.
 - The added values are those autodiff would have added (`tests/train/test_row_grads.py` compares the
   accumulators with the plain path's, and with numpy for the lookup): only the order of the float
   additions differs.

@@ -88,9 +88,9 @@ class _HeadGrad(nn.Cell):
     """(sum(CE * coef), CE) and its gradients w.r.t. hidden and weight, for any chunk count (dynamic n); the
     chunks one after another, or all as one block (`one_block`)."""
 
-    def __init__(self, c, d, v, one_block=False):
+    def __init__(self, c, d, v, one_block=False, kernel=True):
         super().__init__()
-        self.head = ChunkedHeadCE(one_block=one_block)
+        self.head = ChunkedHeadCE(one_block=one_block, kernel=kernel)
         self.grad = ms.value_and_grad(self.weighted, grad_position=(0, 1), has_aux=True)
         self.set_inputs(Tensor(shape=[None, c, d], dtype=ms.float32), Tensor(shape=[v, d], dtype=ms.float32),
                         Tensor(shape=[None, c], dtype=ms.int32), Tensor(shape=[None, c], dtype=ms.float32))
@@ -103,13 +103,15 @@ class _HeadGrad(nn.Cell):
         return self.grad(h, w, t, coef)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("one_block", [False, True])
-def test_chunked_ce_and_gradients_match_numpy(one_block):
+def test_chunked_ce_and_gradients_match_numpy(one_block, kernel):
+    """With the C++ log-softmax (where the kernel library builds) and with MindSpore's composite ops."""
     ms.set_context(mode=ms.GRAPH_MODE)
     h, w, t, coef, rng = head_case(1)
     n, c, d = h.shape
     v = w.shape[0]
-    grad = _HeadGrad(c, d, v, one_block)
+    grad = _HeadGrad(c, d, v, one_block, kernel)
     graphs = []
     for _ in range(3):  # dynamic chunk count: each call has one chunk more, on the same compiled graph
         (val, got_ce), (gh, gw) = grad(Tensor(h), Tensor(w), Tensor(t), Tensor(coef))

@@ -12,7 +12,7 @@ from mindvl_ms.config.train import StageConfig
 from mindvl_ms.data.collate import build_model_inputs
 from mindvl_ms.models.mindvl import MindVLModel
 from mindvl_ms.ops import cpu_kernels
-from mindvl_ms.train import optim, row_grads, step_cells
+from mindvl_ms.train import loss_head, optim, row_grads, step_cells
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, ChunkedHeadCERowGrad
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.forward_loss import ForwardLoss
@@ -71,7 +71,8 @@ def test_lookup_adds_its_rows_into_the_accumulator_like_numpy():
 
 def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
     """ChunkedHeadCERowGrad adds dW in blocks of rows (7 here: 8 blocks, the last one ragged); the sum is the
-    dW that ChunkedHeadCE returns and that numpy computes, and dh is unchanged."""
+    dW that ChunkedHeadCE returns and that numpy computes, and dh is unchanged. Both heads on their composite
+    ops: with the C++ kernels (tests/train/test_head_kernel.py) no row blocks run."""
     monkeypatch.setattr(row_grads, "HEAD_ROW_BLOCK", 7)
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(1)
@@ -82,7 +83,7 @@ def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
     coef = rng.standard_normal((3, 4)).astype(np.float32)
     acc = Parameter(Tensor(np.zeros((V, D), np.float32)), name="acc_head", requires_grad=False)
     token = row_grads.row_grad_token()
-    dense, rows = ChunkedHeadCE(), ChunkedHeadCERowGrad()
+    dense, rows = ChunkedHeadCE(kernel=False), ChunkedHeadCERowGrad(kernel=False)
 
     def f_dense(h_, w_):
         return (dense(h_, w_, Tensor(t)) * Tensor(coef)).sum()
@@ -103,10 +104,13 @@ def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
-def test_train_step_with_row_grads_equals_plain_autodiff(tied):
+def test_train_step_with_row_grads_equals_plain_autodiff(tied, monkeypatch):
     """Two steps of the tiny MindVL (one ViT block: the tables are the language model's): the tables (untied:
     embedding and head; tied: one table fed by both) take the row-wise path, and losses and every parameter
-    match the plain autodiff step."""
+    match the plain autodiff step. The head on its composite ops in both: its C++ kernels sum in another order,
+    and AdamW's first steps magnify that in parameters whose gradient is near 0 (the kernels' own step test:
+    `test_train_step_head_kernels_match_the_composite_head`)."""
+    monkeypatch.setattr(loss_head, "head_kernels", lambda: None)
     ms.set_context(mode=ms.GRAPH_MODE)
     spec = dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0]),
                 text=dict(MODEL["text"], tie_word_embeddings=tied))
@@ -132,6 +136,55 @@ def test_train_step_with_row_grads_equals_plain_autodiff(tied):
         np.testing.assert_allclose(out[True][1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
     for name in tables:  # the tables did train
         assert not np.array_equal(out[True][1][name], init[name])
+
+
+def _first_step_gradients(model, st, cfg, monkeypatch, kernel):
+    """(loss, grad norm, {parameter: accumulated gradient}) of one TrainStep step (row-wise tables), read from
+    the accumulators before the update; `kernel`: whether the step's head runs the C++ kernels."""
+    eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st)
+    assert eng.micro.forward.head.blocks.kernel == kernel and eng.micro.forward.row_head
+    grads, apply = {}, eng.apply
+
+    def keep_then_apply(loss_sum, lr):
+        grads.update({a.name: a.asnumpy().copy() for a in eng.accum})
+        return apply(loss_sum, lr)
+
+    monkeypatch.setattr(eng, "apply", keep_then_apply)
+    out = eng.run([build_model_inputs(_batch(0), cfg)], 1e-2)
+    return out.loss, out.grad_norm, grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_train_step_head_kernels_match_the_composite_head(tied, monkeypatch):
+    """The tiny MindVL's row-wise step with the head's C++ kernels (loss_head.head_kernels) against the same
+    step on the composite head: loss, gradient norm and every parameter's accumulated gradient agree to float32
+    rounding (the kernels' sums are ordered differently, so not bitwise)."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    spec = dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0]),
+                text=dict(MODEL["text"], tie_word_embeddings=tied))
+    cfg = load(MindVLConfig, spec, "test")
+    st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
+                            "max_steps": 1, "max_lr": 1e-2, "loss": {"logits_chunk_tokens": 5}})
+    ms.set_seed(0)
+    first = MindVLModel(cfg)
+    init = {p.name: p.asnumpy().copy() for p in first.get_parameters()}
+    out = {}
+    for kernel in (True, False):
+        model = first if kernel else MindVLModel(cfg)
+        for p in model.get_parameters():
+            p.set_data(Tensor(init[p.name]))
+        with monkeypatch.context() as m:
+            if not kernel:
+                m.setattr(loss_head, "head_kernels", lambda: None)
+            out[kernel] = _first_step_gradients(model, st, cfg, m, kernel)
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
+    assert out[True][1] == pytest.approx(out[False][1], rel=1e-5)
+    head = "accum.model.embed_tokens.weight" if tied else "accum.lm_head.weight"
+    assert np.abs(out[True][2][head]).max() > 1e-3
+    for name, g in out[False][2].items():
+        scale = np.abs(g).max()
+        np.testing.assert_allclose(out[True][2][name], g, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
 
 
 def test_row_grads_without_the_sparse_head_are_refused():
