@@ -54,7 +54,7 @@ namespace {
 
 // ---- a vector of kLanes floats: the same kernels over AVX-512, AVX2 or one float ----
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kVecs = 4;  // kVecs vectors per row of a register tile (4 x 4 accumulators)
+constexpr int kLanes = 16, kVecs = 4;  // kVecs vectors per row of a register tile (up to 6 x 4 accumulators of 32 registers)
 using Vec = __m512;
 inline Vec Load(const float *p) { return _mm512_loadu_ps(p); }
 inline void Store(float *p, Vec a) { _mm512_storeu_ps(p, a); }
@@ -80,7 +80,7 @@ inline Vec Scale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }
 inline Vec Round(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 constexpr float kExpLow = -103.972077f;  // exp of less is 0 in float32
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8, kVecs = 2;  // 16 ymm registers: 4 x 2 accumulators
+constexpr int kLanes = 8, kVecs = 2;  // 16 ymm registers: up to 6 x 2 accumulators
 using Vec = __m256;
 inline Vec Load(const float *p) { return _mm256_loadu_ps(p); }
 inline void Store(float *p, Vec a) { _mm256_storeu_ps(p, a); }
@@ -276,7 +276,7 @@ void Tile(float *out, int64_t ldo, const float *a, int64_t ars, int64_t aks, con
 }
 
 // out [n, D] (row stride ldo) += A [n, kk] @ B [kk, D], B packed (`Pack`); A's element (r, k) at
-// a[r * ars + k * aks]. Rows 4 at a time, for each panel.
+// a[r * ars + k * aks]. Rows 6 at a time (6 x kVecs accumulators), for each panel.
 void Product(int64_t n, float *out, int64_t ldo, const float *a, int64_t ars, int64_t aks, const float *packed,
              int64_t panel_rows, int64_t kk, int64_t D) {
   for (int64_t q = 0; q * kW < D; ++q) {
@@ -284,8 +284,10 @@ void Product(int64_t n, float *out, int64_t ldo, const float *a, int64_t ars, in
     const int64_t width = std::min(kW, D - q * kW);
     float *o = out + q * kW;
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) Tile<4>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width);
+    for (; r + 6 <= n; r += 6) Tile<6>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width);
     switch (n - r) {
+      case 5: Tile<5>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width); break;
+      case 4: Tile<4>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width); break;
       case 3: Tile<3>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width); break;
       case 2: Tile<2>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width); break;
       case 1: Tile<1>(o + r * ldo, ldo, a + r * ars, ars, aks, panel, kk, width); break;
