@@ -54,7 +54,7 @@ namespace {
 
 // ---- a vector of kLanes floats: the same kernels over AVX-512, AVX2 or one float ----
 #if defined(__AVX512F__)
-constexpr int kLanes = 16, kVecs = 4;  // kVecs vectors per row of a register tile (up to 6 x 4 accumulators of 32 registers)
+constexpr int kLanes = 16, kVecs = 4;  // vectors per row of a register tile: up to 6 x 4 accumulators
 using Vec = __m512;
 inline Vec Load(const float *p) { return _mm512_loadu_ps(p); }
 inline void Store(float *p, Vec a) { _mm512_storeu_ps(p, a); }
@@ -315,7 +315,8 @@ void GradTile(const Grad &g, int64_t a0, int64_t na, int64_t v0, int64_t vt, int
     if (t >= 0 && t < vt) dst[t] -= 1.0f;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if (v0 + vt + kTileV <= v_end)  // the next tile's segment of this row
-      for (int64_t q = 0; q < kTileV; q += 16) _mm_prefetch(reinterpret_cast<const char *>(src + kTileV + q), _MM_HINT_T0);
+      for (int64_t q = 0; q < kTileV; q += 16)
+        _mm_prefetch(reinterpret_cast<const char *>(src + kTileV + q), _MM_HINT_T0);
 #endif
   }
 }
