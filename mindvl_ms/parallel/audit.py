@@ -54,11 +54,13 @@ def split_of(prim: Primitive):
 
 
 def iter_primitives(model: nn.Cell):
-    """(cell name, attribute, primitive) of every primitive instance held by a cell of the model."""
+    """(cell name, attribute, primitive) of every primitive instance held by a cell of the model. A cell's
+    `_primitives` keeps an entry after its attribute is set to None (MindSpore never removes one: a
+    `drop_kernel` that lets go of a C++ op), so an entry counts only while the attribute still holds it."""
     seen = set()
     for name, cell in model.cells_and_names():
         for attr, prim in cell._primitives.items():  # pylint: disable=protected-access
-            if isinstance(prim, Primitive) and id(prim) not in seen:
+            if isinstance(prim, Primitive) and getattr(cell, attr, None) is prim and id(prim) not in seen:
                 seen.add(id(prim))
                 yield name, attr, prim
 

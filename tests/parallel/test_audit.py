@@ -213,3 +213,23 @@ def test_fused_rope_self_defined_shard_as_mindformers():
     attn = next(layer.self_attn for layer in moe.model.layers if hasattr(layer.self_attn, "rotary_k"))
     assert layout_splits(attn.rotary_k.rope.attrs["in_layout"])[0] == (2, 1, 1, 1)
     assert layout_splits(attn.rotary.rope.attrs["out_layout"]) == ((2, 2, 1, 1),)
+
+
+def test_a_primitive_let_go_is_not_counted():
+    """A cell that sets a primitive attribute to None (a `drop_kernel`) lets go of it, though MindSpore keeps
+    the entry in the cell's primitive table: the census counts only what the cell still holds."""
+    from mindspore import nn, ops
+
+    from mindvl_ms.parallel.audit import iter_primitives
+
+    class TwoOps(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.kept, self.dropped = ops.MatMul(), ops.Exp()
+
+    cell = TwoOps()
+    assert sorted(a for _, a, _ in iter_primitives(cell)) == ["dropped", "kept"]
+    cell.dropped = None
+    assert "dropped" in cell._primitives  # pylint: disable=protected-access
+    assert [a for _, a, _ in iter_primitives(cell)] == ["kept"]
+    assert primitive_census(cell)["without"] == {"MatMul": 1}
