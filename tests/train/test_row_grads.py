@@ -102,15 +102,33 @@ def test_head_row_blocks_equal_the_dense_head_gradient(monkeypatch):
     assert np.abs(dw_np).max() > 1e-2
 
 
+def _two_steps(model, st, cfg, rows):
+    """Two TrainStep steps of `model` (`rows`: the tables row-wise): (losses, grad norms, {accumulator: its
+    gradient after step 1, read before the update}, {parameter: value after step 2}, the engine)."""
+    eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st, row_grads=rows)
+    first, apply = {}, eng.apply
+
+    def keep_then_apply(loss_sum, lr):
+        if not first:
+            first.update({a.name: a.asnumpy().copy() for a in eng.accum})
+        return apply(loss_sum, lr)
+
+    eng.apply = keep_then_apply
+    res = [eng.run([build_model_inputs(_batch(s), cfg)], 1e-2) for s in range(2)]
+    return ([r.loss for r in res], [r.grad_norm for r in res], first,
+            {p.name: p.asnumpy() for p in model.get_parameters()}, eng)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_train_step_with_row_grads_equals_plain_autodiff(tied, monkeypatch):
-    """Two steps of the tiny MindVL (one ViT block: the tables are the language model's): the tables (untied:
-    embedding and head; tied: one table fed by both) take the row-wise path, and losses and every parameter
-    match the plain autodiff step. The head on its composite ops in both: its C++ kernels sum in another order,
-    and AdamW's first steps magnify that in parameters whose gradient is near 0 (the kernels' own step test:
-    `test_train_step_head_kernels_match_the_composite_head`)."""
-    monkeypatch.setattr(loss_head, "head_kernels", lambda: None)
+    """Two steps of the tiny MindVL (one ViT block: the tables are the language model's), from one
+    initialisation, three ways: plain autodiff, the tables (untied: embedding and head; tied: one table fed by
+    both) row-wise on the head's composite ops, and row-wise with the head's C++ kernels (loss_head.head_kernels).
+    - Row-wise against plain autodiff (both on the composite head): losses and every parameter after 2 steps.
+    - The kernels against the composite head: step 1's loss, gradient norm and every accumulated gradient agree
+      to float32 rounding. Not bitwise (the kernels sum in another order), and not compared after the updates:
+      AdamW's first steps magnify those ulps in parameters whose gradient is near 0."""
     ms.set_context(mode=ms.GRAPH_MODE)
     spec = dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0]),
                 text=dict(MODEL["text"], tie_word_embeddings=tied))
@@ -120,71 +138,32 @@ def test_train_step_with_row_grads_equals_plain_autodiff(tied, monkeypatch):
     ms.set_seed(0)
     first = MindVLModel(cfg)
     init = {p.name: p.asnumpy().copy() for p in first.get_parameters()}
+    tables = ["model.embed_tokens.weight"] if tied else ["lm_head.weight", "model.embed_tokens.weight"]
     out = {}
-    for rows in (False, True):
-        model = first if not rows else MindVLModel(cfg)
-        for p in model.get_parameters():
-            p.set_data(Tensor(init[p.name]))
-        eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st, row_grads=rows)
-        tables = ["model.embed_tokens.weight"] if tied else ["lm_head.weight", "model.embed_tokens.weight"]
-        assert eng.row_grad_tables == (tables if rows else [])
-        assert all(p.name not in eng.row_grad_tables for p in eng.micro.weights)  # not differentiated
-        losses = [eng.run([build_model_inputs(_batch(s), cfg)], 1e-2).loss for s in range(2)]
-        out[rows] = (losses, {p.name: p.asnumpy() for p in model.get_parameters()})
-    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
-    for name, value in out[False][1].items():
-        np.testing.assert_allclose(out[True][1][name], value, rtol=1e-4, atol=1e-5, err_msg=name)
-    for name in tables:  # the tables did train
-        assert not np.array_equal(out[True][1][name], init[name])
-
-
-def _first_step_gradients(model, st, cfg, monkeypatch, kernel):
-    """(loss, grad norm, {parameter: accumulated gradient}) of one TrainStep step (row-wise tables), read from
-    the accumulators before the update; `kernel`: whether the step's head runs the C++ kernels."""
-    eng = TrainStep(model, select_trainable(model, [""]), model.INPUT_NAMES, st.loss, st)
-    assert eng.micro.forward.head.blocks.kernel == kernel and eng.micro.forward.row_head
-    grads, apply = {}, eng.apply
-
-    def keep_then_apply(loss_sum, lr):
-        grads.update({a.name: a.asnumpy().copy() for a in eng.accum})
-        return apply(loss_sum, lr)
-
-    monkeypatch.setattr(eng, "apply", keep_then_apply)
-    out = eng.run([build_model_inputs(_batch(0), cfg)], 1e-2)
-    return out.loss, out.grad_norm, grads
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True])
-def test_train_step_head_kernels_match_the_composite_head(tied, monkeypatch):
-    """The tiny MindVL's row-wise step with the head's C++ kernels (loss_head.head_kernels) against the same
-    step on the composite head: loss, gradient norm and every parameter's accumulated gradient agree to float32
-    rounding (the kernels' sums are ordered differently, so not bitwise)."""
-    ms.set_context(mode=ms.GRAPH_MODE)
-    spec = dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0]),
-                text=dict(MODEL["text"], tie_word_embeddings=tied))
-    cfg = load(MindVLConfig, spec, "test")
-    st = load(StageConfig, {"name": "s", "seq_length": 64, "global_batch_size": 2, "micro_batch_size": 2,
-                            "max_steps": 1, "max_lr": 1e-2, "loss": {"logits_chunk_tokens": 5}})
-    ms.set_seed(0)
-    first = MindVLModel(cfg)
-    init = {p.name: p.asnumpy().copy() for p in first.get_parameters()}
-    out = {}
-    for kernel in (True, False):
-        model = first if kernel else MindVLModel(cfg)
+    for arm, rows, kernel in (("plain", False, False), ("rows", True, False), ("kernel", True, True)):
+        model = first if arm == "plain" else MindVLModel(cfg)
         for p in model.get_parameters():
             p.set_data(Tensor(init[p.name]))
         with monkeypatch.context() as m:
             if not kernel:
                 m.setattr(loss_head, "head_kernels", lambda: None)
-            out[kernel] = _first_step_gradients(model, st, cfg, m, kernel)
-    assert out[True][0] == pytest.approx(out[False][0], rel=1e-6)
-    assert out[True][1] == pytest.approx(out[False][1], rel=1e-5)
+            *out[arm], eng = _two_steps(model, st, cfg, rows)
+        assert eng.row_grad_tables == (tables if rows else [])
+        assert all(p.name not in eng.row_grad_tables for p in eng.micro.weights)  # not differentiated
+        assert eng.micro.forward.head.blocks.kernel == kernel
+    (pl_loss, _, _, pl_params), (rw_loss, rw_norm, rw_grads, rw_params) = out["plain"], out["rows"]
+    np.testing.assert_allclose(rw_loss, pl_loss, rtol=1e-5)
+    for name, value in pl_params.items():
+        np.testing.assert_allclose(rw_params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+    for name in tables:  # the tables did train
+        assert not np.array_equal(rw_params[name], init[name])
+    k_loss, k_norm, k_grads, _ = out["kernel"]
+    assert k_loss[0] == pytest.approx(rw_loss[0], rel=1e-6)
+    assert k_norm[0] == pytest.approx(rw_norm[0], rel=1e-5)
     head = "accum.model.embed_tokens.weight" if tied else "accum.lm_head.weight"
-    assert np.abs(out[True][2][head]).max() > 1e-3
-    for name, g in out[False][2].items():
-        scale = np.abs(g).max()
-        np.testing.assert_allclose(out[True][2][name], g, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+    assert sorted(k_grads) == sorted(rw_grads) and np.abs(k_grads[head]).max() > 1e-3
+    for name, g in rw_grads.items():
+        np.testing.assert_allclose(k_grads[name], g, rtol=1e-4, atol=1e-5 * np.abs(g).max(), err_msg=name)
 
 
 def test_row_grads_without_the_sparse_head_are_refused():
