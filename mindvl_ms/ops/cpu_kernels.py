@@ -29,7 +29,8 @@ from mindspore.ops import CustomRegOp, DataType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("attention_mask.cc", "fused_adamw.cc", "head_ce.cc", "qkv_rope.cc", "rms_norm.cc", "rotary.cc", "sum_squares.cc")
+SOURCES = ("attention_mask.cc", "fused_adamw.cc", "head_ce.cc", "qkv_rope.cc", "rms_norm.cc", "rotary.cc",
+           "sum_squares.cc")
 # -ffp-contract=off: no fused multiply-add, every product and sum is rounded as MindSpore's kernels round it
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++14")
 
