@@ -45,6 +45,7 @@ from mindvl_ms.ops import AddRMSNorm, RMSNorm, SwiGLU, is_ascend, segment_bias
 from mindvl_ms.ops.moe import (Cumsum, GroupedMatmul, TokenPermute, TokenUnpermute, block_layout, capacity_layout,
                        expert_block_size, expert_capacity, expert_ranks, tokens_per_expert)
 from mindvl_ms.ops.layers import Embedding, MRotaryEmbedding, dense
+from mindvl_ms.ops.softmax import log_softmax
 from mindvl_ms.models.mla import MLAttention
 from mindvl_ms.models.moe_router import ExpertBiasUpdate, TopkRouter, expert_load, seq_aux_loss
 
@@ -330,7 +331,7 @@ def masked_ce(logits, targets):
     v = logits.shape[-1]
     mask = (targets >= 0).astype(ms.float32).reshape(-1)
     safe = ops.maximum(targets, 0).reshape(-1)
-    logp = ops.log_softmax(logits.reshape(-1, v).astype(ms.float32), -1)
+    logp = log_softmax(logits.reshape(-1, v).astype(ms.float32), -1)
     nll = -ops.gather_elements(logp, 1, safe[:, None])[:, 0]
     return (nll * mask).sum() / ops.maximum(mask.sum(), 1.0)
 

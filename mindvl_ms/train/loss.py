@@ -27,6 +27,8 @@ import math
 import mindspore as ms
 from mindspore import nn, ops
 
+from mindvl_ms.ops.softmax import log_softmax
+
 IGNORE = -100
 
 
@@ -38,7 +40,7 @@ def token_ce(logits, targets):
     b, l, v = logits.shape
     mask = (targets != IGNORE).astype(ms.float32)                    # [B, L]
     safe = ops.select(targets != IGNORE, targets, ops.zeros_like(targets))
-    logp = ops.log_softmax(logits.astype(ms.float32).reshape(b * l, v), -1)  # [B*L, V]
+    logp = log_softmax(logits.astype(ms.float32).reshape(b * l, v), -1)  # [B*L, V]
     ce = -ops.gather_elements(logp, 1, safe.reshape(-1, 1))          # [B*L, 1]
     return ce.reshape(b, l) * mask, mask
 

@@ -133,6 +133,7 @@ class _HeadBlocks(nn.Cell):
         for name in PRIMITIVES:
             setattr(self, name, prims[name])
         self.on, self.off = ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32)
+        self.fused_log_softmax = is_ascend()
         kernels = head_kernels() if kernel else None
         self.lsm_kernel, self.grad_kernel = kernels or (None, None)
         self.kernel = kernels is not None                   # read by the graph; only drop_kernel changes it
@@ -168,11 +169,17 @@ class _HeadBlocks(nn.Cell):
         return -ops.gather_elements(logp, 1, ops.maximum(t, 0).reshape(-1, 1))[:, 0] * valid, logp
 
     def _log_softmax(self, logits):
-        """float32 [c, V] -> its log-softmax: the HeadLogSoftmax kernel, or MindSpore's fused LogSoftmax (no
-        [c, V] broadcasts)."""
+        """float32 [c, V] -> its log-softmax: the HeadLogSoftmax kernel; on Ascend MindSpore's fused LogSoftmax
+        (no [c, V] broadcasts); else z - log(sum exp z), z = logits - max. MindSpore 2.9's CPU LogSoftmax
+        inside the chunk loop (a while loop over dynamic shapes) returns stale values for chunks 1..n-1
+        on some calls (ops/softmax.py), so the CPU composite path does not use it."""
         if self.kernel:
             return self.lsm_kernel(logits)
-        return ops.log_softmax(logits, -1)
+        if self.fused_log_softmax:
+            return ops.log_softmax(logits, -1)
+        _, top = self.max(logits)                                        # [c, 1]
+        z = self.sub(logits, top)
+        return self.sub(z, self.log(self.sum(self.exp(z), -1)))
 
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]

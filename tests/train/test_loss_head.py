@@ -4,6 +4,11 @@ train step's forward (MindVL, both losses, several chunks) against the full [B, 
 
     python -m pytest -q tests/train/test_loss_head.py
 """
+import os
+import re
+import subprocess
+import sys
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -19,7 +24,9 @@ from mindvl_ms.train.loss import TrainLoss
 from mindvl_ms.train.loss_head import IGNORE, ChunkedHeadCE, chunk_grid, supervised_layout
 from mindvl_ms.train.optim import select_trainable
 from mindvl_ms.train.train_step import TrainStep
+from tests.support import allocator
 from tests.support import hf_tiny as hf_tiny
+from tests.support.paths import ROOT
 from tests.train.test_trainer_mindvl import MODEL
 
 
@@ -152,6 +159,21 @@ def one_block_mindvl():
     cfg = load(MindVLConfig, dict(MODEL, vision=dict(MODEL["vision"], depth=1, fullatt_block_indexes=[0])), "test")
     ms.set_seed(0)
     return cfg, MindVLModel(cfg)
+
+
+def test_composite_chunk_loop_matches_numpy_on_every_call():
+    """The composite head's chunk loop (no C++ kernels, dynamic shapes as the train step declares them) over
+    20 calls, in a process with tbbmalloc preloaded: every chunk's CE is numpy's. MindSpore 2.9's CPU
+    LogSoftmax inside that loop returned stale values for chunks 1..n-1 on 17 of 20 calls there (glibc's
+    malloc hid it), so the reported loss was wrong while the gradients, recomputed in the bprop, were not."""
+    env = allocator.env_with_preload(dict(os.environ, PYTHONPATH=ROOT))
+    if allocator.preload() is None:
+        pytest.skip("tbbmalloc is not installed (requirements-test.txt)")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "chunk_loop_ce.py"), "20"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    error = float(re.search(r"max_error (\S+)", out.stdout).group(1))
+    assert error < 1e-4, out.stdout
 
 
 @pytest.mark.parametrize("kind", ["token_mean", "balanced"])

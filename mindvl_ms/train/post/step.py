@@ -29,6 +29,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindvl_ms.ops.softmax import log_softmax
 from mindvl_ms.parallel.moe import EPExperts
 from mindvl_ms.train.loss import IGNORE
 from mindvl_ms.train.step_cells import MicroStep
@@ -44,7 +45,7 @@ def target_logp(logits, targets, temperature: float = 1.0):
     b, l, v = logits.shape
     mask = (targets != IGNORE).astype(ms.float32)                      # [B, L]
     safe = ops.select(targets != IGNORE, targets, ops.zeros_like(targets))
-    logp_all = ops.log_softmax(logits.astype(ms.float32).reshape(b * l, v), -1)  # [B*L, V]
+    logp_all = log_softmax(logits.astype(ms.float32).reshape(b * l, v), -1)  # [B*L, V]
     logp = ops.gather_elements(logp_all, 1, safe.reshape(-1, 1)).reshape(b, l)
     lp = ops.stop_gradient(logp_all)
     entropy = -(ops.exp(lp) * lp).sum(-1).reshape(b, l)                # [B, L]
