@@ -23,7 +23,10 @@ from mindvl_ms.ops.process import freeze_imported_objects  # noqa: E402
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 
-from tests.support import compile_count, cpu_time  # noqa: E402
+from tests.support import allocator, compile_count, cpu_time  # noqa: E402
+
+if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller, before `-n` starts its workers: they (and every
+    os.environ.update(allocator.env_with_preload())  # process they start) run on tbbmalloc (allocator.py)
 
 _COMPILES, _CPU = os.environ.get("MINDVL_TEST_COMPILES"), os.environ.get("MINDVL_TEST_CPU")
 if _COMPILES:  # graph compiles per test (tests/support/compile_count.py)
@@ -69,6 +72,13 @@ FIRST = (
     "tests/parallel/test_knobs.py",
     "tests/parallel/test_msrun_dp.py",
     "tests/train/test_resume.py",
+    "tests/train/test_row_grads.py",
+    "tests/train/test_mf_step.py",
+    "tests/train/test_loss_head.py",
+    "tests/train/test_trainer_mindvl.py",
+    "tests/train/test_train_step.py",
+    "tests/train/test_pipeline_moe.py",
+    "tests/train/test_moe_train.py",
 )
 
 

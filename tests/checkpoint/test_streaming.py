@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.support import allocator
 from tests.support import hf_tiny as hf_tiny
 from mindvl_ms.checkpoint.hf import read_config_json
 from mindvl_ms.checkpoint.integrity import atomic_dir, read_manifest, verify_checkpoint
@@ -208,7 +209,7 @@ print(json.dumps({'base': base, 'peak': status('VmHWM'), 'params': n}))
 
 def _child(*args):
     out = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True, cwd=ROOT,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=allocator.system_env(dict(os.environ, PYTHONPATH=ROOT)))  # glibc's malloc, as a user's
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -18,6 +18,7 @@ from mindspore import Parameter
 from mindspore.common.initializer import initializer
 
 from mindvl_ms.train.optim import AdamWUpdate, zeros_like_params
+from tests.support import allocator
 
 PROBE = r"""
 import json
@@ -44,7 +45,8 @@ print(json.dumps({"param_mb": sum(4 * p.shape[0] * p.shape[1] for p in params) /
 
 
 def test_accumulators_and_moments_add_no_host_memory_on_an_abstract_1gb_parameter_set():
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600, check=True,
+                         env=allocator.system_env())  # glibc's malloc, as a user runs it
     fig = json.loads(out.stdout.strip().splitlines()[-1])
     assert fig["param_mb"] == 1024.0
     assert fig["dtypes"] == ["Float32"]
