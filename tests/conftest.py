@@ -6,7 +6,9 @@ at a time (pytest_xdist_make_scheduler below): the tests of one module are one u
 one worker; the tests/infer modules (with the model parity modules) are one unit, sharing the compiled tiny
 model of tests/support/infer_tiny.py, and so are the post-training modules that share tests/support/post.py's
 model (UNITS); and the units known to take longest are handed out first, so that no long unit
-starts when the other worker is nearly done. Without -n nothing of this applies: one process, collection order.
+starts when the other worker is nearly done. The workers, and every process they start, run on oneTBB's
+malloc (tests/support/allocator.py): set here in the controller's environment before `-n` starts them.
+Without -n nothing of this applies to the tests' own process: one process, glibc's malloc, collection order.
 """
 import os
 
