@@ -115,6 +115,7 @@ def test_kernel_under_dynamic_shapes():
         np.testing.assert_array_equal(out, reference(mm, bias, cos, sin)[0])
 
 
+@pytest.mark.slow  # about 12 s: two compiles of the vision tower
 def test_vision_tower_with_and_without_kernel_bitwise(tmp_path):
     """The whole tower (windows and full attention, several images) gives the same outputs and parameter
     gradients with the kernel as with the composite ops, bit for bit (the composite path is checked against
@@ -198,6 +199,7 @@ def test_a_library_mindspore_refuses_falls_back_with_one_warning(monkeypatch, ca
     assert caplog.text.count("QkvBiasRope not loaded") == 1 and caplog.text.count("QkvRopeGrad not loaded") == 1
 
 
+@pytest.mark.slow  # about 12 s: builds the kernel library
 def test_the_build_is_cached_by_source_and_command(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cpu_kernels.library.cache_clear()

@@ -176,6 +176,7 @@ def test_composite_chunk_loop_matches_numpy_on_every_call():
     assert error < 1e-4, out.stdout
 
 
+@pytest.mark.slow  # 12-14 s each: MindVL forward + gradient, compiled twice
 @pytest.mark.parametrize("kind", ["token_mean", "balanced"])
 def test_sparse_chunked_forward_equals_the_full_logits_path(kind, one_block_mindvl):
     """ForwardLoss on MindVL: supervised-only chunked head (chunk of 5 positions, several chunks) vs the

@@ -55,6 +55,7 @@ def losses(out):
     return [(r["step"], r["loss"]) for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))]
 
 
+@pytest.mark.slow  # about 12 s: a killed run and its resume
 def test_kill_during_save_then_resume_is_bit_identical(tmp_path):
     """Run 6 steps; separately run, get SIGKILLed while saving step 4, resume: same logged losses."""
     ref_dir, dir_b = str(tmp_path / "ref"), str(tmp_path / "b")

@@ -21,6 +21,7 @@ DPO_STAGE = {"name": "dpo", "type": "dpo", "seq_length": 64, "global_batch_size"
                      "ntp_ratio": 1.0}}
 
 
+@pytest.mark.slow  # about 12 s: a DPO stage, its kill and resume
 def test_dpo_margin_grows_and_resume_is_exact(tmp_path):
     fresh = H.fresh_model()
     out = str(tmp_path / "a")
