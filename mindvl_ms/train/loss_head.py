@@ -51,7 +51,6 @@ from mindspore import nn, ops
 
 from mindvl_ms.ops.cpu_kernels import custom_op
 from mindvl_ms.ops.dispatch import is_ascend
-from mindvl_ms.ops.softmax import log_softmax
 from mindvl_ms.train.row_grads import NO_GRAD, head_weight_grad_into
 
 IGNORE = -100
@@ -171,14 +170,16 @@ class _HeadBlocks(nn.Cell):
 
     def _log_softmax(self, logits):
         """float32 [c, V] -> its log-softmax: the HeadLogSoftmax kernel; on Ascend MindSpore's fused LogSoftmax
-        (no [c, V] broadcasts); else `ops.softmax.log_softmax`, x - logsumexp(x). MindSpore 2.9's CPU LogSoftmax
+        (no [c, V] broadcasts); else z - log(sum exp z), z = logits - max. MindSpore 2.9's CPU LogSoftmax
         inside the chunk loop (a while loop over dynamic shapes) returns stale values for chunks 1..n-1
         on some calls (ops/softmax.py), so the CPU composite path does not use it."""
         if self.kernel:
             return self.lsm_kernel(logits)
         if self.fused_log_softmax:
             return ops.log_softmax(logits, -1)
-        return log_softmax(logits, -1)
+        _, top = self.max(logits)                                        # [c, 1]
+        z = self.sub(logits, top)
+        return self.sub(z, self.log(self.sum(self.exp(z), -1)))
 
     def construct(self, hidden, weight, targets):
         n = hidden.shape[0]

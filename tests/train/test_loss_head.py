@@ -166,9 +166,9 @@ def test_composite_chunk_loop_matches_numpy_on_every_call():
     20 calls, in a process with tbbmalloc preloaded: every chunk's CE is numpy's. MindSpore 2.9's CPU
     LogSoftmax inside that loop returned stale values for chunks 1..n-1 on 17 of 20 calls there (glibc's
     malloc hid it), so the reported loss was wrong while the gradients, recomputed in the bprop, were not."""
+    env = allocator.env_with_preload(dict(os.environ, PYTHONPATH=ROOT))
     if allocator.preload() is None:
         pytest.skip("tbbmalloc is not installed (requirements-test.txt)")
-    env = allocator.env_with_preload(dict(os.environ, PYTHONPATH=ROOT))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "chunk_loop_ce.py"), "20"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
