@@ -15,6 +15,10 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
+# The interpreter's bin first on PATH: packing's dp=2 arm starts `msrun` and `mindvl` by name
+# (scripts/msrun_train.sh), which must come from the same environment as $PY, activated or not.
+PY_BIN=$(dirname "$(command -v "$PY")")
+export PATH="$PY_BIN:$PATH"
 OUT=${RESEARCH_OUT:-/tmp/mindvl_research}
 ALL="merge_vs_sft resolution_search balanced_loss grounding_share packing easy_vqa_reference shape_views"
 EXPS=${*:-$ALL}
