@@ -17,8 +17,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python}
 # The interpreter's bin first on PATH: packing's dp=2 arm starts `msrun` and `mindvl` by name
 # (scripts/msrun_train.sh), which must come from the same environment as $PY, activated or not.
-PY_BIN=$(dirname "$(command -v "$PY")")
-export PATH="$PY_BIN:$PATH"
+if py_path=$(command -v "$PY"); then
+  PATH="$(cd "$(dirname "$py_path")" && pwd):$PATH"
+  export PATH
+fi
 OUT=${RESEARCH_OUT:-/tmp/mindvl_research}
 ALL="merge_vs_sft resolution_search balanced_loss grounding_share packing easy_vqa_reference shape_views"
 EXPS=${*:-$ALL}
